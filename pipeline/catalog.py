@@ -1,0 +1,130 @@
+"""Recording detected checkpoints in the control plane, and finding them again.
+
+Detection (I/O, outside any transaction) produces a :class:`Detected`; :func:`record`
+turns it into a checkpoint row, its file rows and a ``detected`` store job in the
+caller's transaction. The same path and content is recorded once; new content at a
+known path supersedes the older version's unfinished job.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline import detect, roots, states
+from pipeline.db.models import Checkpoint, CheckpointFile, Job
+from pipeline.db.transitions import create_job, note, transition
+from pipeline.errors import SourceChanged, UnknownCheckpoint
+from pipeline.hashing import sha256_file
+
+
+@dataclass(frozen=True)
+class Detected:
+    run: Path
+    path: Path
+    entries: tuple[detect.FileEntry, ...]
+    shas: tuple[str, ...]
+
+    @property
+    def version(self) -> str:
+        return version_of((e.relpath, e.size, s) for e, s in zip(self.entries, self.shas))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
+def version_of(files) -> str:  # noqa: ANN001 - iterable of (relpath, size, sha256)
+    """A checkpoint version: SHA-256 over its sorted (relative path, size, file SHA-256)."""
+    h = hashlib.sha256()
+    for rel, size, sha in sorted(files):
+        h.update(f"{rel}\0{size}\0{sha}\n".encode())
+    return h.hexdigest()
+
+
+def hash_checkpoint(run: Path, path: Path, entries: list[detect.FileEntry]) -> Detected:
+    """Hash every file; raise :class:`SourceChanged` if a file changed meanwhile."""
+    shas = tuple(sha256_file(e.abspath) for e in entries)
+    if not detect.unchanged(entries):
+        raise SourceChanged(str(path), "a file changed while it was being hashed")
+    return Detected(run=run, path=path, entries=tuple(entries), shas=shas)
+
+
+def signature(entries) -> tuple:  # noqa: ANN001
+    """What the watcher compares to know a checkpoint did not change: (relpath, size, mtime)."""
+    return tuple((e.relpath, e.size, e.mtime_ns) for e in entries)
+
+
+def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) -> tuple[Checkpoint, Job, bool]:
+    """Insert ``d`` with a ``detected`` store job; ``(checkpoint, job, created)``.
+
+    An identical version already recorded is returned as is (``created`` False).
+    """
+    version = d.version
+    existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version))
+    if existing is not None:
+        job = latest_store_job(session, existing.id)
+        if not existing.local_present:
+            existing.local_present = True
+        return existing, job, False
+
+    # Older versions at the same path: their local copy is now this content.
+    for old in session.scalars(
+        select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.local_present.is_(True))
+    ):
+        old.local_present = False
+        job = latest_store_job(session, old.id)
+        if job is not None and job.state in states.ACTIVE["store"]:
+            transition(session, job.id, "store", job.state, states.StoreState.SUPERSEDED,
+                       detail=f"new content at {d.path}")
+
+    ckpt = Checkpoint(
+        path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
+        step=roots.step_of(d.path.name), mtime=max(e.mtime_ns for e in d.entries) / 1e9,
+        total_bytes=d.total_bytes, local_present=True,
+    )
+    session.add(ckpt)
+    session.flush()
+    for e, sha in zip(d.entries, d.shas):
+        session.add(CheckpointFile(checkpoint_id=ckpt.id, relpath=e.relpath, size=e.size, sha256=sha,
+                                   format=e.format, mtime_ns=e.mtime_ns))
+    job = create_job(session, "store", checkpoint_id=ckpt.id, lease_seconds=lease_seconds,
+                     bytes_total=d.total_bytes, detail=detail)
+    return ckpt, job, True
+
+
+def latest_store_job(session: Session, checkpoint_id: int) -> Job | None:
+    return session.scalar(
+        select(Job).where(Job.checkpoint_id == checkpoint_id, Job.kind == "store").order_by(Job.id.desc()).limit(1)
+    )
+
+
+def resolve(session: Session, ref: str | int) -> Checkpoint:
+    """A checkpoint by id, or the newest version recorded at a path."""
+    text = str(ref)
+    if text.isdigit():
+        c = session.get(Checkpoint, int(text))
+        if c is not None:
+            return c
+    c = session.scalar(
+        select(Checkpoint).where(Checkpoint.path == str(Path(text).resolve())).order_by(Checkpoint.id.desc()).limit(1)
+    )
+    if c is None:
+        raise UnknownCheckpoint(text)
+    return c
+
+
+def file_path(ckpt: Checkpoint, f: CheckpointFile) -> str:
+    return os.path.join(ckpt.path, f.relpath) if f.relpath else ckpt.path
+
+
+def mark_vanished(session: Session, ckpt: Checkpoint) -> None:
+    """The local copy is gone (deleted by hand, or moved): record it on the checkpoint and its job."""
+    ckpt.local_present = False
+    job = latest_store_job(session, ckpt.id)
+    if job is not None:
+        note(session, job.id, f"local copy vanished from {ckpt.path}")

@@ -1,0 +1,342 @@
+"""``ckpt``: the command line.
+
+    ckpt up [--root DIR]... [--home DIR] [--workers N]   everything on one machine
+    ckpt worker --data DIR --port P [--host H]           a storage worker daemon
+    ckpt store PATH [--wait]                             protect a checkpoint now
+    ckpt restore ID|PATH --to DEST [--wait]              give a checkpoint back
+    ckpt status [--json]                                 checkpoints and jobs
+    ckpt dead-letters [--requeue ID|all]                 failed messages
+    ckpt scheduler | ckpt watch | ckpt migrate           the services ckpt up runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from pipeline import settings as settings_mod
+from pipeline.errors import CkptError
+from pipeline.settings import Settings
+
+log = logging.getLogger("ckpt")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {"home": getattr(args, "home", None)}
+    roots = getattr(args, "root", None)
+    if roots:
+        overrides["roots"] = tuple(roots)
+    return settings_mod.configure(settings_mod.load(overrides))
+
+
+def _send(sends) -> None:  # noqa: ANN001
+    from pipeline.tasks.actors import send_all
+
+    send_all(sends)
+
+
+def _tasks() -> None:
+    """Install the broker and declare the actors (also upgrades the schema)."""
+    import pipeline.tasks  # noqa: F401
+
+
+def _stop_on_signals(stop) -> None:  # noqa: ANN001
+    def handler(signum, _frame):  # noqa: ANN001
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pipeline.supervisor import Supervisor
+
+    s = _settings(args)
+    sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
+    stop = threading.Event()
+    _stop_on_signals(lambda: (stop.set(), setattr(sup, "stopping", True)))
+    try:
+        info = sup.up()
+        print(f"ckpt up: home {info['home']}", flush=True)
+        print(f"  control plane  {info['database']}", flush=True)
+        print(f"  broker         {info['broker']}", flush=True)
+        for url in info["workers"]:
+            print(f"  storage worker {url}", flush=True)
+        print(f"  watching       {', '.join(s.roots)}", flush=True)
+        print("  logs           " + str(sup.home / "logs"), flush=True)
+        print("ready: new checkpoints under the roots are protected; Ctrl-C stops everything", flush=True)
+        if not stop.is_set():
+            sup.supervise()
+    finally:
+        print("ckpt up: stopping", flush=True)
+        sup.shutdown()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.server import serve
+
+    s = _settings(args)
+    serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
+          threads=args.threads, max_skew=s.clock_skew_seconds)
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from pipeline.scheduler import Scheduler
+
+    s = _settings(args)
+    _tasks()
+    sched = Scheduler(s, _send)
+    _stop_on_signals(lambda: sched.stopping.set())
+    sched.run()
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from pipeline.watcher import Watcher
+
+    s = _settings(args)
+    _tasks()
+    w = Watcher(s, _send)
+    _stop_on_signals(w.stop)
+    w.run()
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from pipeline.db.migrate import upgrade
+
+    s = _settings(args)
+    upgrade(s.db_url)
+    print(f"{s.db_url}: at head")
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from pipeline import catalog, detect, roots
+    from pipeline.db.engine import session_scope
+
+    s = _settings(args)
+    _tasks()
+    run, path = roots.locate(args.path, s.roots)
+    entries = detect.inspect(path)
+    detected = catalog.hash_checkpoint(run, path, entries)
+    with session_scope(s.db_url) as session:
+        ckpt, job, created = catalog.record(session, detected, lease_seconds=s.lease_seconds,
+                                            detail="requested by ckpt store")
+        ckpt_id, job_id, state = ckpt.id, job.id, job.state
+    if created:
+        from pipeline.steps import Send
+
+        _send([Send("shard", (job_id,))])
+        print(f"checkpoint {ckpt_id}: store job {job_id} created for {path}")
+    else:
+        print(f"checkpoint {ckpt_id}: this version is already known (job {job_id}, {state})")
+    if args.wait:
+        return _wait(s, job_id, ok=("verified", "rotated"), timeout=args.timeout)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from pipeline import restore
+    from pipeline.db.engine import session_scope
+    from pipeline.steps import Send
+
+    s = _settings(args)
+    _tasks()
+    with session_scope(s.db_url) as session:
+        job = restore.request(session, s, args.checkpoint, args.to, overwrite=args.overwrite)
+        job_id, dest = job.id, job.params["dest"]
+    _send([Send("restore", (job_id,))])
+    print(f"restore job {job_id}: checkpoint {args.checkpoint} -> {dest}")
+    if args.wait:
+        return _wait(s, job_id, ok=("done",), timeout=args.timeout)
+    return 0
+
+
+def _wait(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
+    from pipeline import states
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Job
+
+    bar = _Progress(sys.stderr)
+    deadline = time.monotonic() + timeout
+    last_state = None
+    while True:
+        with session_scope(s.db_url) as session:
+            job = session.get(Job, job_id)
+            state, done, total, error, blocked = job.state, job.bytes_done, job.bytes_total, job.last_error, job.blocked_reason
+            kind = job.kind
+        if state != last_state:
+            bar.line(f"job {job_id}: {state}")
+            last_state = state
+        bar.update(state, done, total)
+        if state in ok:
+            bar.line(f"job {job_id}: {state}" + (f" ({blocked})" if blocked else ""))
+            return 0
+        if state in states.TERMINAL[kind]:
+            bar.line(f"job {job_id} ended {state}: {error or 'see `ckpt status`'}")
+            return 1
+        if time.monotonic() > deadline:
+            bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
+            return 2
+        time.sleep(0.2)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; plain lines otherwise."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001
+        self.stream, self.tty = stream, stream.isatty()
+        self.started = time.monotonic()
+
+    def update(self, state: str, done: int, total: int) -> None:
+        if not self.tty or not total:
+            return
+        frac = min(1.0, done / total)
+        width = 30
+        rate = done / max(1e-6, time.monotonic() - self.started) / 1e6
+        self.stream.write(f"\r  {state:<10} [{'#' * int(frac * width):<{width}}] {frac:6.1%} "
+                          f"{done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pipeline.status import status
+
+    s = _settings(args)
+    from pipeline.db.migrate import upgrade
+
+    upgrade(s.db_url)
+    doc = status(s)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+        return 0
+    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'LOCAL':<7} {'SIZE':>10}  PATH")
+    for c in doc["checkpoints"]:
+        reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
+        print(f"{c['id']:>4}  {c['state']:<11} {reps:<14} {'kept' if c['local_present'] else 'rotated':<7} "
+              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}")
+        if c.get("blocked_reason"):
+            print(f"      {c['blocked_reason']}")
+    active = [j for j in doc["jobs"] if j["state"] not in ("verified", "rotated", "done", "superseded")]
+    if active:
+        print("\njobs not finished:")
+        for j in active:
+            print(f"  job {j['id']:>4} {j['kind']:<8} {j['state']:<11} attempts {j['attempts']}"
+                  + (f"  last error: {j['last_error']}" if j["last_error"] else ""))
+    print("\nstorage workers:")
+    for w in doc["workers"]:
+        print(f"  {w['id']:<16} {w['state']:<5} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB")
+    return 0
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    from pipeline import deadletters
+
+    s = _settings(args)
+    _tasks()
+    if args.requeue:
+        ids = None if args.requeue == "all" else [args.requeue]
+        n = deadletters.requeue(s, ids)
+        print(f"requeued {n} message(s)")
+        return 0 if n else 1
+    letters = deadletters.list_letters(s)
+    if args.json:
+        print(json.dumps(letters, indent=2, default=str))
+        return 0
+    if not letters:
+        print("no dead letters")
+    for d in letters:
+        print(f"{d['id']}  {d['actor']}{tuple(d['args'])}  {d['error'] or ''}")
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt", description="Protect training checkpoints.")
+    p.add_argument("--home", help="state directory (default ./.ckpt, or CKPT_HOME)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine (embedded SQLite and Redis)")
+    up.add_argument("--root", action="append", help="watched root: a directory or glob of run directories")
+    up.add_argument("--workers", type=int, default=3, help="local storage workers (default 3)")
+    up.add_argument("--processes", type=int, default=2, help="dramatiq worker processes (default 2)")
+    up.add_argument("--threads", type=int, default=4, help="threads per dramatiq process (default 4)")
+    up.set_defaults(func=cmd_up)
+
+    w = sub.add_parser("worker", help="run a storage worker daemon")
+    w.add_argument("--data", required=True, help="directory holding this worker's shards")
+    w.add_argument("--port", type=int, required=True)
+    w.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    w.add_argument("--zone", help="failure zone advertised to placement")
+    w.add_argument("--threads", type=int, default=8)
+    w.set_defaults(func=cmd_worker)
+
+    st = sub.add_parser("store", help="protect one checkpoint now")
+    st.add_argument("path")
+    st.add_argument("--root", action="append", help="watched root (default: CKPT_ROOTS)")
+    st.add_argument("--wait", action="store_true", help="wait until verified, with progress")
+    st.add_argument("--timeout", type=float, default=3600.0)
+    st.set_defaults(func=cmd_store)
+
+    r = sub.add_parser("restore", help="give a checkpoint back byte for byte")
+    r.add_argument("checkpoint", help="checkpoint id or path")
+    r.add_argument("--to", required=True, help="destination path (must not exist)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    r.add_argument("--wait", action="store_true")
+    r.add_argument("--timeout", type=float, default=3600.0)
+    r.set_defaults(func=cmd_restore)
+
+    s = sub.add_parser("status", help="checkpoints, jobs and storage workers")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("dead-letters", help="list or requeue failed messages")
+    d.add_argument("--requeue", metavar="ID|all")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_dead_letters)
+
+    for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
+                             ("watch", cmd_watch, "run the watcher on the roots"),
+                             ("migrate", cmd_migrate, "upgrade the control plane to the newest schema")):
+        c = sub.add_parser(name, help=text)
+        if name == "watch":
+            c.add_argument("--root", action="append")
+        c.set_defaults(func=func)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dramatiq").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except CkptError as exc:
+        print(f"ckpt: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

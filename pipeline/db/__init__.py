@@ -1,0 +1,1 @@
+"""The control plane: models, engines, migrations and the one transition function."""

@@ -1,0 +1,83 @@
+"""Engines and sessions, one engine per process.
+
+SQLite gets WAL, a busy timeout, foreign keys and ``BEGIN IMMEDIATE`` for every
+transaction (STACK_NOTES: deferred read-then-write transactions deadlock into
+"database is locked" under several processes). PostgreSQL URLs get a plain engine.
+Engines are never carried across ``fork``: :func:`get_engine` keys its cache by pid.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+BUSY_TIMEOUT_MS = 30_000
+
+_lock = threading.Lock()
+_engines: dict[tuple[int, str], Engine] = {}
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+        # Let SQLAlchemy's BEGIN (below) own transactions instead of the driver.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # noqa: ANN001
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str) -> Engine:
+    """Create an engine for ``url`` with the control plane's connection rules."""
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(u.database)), exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False})
+        _sqlite_setup(engine)
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+def get_engine(url: str) -> Engine:
+    """The engine of this process for ``url``."""
+    key = (os.getpid(), url)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = make_engine(url)
+        return engine
+
+
+def dispose_all() -> None:
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """One short transaction: commit on success, roll back on error.
+
+    Entry points own transactions; library functions take a ``session`` and never commit.
+    """
+    factory = sessionmaker(get_engine(url), expire_on_commit=False)
+    session = factory()
+    try:
+        with session.begin():
+            yield session
+    finally:
+        session.close()

@@ -1,0 +1,131 @@
+"""The one function that changes a job's state.
+
+``transition`` is a compare-and-set ``UPDATE jobs SET state = :target WHERE id = :id
+AND state = :expected`` that writes the timeline row in the same transaction (the
+caller's). A repeat of a transition that already happened is a no-op; an edge the
+state machine lacks raises :class:`~pipeline.errors.InvalidTransition`.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.db.models import Job, JobEvent
+from pipeline.errors import InvalidTransition, UnknownJob
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def transition(
+    session: Session,
+    job_id: int,
+    kind: str,
+    expected: str,
+    target: str,
+    *,
+    detail: str | None = None,
+    lease_seconds: float | None = None,
+    **values: Any,
+) -> bool:
+    """Move job ``job_id`` from ``expected`` to ``target``; True if this call moved it.
+
+    ``values`` are further columns set in the same UPDATE. A new step starts with its
+    attempts at zero and, when ``lease_seconds`` is given, a fresh lease.
+    """
+    expected, target = str(expected), str(target)
+    if not states.allowed(kind, expected, target):
+        raise InvalidTransition(kind, job_id, expected, target)
+    t = now()
+    values.setdefault("attempts", 0)
+    if lease_seconds is not None:
+        values["lease_until"] = t + timedelta(seconds=lease_seconds)
+    if target in states.TERMINAL[kind]:
+        values.setdefault("finished_at", t)
+        values.setdefault("lease_until", None)
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == expected)
+        .values(state=target, updated_at=t, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 1:
+        session.add(JobEvent(job_id=job_id, at=t, from_state=expected, to_state=target, detail=detail))
+        return True
+    current = session.scalar(select(Job.state).where(Job.id == job_id))
+    if current is None:
+        raise UnknownJob(job_id)
+    if current == target:
+        return False
+    raise InvalidTransition(kind, job_id, current, target)
+
+
+def create_job(
+    session: Session,
+    kind: str,
+    *,
+    checkpoint_id: int | None,
+    params: dict[str, Any] | None = None,
+    lease_seconds: float = 60.0,
+    bytes_total: int = 0,
+    detail: str | None = None,
+) -> Job:
+    """Insert a job in its kind's initial state, with the first timeline row."""
+    t = now()
+    job = Job(
+        kind=kind,
+        checkpoint_id=checkpoint_id,
+        state=states.INITIAL[kind],
+        params=params or {},
+        attempts=0,
+        bytes_done=0,
+        bytes_total=bytes_total,
+        created_at=t,
+        updated_at=t,
+        lease_until=t + timedelta(seconds=lease_seconds),
+    )
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, at=t, from_state=None, to_state=job.state, detail=detail))
+    return job
+
+
+def note(session: Session, job_id: int, detail: str) -> None:
+    """Add a timeline row that records something without changing the state."""
+    state = session.scalar(select(Job.state).where(Job.id == job_id))
+    if state is None:
+        raise UnknownJob(job_id)
+    session.add(JobEvent(job_id=job_id, at=now(), from_state=state, to_state=state, detail=detail))
+
+
+def start_attempt(session: Session, job_id: int, expected: str, lease_seconds: float) -> int | None:
+    """Count one more execution of the job's current step and renew its lease.
+
+    Returns the attempt number, or None when the job is no longer in ``expected``
+    (another delivery finished the step: the caller has nothing to do).
+    """
+    t = now()
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == expected)
+        .values(attempts=Job.attempts + 1, lease_until=t + timedelta(seconds=lease_seconds), updated_at=t)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(Job.attempts).where(Job.id == job_id))
+
+
+def renew_lease(session: Session, job_id: int, lease_seconds: float, **values: Any) -> None:
+    t = now()
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(lease_until=t + timedelta(seconds=lease_seconds), updated_at=t, **values)
+        .execution_options(synchronize_session=False)
+    )

@@ -1,0 +1,82 @@
+"""The dead-letter queue: list and requeue the messages Dramatiq gave up on.
+
+Dramatiq keeps them in the Redis sorted set ``dramatiq:<queue>.XQ`` with bodies in the
+hash ``dramatiq:<queue>.XQ.msgs`` and has no API for them (STACK_NOTES). Requeueing
+sends a fresh message without the old retry count, puts the job back in the state it
+failed from, and removes the dead letter.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import dramatiq
+from dramatiq import Message
+
+from pipeline import states
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Job, Replica
+from pipeline.db.transitions import now, transition
+from pipeline.settings import Settings
+from pipeline.tasks.failures import job_id_for
+
+QUEUE = "ckpt"
+
+
+def _keys(broker) -> tuple[str, str]:  # noqa: ANN001
+    xq = f"{broker.namespace}:{QUEUE}.XQ"
+    return xq, f"{xq}.msgs"
+
+
+def list_letters(settings: Settings) -> list[dict[str, Any]]:
+    broker = dramatiq.get_broker()
+    xq, msgs = _keys(broker)
+    out = []
+    for raw_id, score in broker.client.zrange(xq, 0, -1, withscores=True):
+        mid = raw_id.decode()
+        body = broker.client.hget(msgs, mid)
+        if body is None:
+            continue
+        m = Message.decode(body)
+        tb = m.options.get("traceback") or ""
+        out.append({
+            "id": mid, "message_id": m.message_id, "actor": m.actor_name, "args": list(m.args),
+            "kwargs": m.kwargs, "retries": m.options.get("retries", 0), "failed_at": score / 1000.0,
+            "error": tb.strip().splitlines()[-1] if tb.strip() else None, "traceback": tb,
+        })
+    return out
+
+
+def requeue(settings: Settings, ids: list[str] | None = None) -> int:
+    """Requeue the named dead letters (all when ``ids`` is None); returns how many."""
+    broker = dramatiq.get_broker()
+    xq, msgs = _keys(broker)
+    wanted = None if ids is None else set(ids)
+    n = 0
+    for letter in list_letters(settings):
+        if wanted is not None and letter["id"] not in wanted and letter["message_id"] not in wanted:
+            continue
+        _revive_job(settings, letter["actor"], tuple(letter["args"]))
+        fresh = Message(queue_name=QUEUE, actor_name=letter["actor"], args=tuple(letter["args"]),
+                        kwargs=letter["kwargs"] or {}, options={})
+        broker.enqueue(fresh)
+        broker.client.zrem(xq, letter["id"])
+        broker.client.hdel(msgs, letter["id"])
+        n += 1
+    return n
+
+
+def _revive_job(settings: Settings, actor: str, args: tuple[Any, ...]) -> None:
+    with session_scope(settings.db_url) as s:
+        job_id = job_id_for(s, actor, args)
+        if job_id is None:
+            return
+        if actor == "replicate":
+            rep = s.get(Replica, int(args[0]))
+            if rep is not None and rep.state == "pending":
+                rep.attempts = 0
+        job = s.get(Job, job_id)
+        back = "queued" if job.kind == "restore" else (job.params or {}).get("failed_from")
+        if job.state == states.StoreState.FAILED and back:
+            transition(s, job_id, job.kind, job.state, back, detail="requeued from the dead-letter queue",
+                       lease_until=now() + timedelta(seconds=settings.lease_seconds), last_error=None)

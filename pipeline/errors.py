@@ -1,0 +1,109 @@
+"""The one exception tree of ckpt-pipeline.
+
+Every error a user can see derives from :class:`CkptError`, carries its data as
+attributes and says what to do about it.
+"""
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Raised for any failure ckpt-pipeline reports to a user."""
+
+
+class ConfigError(CkptError):
+    """Raised when a setting is missing or has a value that cannot work."""
+
+
+class HeaderError(CkptError):
+    """Raised when a safetensors file's header is malformed or lies about its data."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: invalid safetensors file: {reason}")
+
+
+class IncompleteCheckpoint(CkptError):
+    """Raised when a checkpoint is not (yet) structurally complete."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: checkpoint is not complete: {reason}")
+
+
+class OutsideRoots(CkptError):
+    """Raised when a path to protect is not inside any watched root."""
+
+    def __init__(self, path: str, roots: list[str]) -> None:
+        self.path = path
+        self.roots = roots
+        shown = ", ".join(roots) or "(none configured: pass --root or set CKPT_ROOTS)"
+        super().__init__(f"{path} is not a checkpoint inside a watched root; roots: {shown}")
+
+
+class UnknownCheckpoint(CkptError):
+    """Raised when a checkpoint id or path names nothing in the control plane."""
+
+    def __init__(self, ref: str) -> None:
+        self.ref = ref
+        super().__init__(f"no checkpoint {ref!r}; `ckpt status` lists the known ones")
+
+
+class UnknownJob(CkptError):
+    """Raised when a job id names nothing in the control plane."""
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        super().__init__(f"no job {job_id}")
+
+
+class InvalidTransition(CkptError):
+    """Raised when a job is asked to move along an edge the state machine does not have."""
+
+    def __init__(self, kind: str, job_id: int, current: str, target: str) -> None:
+        self.kind, self.job_id, self.current, self.target = kind, job_id, current, target
+        super().__init__(f"{kind} job {job_id}: cannot go from {current!r} to {target!r}")
+
+
+class PlacementError(CkptError):
+    """Raised when there are not enough live storage workers for the replication factor."""
+
+    def __init__(self, needed: int, live: int) -> None:
+        self.needed, self.live = needed, live
+        super().__init__(
+            f"need {needed} distinct live storage workers, have {live}; "
+            "start more (`ckpt worker`) or lower CKPT_RF"
+        )
+
+
+class WorkerError(CkptError):
+    """Raised when a storage worker cannot be reached or answers with an error."""
+
+    def __init__(self, worker: str, reason: str, status: int | None = None) -> None:
+        self.worker, self.reason, self.status = worker, reason, status
+        super().__init__(f"storage worker {worker}: {reason}")
+
+
+class HashMismatch(CkptError):
+    """Raised when bytes do not hash to the SHA-256 the manifest records."""
+
+    def __init__(self, what: str, expected: str, actual: str) -> None:
+        self.what, self.expected, self.actual = what, expected, actual
+        super().__init__(f"{what}: SHA-256 {actual[:16]}... does not match manifest {expected[:16]}...")
+
+
+class SourceChanged(CkptError):
+    """Raised when a checkpoint's files changed after they were detected."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path} changed after detection ({reason}); the job is superseded")
+
+
+class RestoreError(CkptError):
+    """Raised when a checkpoint cannot be given back (no healthy replica, bad destination)."""
+
+
+class AuthError(CkptError):
+    """Raised when a request does not carry a valid cluster-key signature."""

@@ -1,0 +1,74 @@
+"""Hashing files in one sequential pass with a reused buffer.
+
+:func:`scan` reads a file once and produces both its whole-file SHA-256 and the
+SHA-256 of every planned shard (a safetensors shard's hash covers its own header first),
+so the manifest costs one read of the source.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable, Sequence
+
+from pipeline.planner import ShardPlan
+
+BLOCK = 4 * 1024 * 1024
+
+
+def sha256_file(path: str | os.PathLike[str], *, drop_cache: bool = False) -> str:
+    """SHA-256 of a file; ``drop_cache`` reads from the disk rather than the page cache."""
+    h = hashlib.sha256()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        if drop_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def scan(
+    path: str | os.PathLike[str],
+    plans: Sequence[ShardPlan],
+    *,
+    expected_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[str, list[str]]:
+    """Return ``(file_sha256, [shard_sha256, ...])`` from a single read of ``path``.
+
+    ``plans`` must cover the file contiguously in order (the planner guarantees it).
+    Raises ``OSError`` if the file is shorter than the plans say.
+    """
+    whole = hashlib.sha256()
+    shard_hashes: list[str] = []
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise OSError(f"{path}: size is {size}, expected {expected_size}")
+        pos = 0
+        for plan in plans:
+            if plan.src_offset != pos:
+                raise ValueError(f"shard {plan.seq} starts at {plan.src_offset}, expected {pos}")
+            h = hashlib.sha256(plan.header)
+            remaining = plan.length
+            while remaining:
+                n = f.readinto(view[: min(BLOCK, remaining)])
+                if not n:
+                    raise OSError(f"{path}: file ended at byte {pos} while shard {plan.seq} needs more")
+                chunk = view[:n]
+                h.update(chunk)
+                whole.update(chunk)
+                remaining -= n
+                pos += n
+                if progress:
+                    progress(n)
+            shard_hashes.append(h.hexdigest())
+        if f.read(1):
+            raise OSError(f"{path}: file is longer than its shard plan ({pos} bytes)")
+    return whole.hexdigest(), shard_hashes

@@ -1,0 +1,50 @@
+"""Replica placement by weighted rendezvous hashing. Pure.
+
+Each (shard, worker) pair gets a score ``-weight / ln(u)`` with ``u`` uniform in (0, 1)
+derived from SHA-256 of the pair; a shard's replicas go to the highest scores. The weight
+is the worker's free space (in whole GiB, so small fluctuations do not move shards).
+Adding or losing a worker moves only the shards whose top-RF set it enters or leaves.
+When zones are known, replicas of one shard prefer distinct zones.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from pipeline.errors import PlacementError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: str
+    free_bytes: int
+    zone: str = ""
+
+
+def score(shard: str, worker: Candidate) -> float:
+    digest = hashlib.sha256(f"{shard}/{worker.id}".encode()).digest()
+    u = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
+    weight = max(1, worker.free_bytes // GiB)
+    return -weight / math.log(u)
+
+
+def place(shard: str, workers: list[Candidate], rf: int, *, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """Ids of ``rf`` distinct workers for ``shard``, best first; ``exclude`` never chosen."""
+    pool = [w for w in workers if w.id not in exclude]
+    if len(pool) < rf:
+        raise PlacementError(rf, len(pool))
+    ranked = sorted(pool, key=lambda w: (score(shard, w), w.id), reverse=True)
+    chosen: list[Candidate] = []
+    zones: set[str] = set()
+    for w in ranked:  # first pass: one replica per zone
+        if len(chosen) < rf and (not w.zone or w.zone not in zones):
+            chosen.append(w)
+            if w.zone:
+                zones.add(w.zone)
+    for w in ranked:  # then fill up when there are fewer zones than replicas
+        if len(chosen) < rf and w not in chosen:
+            chosen.append(w)
+    return [w.id for w in chosen]

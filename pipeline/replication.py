@@ -1,0 +1,130 @@
+"""The replicate step: one replica of one shard onto one storage worker, then fan-in.
+
+Fan-in is decided in the database: the replica that completes the set moves the job
+``sharded -> replicated`` with a compare-and-set, so exactly one delivery enqueues verify.
+A worker that cannot be reached is marked down and the replica moves to another live
+worker (a down worker never blocks a store while RF distinct live workers remain).
+"""
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import func, select, update
+
+from pipeline import placement, states
+from pipeline.catalog import file_path
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from pipeline.db.transitions import note, now, renew_lease, transition
+from pipeline.errors import PlacementError, WorkerError
+from pipeline.header import read_header, shard_header
+from pipeline.settings import Settings
+from pipeline.sharding import live_candidates
+from pipeline.steps import AttemptsExhausted, Send
+from pipeline.worker_client import WorkerClient
+
+log = logging.getLogger("ckpt.replicate")
+S = states.StoreState
+DONE = ("stored", "verified")
+
+
+def job_of_replica(session, replica_id: int) -> Job | None:  # noqa: ANN001
+    return session.scalar(
+        select(Job).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
+        .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .join(Replica, Replica.shard_id == Shard.id)
+        .where(Replica.id == replica_id, Job.kind == "store")
+        .order_by(Job.id.desc()).limit(1)
+    )
+
+
+def replicate(settings: Settings, replica_id: int) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        rep = s.get(Replica, replica_id)
+        if rep is None:
+            return []
+        job = job_of_replica(s, replica_id)
+        if job is None or job.state != S.SHARDED:
+            return []  # finished, superseded or failed meanwhile
+        if rep.state in DONE:
+            return _fan_in(s, settings, job.id)
+        if rep.state != "pending":
+            return []
+        rep.attempts += 1
+        if rep.attempts > settings.max_attempts:
+            raise AttemptsExhausted(f"replica {replica_id}", rep.attempts - 1, rep.last_error)
+        renew_lease(s, job.id, settings.lease_seconds)
+        shard, worker = rep.shard, rep.worker
+        f = shard.file
+        src = file_path(f.checkpoint, f)
+        header = b""
+        if shard.kind == "safetensors":
+            hdr = read_header(src)
+            names = set(shard.tensors or [])
+            header = shard_header([t for t in hdr.tensors if t.name in names])
+        job_id, url, sha, size = job.id, worker.url, shard.sha256, shard.size
+        src_offset, length, worker_id = shard.src_offset, shard.length, worker.id
+
+    client = WorkerClient(url, settings.key())
+    try:
+        held = client.head(sha)
+        if held != size:
+            client.put_range(sha, header, src, src_offset, length)
+    except WorkerError as exc:
+        if exc.status == 422:
+            # The source no longer hashes to the manifest: it changed under us.
+            with session_scope(settings.db_url) as s:
+                transition(s, job_id, "store", S.SHARDED, S.SUPERSEDED, detail=str(exc), last_error=str(exc))
+            return []
+        if exc.status is None:  # unreachable: mark it down and place this replica elsewhere
+            return _move_off(settings, replica_id, worker_id, str(exc))
+        raise
+    except OSError as exc:
+        with session_scope(settings.db_url) as s:
+            transition(s, job_id, "store", S.SHARDED, S.SUPERSEDED, detail=f"{src}: {exc}", last_error=str(exc))
+        return []
+
+    with session_scope(settings.db_url) as s:
+        s.execute(update(Replica).where(Replica.id == replica_id, Replica.state == "pending")
+                  .values(state="stored", stored_at=now(), last_error=None))
+        s.execute(update(Job).where(Job.id == job_id).values(bytes_done=Job.bytes_done + size))
+        return _fan_in(s, settings, job_id)
+
+
+def _fan_in(s, settings: Settings, job_id: int) -> list[Send]:  # noqa: ANN001
+    job = s.get(Job, job_id)
+    pending = s.scalar(
+        select(func.count(Replica.id)).join(Shard).join(CheckpointFile)
+        .where(CheckpointFile.checkpoint_id == job.checkpoint_id, Replica.state == "pending")
+    )
+    if pending:
+        return []
+    if transition(s, job_id, "store", S.SHARDED, S.REPLICATED, lease_seconds=settings.lease_seconds,
+                  detail="every shard has RF stored replicas", bytes_done=job.bytes_total):
+        return [Send("verify", (job_id,))]
+    return []
+
+
+def _move_off(settings: Settings, replica_id: int, worker_id: str, error: str) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        worker = s.get(StorageWorker, worker_id)
+        worker.state, worker.last_error = "down", error
+        rep = s.get(Replica, replica_id)
+        if rep.state != "pending":
+            return []
+        rep.state, rep.last_error = "abandoned", error
+        # Every worker that ever had a replica row for this shard is out (one row per pair).
+        holders = frozenset(r.worker_id for r in rep.shard.replicas)
+        try:
+            target = placement.place(rep.shard.sha256, live_candidates(s), 1, exclude=holders)[0]
+        except PlacementError:
+            rep.state = "pending"  # nowhere else to go: keep it here and let the retry wait for a worker
+            raise WorkerError(worker.url, f"{error}; no other live worker to take the replica") from None
+        moved = Replica(shard_id=rep.shard_id, worker_id=target, state="pending")
+        s.add(moved)
+        s.flush()
+        job = job_of_replica(s, replica_id)
+        note(s, job.id, f"worker {worker_id} unreachable ({error}); shard {rep.shard.sha256[:12]} moves to {target}")
+        log.warning("replica %d: %s unreachable, moved to %s", replica_id, worker_id, target)
+        return [Send("replicate", (moved.id,))]

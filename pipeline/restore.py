@@ -1,0 +1,182 @@
+"""Restore: give a checkpoint back byte for byte (``queued -> gathering -> verified -> done``).
+
+Files are rebuilt in a hidden staging path next to the destination: each shard's payload
+is written at its offset, the whole file is hashed as it is written and compared to the
+SHA-256 recorded at detection, fsynced, and only then renamed into place (DESIGN
+invariants 2 and 4).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.catalog import latest_store_job, resolve
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, Job
+from pipeline.db.transitions import create_job, renew_lease, transition
+from pipeline.errors import HashMismatch, RestoreError
+from pipeline.gather import BLOCK, FileSource, ShardSource, fetch, manifest
+from pipeline.settings import Settings
+from pipeline.steps import Send, begin_step
+
+log = logging.getLogger("ckpt.restore")
+R = states.RestoreState
+
+
+def request(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Job:
+    """Validate a restore request and create its job (the caller enqueues ``restore``)."""
+    ckpt = resolve(session, ref)
+    target = Path(dest).expanduser().resolve()
+    if target.exists() and not overwrite:
+        raise RestoreError(f"{target} already exists; choose another destination or pass --overwrite")
+    if not target.parent.is_dir():
+        raise RestoreError(f"{target.parent} is not a directory; create it first")
+    store = latest_store_job(session, ckpt.id)
+    if store is None or store.state not in (states.StoreState.VERIFIED, states.StoreState.ROTATED,
+                                            states.StoreState.REPLICATED):
+        state = store.state if store else "unknown"
+        raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
+    return create_job(session, "restore", checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
+                      params={"dest": str(target), "overwrite": overwrite}, bytes_total=ckpt.total_bytes,
+                      detail=f"restore to {target}")
+
+
+def restore(settings: Settings, job_id: int) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state in states.TERMINAL["restore"]:
+            return []
+        expected = job.state
+        job = begin_step(s, settings, job_id, expected)
+        if job is None:
+            return []
+        if expected == R.QUEUED:
+            transition(s, job_id, "restore", R.QUEUED, R.GATHERING, lease_seconds=settings.lease_seconds,
+                       attempts=job.attempts)
+        ckpt = s.get(Checkpoint, job.checkpoint_id)
+        files = manifest(s, ckpt)
+        is_dir, dest, overwrite = ckpt.is_dir, Path(job.params["dest"]), bool(job.params.get("overwrite"))
+
+    staging = dest.parent / f".{dest.name}.ckpt-restore-{job_id}"
+    if staging.exists():
+        shutil.rmtree(staging) if staging.is_dir() else staging.unlink()
+    key = settings.key()
+    done = 0
+    progress_every = 64 * 1024 * 1024
+    last_report = 0
+
+    def progress(n: int) -> None:
+        nonlocal done, last_report
+        done += n
+        if done - last_report >= progress_every:
+            last_report = done
+            with session_scope(settings.db_url) as s2:
+                renew_lease(s2, job_id, settings.lease_seconds, bytes_done=done)
+
+    try:
+        if is_dir:
+            staging.mkdir()
+            for f in files:
+                out = staging / f.relpath
+                out.parent.mkdir(parents=True, exist_ok=True)
+                write_file(f, out, key, progress)
+            _fsync_tree(staging)
+        else:
+            write_file(files[0], staging, key, progress)
+        with session_scope(settings.db_url) as s:
+            transition(s, job_id, "restore", R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
+                       detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done)
+        if dest.exists():
+            if not overwrite:
+                raise RestoreError(f"{dest} appeared while restoring; left the result at {staging}")
+            old = dest.parent / f".{dest.name}.ckpt-old-{job_id}"
+            os.rename(dest, old)
+            os.rename(staging, dest)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            os.rename(staging, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink()
+        raise
+    with session_scope(settings.db_url) as s:
+        transition(s, job_id, "restore", R.VERIFIED, R.DONE, detail=f"restored to {dest}")
+    log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
+    return []
+
+
+class _Rebuild:
+    """Writes one file from its shards in order, hashing what it writes."""
+
+    def __init__(self, fd: int, progress=None) -> None:  # noqa: ANN001
+        self.fd, self.progress = fd, progress
+        self.whole = hashlib.sha256()
+        self.pos = 0
+        self.skip = 0
+
+    def begin(self, shard: ShardSource) -> None:
+        if shard.src_offset != self.pos:
+            raise RestoreError(f"manifest gap: shard at byte {shard.src_offset:,}, file rebuilt up to {self.pos:,}")
+        self.shard, self.snapshot, self.skip = shard, self.whole.copy(), shard.payload_offset
+
+    def sink(self, chunk: memoryview) -> None:
+        if self.skip:  # a safetensors shard starts with its own header: not part of the file
+            if len(chunk) <= self.skip:
+                self.skip -= len(chunk)
+                return
+            chunk, self.skip = chunk[self.skip:], 0
+        _pwrite_all(self.fd, chunk, self.pos)
+        self.whole.update(chunk)
+        self.pos += len(chunk)
+        if self.progress:
+            self.progress(len(chunk))
+
+    def reset(self) -> None:
+        """Forget what a bad replica gave for the current shard."""
+        self.pos, self.skip = self.shard.src_offset, self.shard.payload_offset
+        self.whole = self.snapshot.copy()
+
+
+def write_file(f: FileSource, out: Path, key: bytes, progress=None) -> None:  # noqa: ANN001
+    """Rebuild one file at ``out`` from its shards; raise unless it matches its SHA-256."""
+    buf = bytearray(BLOCK)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        rebuild = _Rebuild(fd, progress)
+        for shard in f.shards:
+            rebuild.begin(shard)
+            fetch(shard, key, rebuild.sink, rebuild.reset, buf)
+        os.ftruncate(fd, f.size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    actual = rebuild.whole.hexdigest()
+    if rebuild.pos != f.size or actual != f.sha256:
+        raise HashMismatch(f"restored {f.relpath or 'file'}", f.sha256, actual)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every directory of a rebuilt tree (the files were fsynced as written)."""
+    for dirpath, _dirs, _names in os.walk(root):
+        _fsync_dir(Path(dirpath))

@@ -1,0 +1,195 @@
+"""Configuration in one place.
+
+A :class:`Settings` is built from defaults, then ``<home>/config.toml``, then the
+``CKPT_*`` environment, then explicit overrides (command-line flags). Nothing else in
+the code base reads ``os.environ``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Directory holding the SQLite file, the embedded Redis, keys and local worker data.
+    home: Path = Path(".ckpt")
+    #: SQLAlchemy URL of the control plane; empty means ``sqlite:///<home>/ckpt.db``.
+    database_url: str = ""
+    #: Redis URL of the Dramatiq broker; empty means the embedded one under ``<home>/redis``.
+    redis_url: str = ""
+    #: Watched roots: directories or globs; every match is a run directory.
+    roots: tuple[str, ...] = ()
+    #: Replication factor: replicas per shard on distinct storage workers.
+    rf: int = 2
+    #: Checkpoints kept locally per run (newest first); older ones rotate once safe.
+    keep_last: int = 2
+    #: Target shard size; safetensors files are cut at tensor boundaries near it.
+    shard_size: int = 64 * MiB
+    #: A checkpoint must not change for this long before it is detected.
+    settle_seconds: float = 2.0
+    #: The watcher rescans every root this often even without file events.
+    scan_interval: float = 5.0
+    #: A job whose lease is older than this is re-driven by the scheduler.
+    lease_seconds: float = 60.0
+    #: Executions of one step before its job is marked failed (crash redeliveries included).
+    max_attempts: int = 5
+    #: A replica verification older than this no longer allows rotation.
+    freshness_seconds: float = 48 * 3600.0
+    #: A storage worker unseen for this long is ``down``.
+    worker_down_seconds: float = 30.0
+    #: The scheduler probes storage workers and checks leases this often.
+    tick_seconds: float = 2.0
+    #: Static storage workers (URLs), for networks without multicast.
+    workers: tuple[str, ...] = ()
+    #: Shared secret of the cluster; empty means ``<home>/cluster.key`` (created on first use).
+    cluster_key: str = ""
+    #: Largest accepted difference between a request's timestamp and the worker's clock.
+    clock_skew_seconds: float = 300.0
+    #: Dramatiq time limit for one shard transfer, in seconds.
+    transfer_time_limit: float = 3600.0
+    #: Retries of a failing actor message before it is dead-lettered.
+    max_retries: int = 5
+    #: Smallest and largest retry backoff, in milliseconds.
+    min_backoff_ms: int = 1000
+    max_backoff_ms: int = 60_000
+
+    # -- derived values -------------------------------------------------------------
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'ckpt.db').resolve()}"
+
+    @property
+    def embedded_redis(self) -> bool:
+        return not self.redis_url
+
+    @property
+    def redis_socket(self) -> Path:
+        return (self.home / "redis" / "redis.sock").resolve()
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis_url or f"unix://{self.redis_socket}"
+
+    def key(self) -> bytes:
+        """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
+        if self.cluster_key:
+            return self.cluster_key.encode()
+        path = self.home / "cluster.key"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # first writer wins when two processes race
+            except FileExistsError:
+                pass
+            os.unlink(tmp)
+        return path.read_text().strip().encode()
+
+    def child_env(self) -> dict[str, str]:
+        """Environment that makes a child process build these same settings."""
+        env = {
+            "CKPT_HOME": str(self.home.resolve()),
+            "CKPT_DATABASE_URL": self.db_url,
+            "CKPT_REDIS_URL": self.broker_url,
+            "CKPT_CLUSTER_KEY": self.key().decode(),
+        }
+        for f in dataclasses.fields(self):
+            if f.name in ("home", "database_url", "redis_url", "cluster_key"):
+                continue
+            value = getattr(self, f.name)
+            env[f"CKPT_{f.name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
+        return env
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    f = {f.name: f for f in dataclasses.fields(Settings)}[name]
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if kind.startswith("tuple"):
+            if isinstance(raw, str):
+                return tuple(p.strip() for p in raw.split(",") if p.strip())
+            return tuple(str(p) for p in raw)
+        if kind == "Path":
+            return Path(raw)
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"setting {name}: {raw!r} is not a valid {kind}") from exc
+
+
+def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings: defaults < ``<home>/config.toml`` < ``CKPT_*`` env < ``overrides``.
+
+    ``overrides`` holds flag values; ``None`` values are ignored so unset flags fall through.
+    """
+    env = os.environ if environ is None else environ
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    names = {f.name for f in dataclasses.fields(Settings)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+
+    home = Path(overrides.get("home") or env.get("CKPT_HOME") or Settings.home)
+    values: dict[str, Any] = {}
+    config = home / "config.toml"
+    if config.exists():
+        try:
+            data = tomllib.loads(config.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{config}: {exc}") from exc
+        for k, v in data.items():
+            if k not in names:
+                raise ConfigError(f"{config}: unknown setting {k!r}")
+            values[k] = _coerce(k, v)
+    for name in names:
+        raw = env.get(f"CKPT_{name.upper()}")
+        if raw is not None and raw != "":
+            values[name] = _coerce(name, raw)
+    for k, v in overrides.items():
+        values[k] = _coerce(k, v)
+    values["home"] = home
+    s = Settings(**values)
+    if s.rf < 1:
+        raise ConfigError(f"rf must be at least 1, got {s.rf}")
+    if s.keep_last < 0:
+        raise ConfigError(f"keep_last must be >= 0, got {s.keep_last}")
+    if s.shard_size < 4096:
+        raise ConfigError(f"shard_size must be at least 4096 bytes, got {s.shard_size}")
+    return s
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The process-wide settings, loaded from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = load()
+    return _current
+
+
+def configure(settings: Settings) -> Settings:
+    """Replace the process-wide settings (entry points and tests)."""
+    global _current
+    _current = settings
+    return settings

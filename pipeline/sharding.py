@@ -1,0 +1,88 @@
+"""The shard step: ``detected -> sharded``.
+
+Plans every file (pure planner), hashes the file and its shards in one read, checks the
+file still matches what was detected, places each shard's replicas, and commits the
+manifest and the transition together.
+"""
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select
+
+from pipeline import placement, states
+from pipeline.catalog import file_path
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, Replica, Shard, StorageWorker
+from pipeline.db.transitions import transition
+from pipeline.header import read_header
+from pipeline.hashing import scan
+from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
+from pipeline.settings import Settings
+from pipeline.steps import Send, begin_step
+
+log = logging.getLogger("ckpt.shard")
+S = states.StoreState
+
+
+def plan_file(path: str, fmt: str, size: int, target: int) -> list[ShardPlan]:
+    if fmt == "safetensors":
+        return plan_safetensors(read_header(path), target)
+    return plan_opaque(size, target)
+
+
+def live_candidates(session) -> list[placement.Candidate]:  # noqa: ANN001
+    rows = session.scalars(select(StorageWorker).where(StorageWorker.state == "up"))
+    return [placement.Candidate(w.id, w.free_bytes, w.zone) for w in rows]
+
+
+def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        job = begin_step(s, settings, job_id, S.DETECTED)
+        if job is None:
+            return []
+        ckpt = s.get(Checkpoint, job.checkpoint_id)
+        files = [(f.id, f.relpath, file_path(ckpt, f), f.format, f.size, f.sha256) for f in ckpt.files]
+        ckpt_path = ckpt.path
+
+    manifest: list[tuple[int, ShardPlan, str]] = []
+    for file_id, rel, path, fmt, size, sha in files:
+        try:
+            plans = plan_file(path, fmt, size, settings.shard_size)
+            file_sha, shard_shas = scan(path, plans, expected_size=size)
+        except (OSError, ValueError) as exc:
+            changed = f"{rel or ckpt_path} can no longer be read as detected ({exc})"
+            return _supersede(settings, job_id, changed)
+        if file_sha != sha:
+            return _supersede(settings, job_id, f"{rel or ckpt_path}: content changed since detection")
+        manifest.extend((file_id, p, h) for p, h in zip(plans, shard_shas))
+
+    sends: list[Send] = []
+    with session_scope(settings.db_url) as s:
+        workers = live_candidates(s)
+        for file_id, plan, sha in manifest:
+            shard = Shard(file_id=file_id, seq=plan.seq, kind=plan.kind, sha256=sha, size=plan.size,
+                          src_offset=plan.src_offset, length=plan.length, payload_offset=plan.payload_offset,
+                          tensors=list(plan.tensors) or None)
+            s.add(shard)
+            for worker_id in placement.place(sha, workers, settings.rf):
+                shard.replicas.append(Replica(worker_id=worker_id, state="pending"))
+        s.flush()
+        moved = transition(s, job_id, "store", S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
+                           detail=f"{len(manifest)} shards, RF {settings.rf}", bytes_done=0,
+                           bytes_total=settings.rf * sum(p.size for _f, p, _h in manifest))
+        if not moved:
+            raise RuntimeError("job left 'detected' while sharding; rolling back this manifest")
+        replica_ids = s.scalars(
+            select(Replica.id).join(Shard).where(Shard.file_id.in_([f[0] for f in files]))
+        ).all()
+        sends = [Send("replicate", (rid,)) for rid in replica_ids]
+    log.info("job %d: %d shards, %d replicas to send", job_id, len(manifest), len(sends))
+    return sends
+
+
+def _supersede(settings: Settings, job_id: int, why: str) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        transition(s, job_id, "store", S.DETECTED, S.SUPERSEDED, detail=why, last_error=why)
+    log.warning("job %d superseded: %s", job_id, why)
+    return []

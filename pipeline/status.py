@@ -1,0 +1,70 @@
+"""What ``ckpt status`` (and later the web UI) shows: plain dicts from the control plane."""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from pipeline.settings import Settings
+
+
+def replica_counts(session, checkpoint_ids: list[int]) -> dict[int, int]:  # noqa: ANN001
+    """Per checkpoint: the fewest verified replicas on live workers that any of its shards has."""
+    if not checkpoint_ids:
+        return {}
+    per_shard = (
+        select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"),
+               func.count(StorageWorker.id).label("n"))
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .outerjoin(Replica, (Replica.shard_id == Shard.id) & (Replica.state == "verified"))
+        .outerjoin(StorageWorker, (StorageWorker.id == Replica.worker_id) & (StorageWorker.state == "up"))
+        .where(CheckpointFile.checkpoint_id.in_(checkpoint_ids))
+        .group_by(CheckpointFile.checkpoint_id, Shard.id)
+        .subquery()
+    )
+    rows = session.execute(select(per_shard.c.cid, func.min(per_shard.c.n)).group_by(per_shard.c.cid))
+    return {cid: n for cid, n in rows}
+
+
+def job_dict(j: Job) -> dict[str, Any]:
+    return {
+        "id": j.id, "kind": j.kind, "checkpoint_id": j.checkpoint_id, "state": j.state, "attempts": j.attempts,
+        "last_error": j.last_error, "blocked_reason": j.blocked_reason, "bytes_done": j.bytes_done,
+        "bytes_total": j.bytes_total, "created_at": j.created_at, "updated_at": j.updated_at,
+        "finished_at": j.finished_at, "params": j.params,
+    }
+
+
+def status(settings: Settings) -> dict[str, Any]:
+    with session_scope(settings.db_url) as s:
+        ckpts = list(s.scalars(select(Checkpoint).order_by(Checkpoint.id)))
+        jobs = list(s.scalars(select(Job).order_by(Job.id)))
+        latest: dict[int, Job] = {}
+        for j in jobs:
+            if j.kind == "store" and j.checkpoint_id is not None:
+                latest[j.checkpoint_id] = j
+        counts = replica_counts(s, [c.id for c in ckpts])
+        workers = list(s.scalars(select(StorageWorker).order_by(StorageWorker.id)))
+        return {
+            "checkpoints": [
+                {
+                    "id": c.id, "path": c.path, "run": c.run, "version": c.version, "step": c.step,
+                    "state": latest[c.id].state if c.id in latest else "unknown",
+                    "job_id": latest[c.id].id if c.id in latest else None,
+                    "local_present": c.local_present, "total_bytes": c.total_bytes,
+                    "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
+                    "blocked_reason": latest[c.id].blocked_reason if c.id in latest else None,
+                    "detected_at": c.detected_at,
+                }
+                for c in ckpts
+            ],
+            "jobs": [job_dict(j) for j in jobs],
+            "workers": [
+                {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
+                 "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "last_seen": w.last_seen,
+                 "last_error": w.last_error}
+                for w in workers
+            ],
+        }

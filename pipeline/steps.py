@@ -1,0 +1,67 @@
+"""What every pipeline step shares: attempts, failure, follow-up messages.
+
+A step runs short transactions around its I/O and returns the messages to send once
+they committed (DESIGN invariant 3: commit, then act).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.db.models import Job
+from pipeline.db.transitions import note, start_attempt, transition
+from pipeline.errors import CkptError
+from pipeline.settings import Settings
+
+
+@dataclass(frozen=True)
+class Send:
+    """A message to enqueue after the deciding transaction committed."""
+
+    actor: str
+    args: tuple[Any, ...]
+
+
+class AttemptsExhausted(CkptError):
+    """Raised when a step has run ``max_attempts`` times without finishing; never retried."""
+
+    def __init__(self, what: str, attempts: int, last_error: str | None) -> None:
+        self.what, self.attempts, self.last_error = what, attempts, last_error
+        super().__init__(f"{what}: gave up after {attempts} attempts; last error: {last_error or 'none recorded'}")
+
+
+def begin_step(session: Session, settings: Settings, job_id: int, expected: str) -> Job | None:
+    """Count an attempt of ``job_id``'s step ``expected``; None if the step is already over.
+
+    Raises :class:`AttemptsExhausted` once the attempts (crash redeliveries included)
+    pass ``settings.max_attempts``.
+    """
+    attempt = start_attempt(session, job_id, expected, settings.lease_seconds)
+    if attempt is None:
+        return None
+    job = session.get(Job, job_id)
+    if attempt > settings.max_attempts:
+        raise AttemptsExhausted(f"{job.kind} job {job_id} step {expected!r}", attempt - 1, job.last_error)
+    return job
+
+
+def fail_job(session: Session, job_id: int, error: str) -> bool:
+    """Mark a job ``failed`` with ``error``, from whatever non-terminal state it is in."""
+    job = session.get(Job, job_id)
+    if job is None or job.state in states.TERMINAL[job.kind]:
+        return False
+    # Remember where it failed, so a requeue from the dead-letter queue resumes there.
+    params = dict(job.params or {}, failed_from=job.state)
+    return transition(session, job_id, job.kind, job.state, "failed", detail=error, last_error=error,
+                      attempts=job.attempts, params=params)
+
+
+def record_error(session: Session, job_id: int, error: str) -> None:
+    """Remember the error of a failed attempt on the job and its timeline."""
+    job = session.get(Job, job_id)
+    if job is not None:
+        job.last_error = error
+        note(session, job_id, f"attempt {job.attempts} failed: {error}")

@@ -1,0 +1,68 @@
+"""The Dramatiq actors: thin, idempotent, taking ids (DESIGN invariant 3).
+
+Each loads by id, calls its step in ``pipeline``, and sends the follow-up messages the
+step returns only after the step's transactions committed.
+"""
+from __future__ import annotations
+
+import logging
+
+import dramatiq
+
+from pipeline import settings as settings_mod
+from pipeline.replication import replicate as replicate_step
+from pipeline.restore import restore as restore_step
+from pipeline.rotation import plan_run, rotate as rotate_step
+from pipeline.sharding import shard_checkpoint
+from pipeline.steps import AttemptsExhausted, Send
+from pipeline.verification import verify_checkpoint
+
+log = logging.getLogger("ckpt.tasks")
+
+_settings = settings_mod.current()
+_SECOND = 1000
+_common = dict(
+    max_retries=_settings.max_retries,
+    min_backoff=_settings.min_backoff_ms,
+    max_backoff=_settings.max_backoff_ms,
+    throws=(AttemptsExhausted,),
+)
+#: Long transfers get an explicit limit; control steps a short one.
+_TRANSFER = dict(_common, time_limit=int(_settings.transfer_time_limit * _SECOND))
+_CONTROL = dict(_common, time_limit=10 * 60 * _SECOND)
+
+
+def send_all(sends: list[Send]) -> None:
+    broker = dramatiq.get_broker()
+    for item in sends:
+        broker.get_actor(item.actor).send(*item.args)
+
+
+@dramatiq.actor(actor_name="shard", queue_name="ckpt", **_TRANSFER)
+def shard(job_id: int) -> None:
+    send_all(shard_checkpoint(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
+def replicate(replica_id: int) -> None:
+    send_all(replicate_step(settings_mod.current(), replica_id))
+
+
+@dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)
+def verify(job_id: int) -> None:
+    send_all(verify_checkpoint(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="rotate_run", queue_name="ckpt", **_CONTROL)
+def rotate_run(run: str) -> None:
+    send_all(plan_run(settings_mod.current(), run))
+
+
+@dramatiq.actor(actor_name="rotate", queue_name="ckpt", **_CONTROL)
+def rotate(job_id: int) -> None:
+    send_all(rotate_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="restore", queue_name="ckpt", **_TRANSFER)
+def restore(job_id: int) -> None:
+    send_all(restore_step(settings_mod.current(), job_id))

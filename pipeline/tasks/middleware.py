@@ -1,0 +1,27 @@
+"""Cross-cutting behaviour of the actors, as Dramatiq middleware."""
+from __future__ import annotations
+
+import logging
+
+from dramatiq.middleware import Middleware
+
+log = logging.getLogger("ckpt.tasks")
+
+
+class JobFailures(Middleware):
+    """Records each failed attempt on its job, and marks the job ``failed`` when Dramatiq
+    gives the message up (retries exhausted or attempts counted out): the message then
+    sits in the dead-letter queue, the job row says why.
+    """
+
+    def after_process_message(self, broker, message, *, result=None, exception=None):  # noqa: ANN001
+        if exception is None:
+            return
+        from pipeline import settings as settings_mod
+        from pipeline.tasks.failures import record_failure
+
+        try:
+            record_failure(settings_mod.current(), message.actor_name, message.args, exception,
+                           final=bool(getattr(message, "failed", False)))
+        except Exception:  # never let bookkeeping break the worker
+            log.exception("could not record the failure of %s%r", message.actor_name, message.args)

@@ -1,0 +1,163 @@
+"""Client of a storage worker's HTTP API (see workers/app.py), with signed requests.
+
+Uploads send the shard's own header bytes, then the payload straight from the source
+file with ``socket.sendfile`` (zero copy); downloads are returned as a stream.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline import auth
+from pipeline.errors import WorkerError
+
+CONNECT_TIMEOUT = 5.0
+IO_TIMEOUT = 600.0
+
+
+class WorkerClient:
+    def __init__(self, url: str, key: bytes, *, timeout: float = IO_TIMEOUT) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ValueError(f"storage worker URL must look like http://HOST:PORT, got {url!r}")
+        self.url, self.key, self.timeout = url.rstrip("/"), key, timeout
+        self.host, self.port = parts.hostname, parts.port
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _connect(self) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=CONNECT_TIMEOUT, blocksize=1 << 20)
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise WorkerError(self.url, f"cannot connect ({exc})") from None
+        conn.sock.settimeout(self.timeout)
+        return conn
+
+    def _headers(self, method: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        h = auth.sign(self.key, method, path)
+        if extra:
+            h.update(extra)
+        return h
+
+    def _request_json(self, method: str, path: str, doc: Any = None, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
+        body = json.dumps(doc).encode() if doc is not None else None
+        extra = {"Content-Type": "application/json"} if body is not None else {}
+        conn = self._connect()
+        try:
+            conn.request(method, path, body=body, headers=self._headers(method, path, extra))
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
+        finally:
+            conn.close()
+        return _decode(self.url, method, path, resp.status, data, ok)
+
+    # -- API ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return self._request_json("GET", "/v1/status")[1]
+
+    def head(self, name: str) -> int | None:
+        path = f"/v1/shards/{name}"
+        conn = self._connect()
+        try:
+            conn.request("HEAD", path, headers=self._headers("HEAD", path))
+            resp = conn.getresponse()
+            resp.read()
+        except OSError as exc:
+            raise WorkerError(self.url, f"HEAD {path} failed ({exc})") from None
+        finally:
+            conn.close()
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise WorkerError(self.url, f"HEAD {path} answered {resp.status}", resp.status)
+        return int(resp.getheader("Content-Length", "0"))
+
+    def put_range(self, name: str, header: bytes, path: str, offset: int, length: int) -> dict[str, Any]:
+        """Upload shard ``name``: ``header`` then ``length`` bytes of ``path`` from ``offset``."""
+        url_path = f"/v1/shards/{name}"
+        conn = self._connect()
+        try:
+            conn.putrequest("PUT", url_path, skip_accept_encoding=True)
+            for k, v in self._headers("PUT", url_path, {
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(len(header) + length),
+            }).items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            sent_ok = True
+            try:
+                if header:
+                    conn.sock.sendall(header)
+                if length:
+                    with open(path, "rb") as f:
+                        sent = conn.sock.sendfile(f, offset, length)
+                    if sent != length:
+                        raise WorkerError(self.url, f"{path} ended after {sent:,} of {length:,} bytes from {offset:,}")
+            except (BrokenPipeError, ConnectionResetError):
+                sent_ok = False  # the worker refused early; its answer says why
+            try:
+                resp = conn.getresponse()
+                data = resp.read()
+            except OSError:
+                if not sent_ok:
+                    raise WorkerError(self.url, f"PUT {url_path}: connection closed while sending") from None
+                raise
+        except OSError as exc:
+            raise WorkerError(self.url, f"PUT {url_path} failed ({exc})") from None
+        finally:
+            conn.close()
+        return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
+
+    def open_shard(self, name: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Start downloading shard ``name``; the caller reads the response, then closes the connection."""
+        path = f"/v1/shards/{name}"
+        conn = self._connect()
+        try:
+            conn.request("GET", path, headers=self._headers("GET", path))
+            resp = conn.getresponse()
+        except OSError as exc:
+            conn.close()
+            raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
+        if resp.status != 200:
+            data = resp.read()
+            conn.close()
+            _decode(self.url, "GET", path, resp.status, data, (200,))
+        return conn, resp
+
+    def verify(self, names: list[str]) -> list[dict[str, Any]]:
+        """Ask the worker to re-hash ``names`` from its disk; ``[{name, sha256, size}]``."""
+        return self._request_json("POST", "/v1/verify", {"shards": names})[1]["results"]
+
+    def stat(self, names: list[str]) -> dict[str, int | None]:
+        return self._request_json("POST", "/v1/stat", {"shards": names})[1]["sizes"]
+
+    def inventory(self) -> list[tuple[str, int]]:
+        return [(n, s) for n, s in self._request_json("GET", "/v1/inventory")[1]["shards"]]
+
+
+def _decode(url: str, method: str, path: str, status: int, data: bytes, ok: tuple[int, ...]) -> tuple[int, Any]:
+    try:
+        doc = json.loads(data) if data else None
+    except ValueError:
+        doc = None
+    if status not in ok:
+        reason = doc.get("error") if isinstance(doc, dict) else data[:200].decode(errors="replace")
+        raise WorkerError(url, f"{method} {path} answered {status}: {reason}", status)
+    return status, doc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for local workers and tests)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["WorkerClient", "free_port"]

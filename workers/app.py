@@ -1,0 +1,154 @@
+"""The storage worker's HTTP API, as a plain WSGI application.
+
+    GET  /v1/status              node id, API version, zone, capacity, free, shard count
+    HEAD /v1/shards/<sha256>     200 with Content-Length if held, else 404
+    GET  /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can)
+    PUT  /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
+    POST /v1/verify              {"shards": [...]} -> re-hash each from the disk
+    POST /v1/stat                {"shards": [...]} -> size of each, or null
+    GET  /v1/inventory           {"shards": [[sha256, size], ...]}
+
+Every request must be signed with the cluster key (pipeline.auth); answers are JSON.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+from pipeline import auth
+from pipeline.errors import AuthError
+from workers.shardstore import ShardStore, StoreError, valid_name
+
+API_VERSION = 1
+MAX_JSON_BODY = 16 * 1024 * 1024
+MAX_NAMES = 100_000
+
+log = logging.getLogger("ckpt.worker")
+
+StartResponse = Callable[..., Any]
+
+_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 411: "Length Required", 413: "Payload Too Large",
+            422: "Unprocessable Entity", 500: "Internal Server Error", 507: "Insufficient Storage"}
+
+
+def _json(start: StartResponse, status: int, doc: Any) -> list[bytes]:
+    body = json.dumps(doc).encode()
+    start(f"{status} {_REASONS.get(status, 'Error')}",
+          [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def _error(start: StartResponse, status: int, reason: str) -> list[bytes]:
+    # The request body may be unread (a refused upload): close rather than drain it.
+    body = json.dumps({"error": reason}).encode()
+    start(f"{status} {_REASONS.get(status, 'Error')}",
+          [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")])
+    return [body]
+
+
+class WorkerApp:
+    def __init__(self, store: ShardStore, *, key: bytes, node_id: str, zone: str = "",
+                 max_skew: float = 300.0) -> None:
+        self.store, self.key, self.node_id, self.zone, self.max_skew = store, key, node_id, zone, max_skew
+
+    def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
+        method = environ["REQUEST_METHOD"]
+        path = environ.get("PATH_INFO", "")
+        try:
+            auth.check(self.key, method, path, environ.get("HTTP_X_CKPT_TIME"),
+                       environ.get("HTTP_X_CKPT_SIGNATURE"), self.max_skew)
+        except AuthError as exc:
+            return _error(start, 401, str(exc))
+        try:
+            return self.route(method, path, environ, start)
+        except StoreError as exc:
+            return _error(start, exc.status, exc.reason)
+        except Exception:  # a bug must not take the daemon down; the client retries
+            log.exception("internal error on %s %s", method, path)
+            return _error(start, 500, "internal error; see the worker's log")
+
+    def route(self, method: str, path: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
+        if path.startswith("/v1/shards/"):
+            name = path[len("/v1/shards/"):]
+            if not valid_name(name):
+                return _error(start, 400, f"shard name {name[:80]!r} is not 64 lowercase hex characters")
+            if method == "PUT":
+                return self.put(name, environ, start)
+            if method in ("GET", "HEAD"):
+                return self.get(name, environ, start, head=method == "HEAD")
+            return _error(start, 405, f"{method} not allowed on a shard")
+        if path == "/v1/status" and method == "GET":
+            count, used = self.store.usage()
+            return _json(start, 200, {
+                "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
+                "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
+                "shards": count, "used": used,
+            })
+        if path == "/v1/verify" and method == "POST":
+            names = self._names(environ)
+            results = []
+            for name in names:
+                sha, size = self.store.rehash(name)
+                results.append({"name": name, "sha256": sha, "size": size})
+            return _json(start, 200, {"results": results})
+        if path == "/v1/stat" and method == "POST":
+            names = self._names(environ)
+            return _json(start, 200, {"sizes": {n: self.store.has(n) for n in names}})
+        if path == "/v1/inventory" and method == "GET":
+            return _json(start, 200, {"shards": [[n, s] for n, s in self.store.inventory()]})
+        return _error(start, 404, f"no such endpoint: {method} {path}")
+
+    def put(self, name: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
+        raw_len = environ.get("CONTENT_LENGTH") or ""
+        if not raw_len.isdigit():
+            return _error(start, 411, "Content-Length is required")
+        result = self.store.put(name, environ["wsgi.input"], int(raw_len))
+        status = 201 if result.created else 200
+        return _json(start, status, {"name": name, "size": result.size, "created": result.created,
+                                     "already_present": not result.created})
+
+    def get(self, name: str, environ: dict[str, Any], start: StartResponse, *, head: bool) -> Iterable[bytes]:
+        try:
+            f = open(self.store.path(name), "rb")
+        except FileNotFoundError:
+            if head:
+                start("404 Not Found", [("Content-Length", "0")])
+                return []
+            return _error(start, 404, f"shard {name} is not held here")
+        size = os.fstat(f.fileno()).st_size
+        start("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(size))])
+        if head:
+            f.close()
+            return [b""]
+        wrapper = environ.get("wsgi.file_wrapper")
+        if wrapper is not None:
+            return wrapper(f, 1024 * 1024)
+        return _iter_file(f)
+
+    def _names(self, environ: dict[str, Any]) -> list[str]:
+        raw_len = environ.get("CONTENT_LENGTH") or ""
+        if not raw_len.isdigit():
+            raise StoreError(411, "Content-Length is required")
+        n = int(raw_len)
+        if n > MAX_JSON_BODY:
+            raise StoreError(413, f"JSON body of {n:,} bytes exceeds {MAX_JSON_BODY:,}")
+        try:
+            doc = json.loads(environ["wsgi.input"].read(n))
+            names = doc["shards"]
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}') from None
+        if not isinstance(names, list) or len(names) > MAX_NAMES:
+            raise StoreError(400, f'"shards" must be a list of at most {MAX_NAMES} names')
+        bad = [n for n in names if not isinstance(n, str) or not valid_name(n)]
+        if bad:
+            raise StoreError(400, f"shard name {str(bad[0])[:80]!r} is not 64 lowercase hex characters")
+        return names
+
+
+def _iter_file(f: Any) -> Iterable[bytes]:
+    with f:
+        while chunk := f.read(1024 * 1024):
+            yield chunk

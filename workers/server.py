@@ -1,0 +1,75 @@
+"""``ckpt worker``: the storage worker daemon behind gunicorn (threaded workers).
+
+gunicorn, not the werkzeug development server: it serves long uploads in threads,
+streams responses with sendfile, and shuts down gracefully on SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from workers.app import WorkerApp
+from workers.shardstore import ShardStore
+
+log = logging.getLogger("ckpt.worker")
+
+
+def node_id_for(data_dir: str) -> str:
+    """The worker's stable identity, kept in ``<data>/node_id`` (created on first start)."""
+    path = os.path.join(data_dir, "node_id")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        pass
+    os.makedirs(data_dir, exist_ok=True)
+    node = "w-" + secrets.token_hex(6)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(node)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    return node
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, app: Any, options: dict[str, Any]) -> None:
+        self.application, self.options = app, options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        return self.application
+
+
+def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", threads: int = 8,
+          capacity: int = 0, max_skew: float = 300.0) -> None:
+    """Run the storage worker in the foreground until SIGTERM/SIGINT."""
+    store = ShardStore(data_dir, capacity=capacity)
+    node = node_id_for(data_dir)
+    app = WorkerApp(store, key=key, node_id=node, zone=zone, max_skew=max_skew)
+    log.info("storage worker %s serving %s on %s:%d", node, data_dir, host, port)
+    _Gunicorn(app, {
+        "bind": f"{host}:{port}",
+        "workers": 1,
+        "worker_class": "gthread",
+        "threads": threads,
+        # A transfer of a multi-GB shard may take minutes; the gthread worker still
+        # heartbeats the arbiter from its main loop, so this only bounds a hung worker.
+        "timeout": 120,
+        "graceful_timeout": 10,
+        "keepalive": 75,
+        "accesslog": None,
+        "errorlog": "-",
+        "loglevel": "warning",
+        "proc_name": f"ckpt-worker-{node}",
+        "sendfile": True,
+    }).run()

@@ -1,0 +1,183 @@
+"""A content-addressed shard store on one directory.
+
+Layout: ``<data>/shards/ab/cd/<sha256>`` for shards, ``<data>/tmp/`` for uploads in
+flight, ``<data>/quarantine/`` for copies set aside. A shard becomes visible only after
+its bytes hashed to its name, were fsynced, renamed into place, and the directory
+fsynced (DESIGN invariant 2).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
+BLOCK = 4 * 1024 * 1024
+
+
+class StoreError(Exception):
+    """Raised when the store refuses a shard; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status, self.reason = status, reason
+        super().__init__(reason)
+
+
+def valid_name(name: str) -> bool:
+    return bool(SHARD_NAME.match(name))
+
+
+@dataclass(frozen=True)
+class PutResult:
+    created: bool
+    size: int
+
+
+class ShardStore:
+    def __init__(self, root: str | os.PathLike[str], *, capacity: int = 0) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.shards = os.path.join(self.root, "shards")
+        self.tmp = os.path.join(self.root, "tmp")
+        self.quarantine = os.path.join(self.root, "quarantine")
+        for d in (self.shards, self.tmp, self.quarantine):
+            os.makedirs(d, exist_ok=True)
+        self.capacity = capacity
+        # Leftovers of uploads that a crash interrupted: never visible, safe to drop.
+        for name in os.listdir(self.tmp):
+            os.unlink(os.path.join(self.tmp, name))
+
+    def path(self, name: str) -> str:
+        if not valid_name(name):
+            raise StoreError(400, f"shard name {name[:80]!r} is not 64 lowercase hex characters")
+        return os.path.join(self.shards, name[:2], name[2:4], name)
+
+    def has(self, name: str) -> int | None:
+        """Size of the shard if present."""
+        try:
+            return os.stat(self.path(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def free_bytes(self) -> int:
+        usage = shutil.disk_usage(self.root)
+        return usage.free
+
+    def capacity_bytes(self) -> int:
+        return self.capacity or shutil.disk_usage(self.root).total
+
+    def put(self, name: str, body: BinaryIO, length: int) -> PutResult:
+        """Store ``length`` bytes read from ``body`` as shard ``name``.
+
+        The bytes stream to a temporary file while being hashed; a mismatch is refused
+        before anything becomes visible.
+        """
+        final = self.path(name)
+        if os.path.exists(final):
+            _drain(body, length)
+            return PutResult(created=False, size=os.stat(final).st_size)
+        if length < 0:
+            raise StoreError(411, "Content-Length is required")
+        if length > self.free_bytes():
+            raise StoreError(507, f"shard of {length:,} bytes exceeds the {self.free_bytes():,} bytes free")
+        h = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=name[:16] + ".")
+        try:
+            buf = bytearray(min(BLOCK, max(length, 1)))
+            view = memoryview(buf)
+            remaining = length
+            with os.fdopen(fd, "wb", buffering=0) as out:
+                while remaining:
+                    n = body.readinto(view[: min(len(buf), remaining)]) if hasattr(body, "readinto") else None
+                    if n is None:
+                        chunk = body.read(min(len(buf), remaining))
+                        n = len(chunk)
+                        view[:n] = chunk
+                    if not n:
+                        raise StoreError(400, f"body ended after {length - remaining:,} of {length:,} bytes")
+                    h.update(view[:n])
+                    out.write(view[:n])
+                    remaining -= n
+                actual = h.hexdigest()
+                if actual != name:
+                    raise StoreError(422, f"body hashes to {actual}, not to its name {name}")
+                os.fsync(out.fileno())
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.rename(tmp, final)
+            tmp = ""
+            _fsync_dir(os.path.dirname(final))
+            return PutResult(created=True, size=length)
+        finally:
+            if tmp:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def rehash(self, name: str) -> tuple[str | None, int | None]:
+        """``(sha256, size)`` of the shard as it is on the disk now, or ``(None, None)`` if absent.
+
+        The page cache is dropped first so the bytes come from the disk, not memory.
+        """
+        try:
+            f = open(self.path(name), "rb", buffering=0)
+        except FileNotFoundError:
+            return None, None
+        with f:
+            fd = f.fileno()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            h = hashlib.sha256()
+            buf = bytearray(BLOCK)
+            view = memoryview(buf)
+            size = 0
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                size += n
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return h.hexdigest(), size
+
+    def quarantine_shard(self, name: str) -> str | None:
+        """Move a shard aside (not served, not counted); returns where it went."""
+        src = self.path(name)
+        dst = os.path.join(self.quarantine, f"{name}.{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        _fsync_dir(os.path.dirname(src))
+        _fsync_dir(self.quarantine)
+        return dst
+
+    def inventory(self) -> Iterator[tuple[str, int]]:
+        for dirpath, _dirs, files in os.walk(self.shards):
+            for name in files:
+                if valid_name(name):
+                    yield name, os.stat(os.path.join(dirpath, name)).st_size
+
+    def usage(self) -> tuple[int, int]:
+        count = used = 0
+        for _name, size in self.inventory():
+            count += 1
+            used += size
+        return count, used
+
+
+def _drain(body: BinaryIO, length: int) -> None:
+    remaining = max(length, 0)
+    while remaining:
+        chunk = body.read(min(BLOCK, remaining))
+        if not chunk:
+            break
+        remaining -= len(chunk)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
