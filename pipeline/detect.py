@@ -16,8 +16,10 @@ from pathlib import Path
 from pipeline.errors import HeaderError, IncompleteCheckpoint
 from pipeline.header import Header, read_header
 
-#: Files the HF Trainer writes into ``checkpoint-N/`` before ``trainer_state.json``.
-HF_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
+#: Written by the HF Trainer with the model, first thing in ``checkpoint-N/``; the Trainer
+#: writes ``trainer_state.json`` last. Plain ``optimizer.pt`` is not a sign: many trainers
+#: write one without any trainer state.
+HF_TRAINER_FILES = ("training_args.bin",)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from pipeline import states
@@ -60,8 +60,9 @@ def expired_work(settings: Settings) -> list[Send]:
     t = now()
     sends: list[Send] = []
     with session_scope(settings.db_url) as s:
-        active = states.ACTIVE["store"] | states.ACTIVE["restore"]
-        for job in s.scalars(select(Job).where(Job.state.in_(active), Job.lease_until < t)):
+        # States are per kind: a store job 'verified' is waiting, a restore job 'verified' is working.
+        active = or_(*(and_(Job.kind == kind, Job.state.in_(sorted(names))) for kind, names in states.ACTIVE.items()))
+        for job in s.scalars(select(Job).where(active, Job.lease_until < t)):
             job.lease_until = t + timedelta(seconds=settings.lease_seconds)
             sends.extend(resume(s, job))
             log.warning("job %d (%s %s): lease expired, re-driving", job.id, job.kind, job.state)
@@ -110,7 +111,7 @@ class Scheduler:
             return
         probe_all(self.settings)
         self.send(expired_work(self.settings))
-        if self.clock() - self._last_sweep >= max(30.0, self.settings.tick_seconds * 10):
+        if self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
             self._last_sweep = self.clock()
             self.send(rotation_sweep(self.settings))
 

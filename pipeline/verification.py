@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from pipeline import placement, states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
 from pipeline.errors import WorkerError
 from pipeline.settings import Settings
@@ -34,24 +34,35 @@ def replicas_of(session, checkpoint_id: int, states_: tuple[str, ...]) -> list[R
     ))
 
 
-def rehash_on_workers(settings: Settings, by_worker: dict[str, tuple[str, list[str]]]) -> dict[str, dict[str, str | None]]:
-    """Ask each worker (id -> (url, names)) to re-hash its shards; id -> {name: sha or None}.
+def rehash_on_workers(settings: Settings, by_worker: dict[str, tuple[str, list[str]]]) -> dict[str, dict[str, str | None] | str]:
+    """Ask each worker (id -> (url, names)) to re-hash its shards.
 
-    A worker that cannot answer maps to an empty dict.
+    Returns id -> {name: sha256 or None if absent}, or id -> error text if it could not answer.
     """
     key = settings.key()
 
-    def ask(item: tuple[str, tuple[str, list[str]]]) -> tuple[str, dict[str, str | None]]:
+    def ask(item: tuple[str, tuple[str, list[str]]]) -> tuple[str, dict[str, str | None] | str]:
         worker_id, (url, names) = item
         try:
             results = WorkerClient(url, key).verify(sorted(set(names)))
         except WorkerError as exc:
             log.warning("verify on %s failed: %s", worker_id, exc)
-            return worker_id, {}
+            return worker_id, exc.reason
         return worker_id, {r["name"]: r["sha256"] for r in results}
 
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(by_worker)))) as pool:
         return dict(pool.map(ask, by_worker.items()))
+
+
+def replace_replica(session, rep: Replica, state: str, error: str) -> Replica:  # noqa: ANN001
+    """Stop counting ``rep`` and place a fresh replica of its shard on another live worker."""
+    rep.state, rep.last_error = state, error
+    holders = frozenset(r.worker_id for r in rep.shard.replicas)
+    target = placement.place(rep.shard.sha256, live_candidates(session), 1, exclude=holders)[0]
+    fresh = Replica(shard_id=rep.shard_id, worker_id=target, state="pending")
+    session.add(fresh)
+    session.flush()
+    return fresh
 
 
 def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
@@ -66,16 +77,23 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             names.append(rep.shard.sha256)
 
     answers = rehash_on_workers(settings, by_worker)
-    unreachable = [w for w, a in answers.items() if not a]
-    if unreachable:
-        raise WorkerError(", ".join(unreachable), "could not re-hash its replicas; will retry")
 
     sends: list[Send] = []
     with session_scope(settings.db_url) as s:
         t = now()
         bad: list[str] = []
+        for worker_id, answer in answers.items():
+            if isinstance(answer, str):
+                worker = s.get(StorageWorker, worker_id)
+                worker.state, worker.last_error = "down", answer
         for rep in replicas_of(s, checkpoint_id, ("stored", "verified")):
-            actual = answers[rep.worker_id].get(rep.shard.sha256)
+            answer = answers[rep.worker_id]
+            if isinstance(answer, str):  # unreachable: its copies do not count; copy elsewhere
+                fresh = replace_replica(s, rep, "abandoned", f"worker unreachable at verify: {answer}")
+                bad.append(f"shard {rep.shard.sha256[:12]} unreachable on {rep.worker_id}")
+                sends.append(Send("replicate", (fresh.id,)))
+                continue
+            actual = answer.get(rep.shard.sha256)
             if actual == rep.shard.sha256:
                 rep.state, rep.verified_at, rep.last_error = "verified", t, None
             elif actual is None:
@@ -83,13 +101,8 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
                 bad.append(f"shard {rep.shard.sha256[:12]} missing on {rep.worker_id}")
                 sends.append(Send("replicate", (rep.id,)))
             else:
-                rep.state, rep.last_error = "corrupt", f"worker re-hash gave {actual}"
+                fresh = replace_replica(s, rep, "corrupt", f"worker re-hash gave {actual}")
                 bad.append(f"shard {rep.shard.sha256[:12]} corrupt on {rep.worker_id}")
-                holders = frozenset(r.worker_id for r in rep.shard.replicas)
-                target = placement.place(rep.shard.sha256, live_candidates(s), 1, exclude=holders)[0]
-                fresh = Replica(shard_id=rep.shard_id, worker_id=target, state="pending")
-                s.add(fresh)
-                s.flush()
                 sends.append(Send("replicate", (fresh.id,)))
         if bad:
             transition(s, job_id, "store", S.REPLICATED, S.SHARDED, lease_seconds=settings.lease_seconds,

@@ -1,0 +1,83 @@
+"""Shared fixtures: settings on a temporary home, a control plane built by Alembic."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline import settings as settings_mod
+from pipeline.db.engine import dispose_all, session_scope
+from pipeline.db.migrate import upgrade
+
+POSTGRES_ADMIN_URL = os.environ.get("CKPT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> settings_mod.Settings:
+    s = settings_mod.load({
+        "home": tmp_path / "home", "roots": (str(tmp_path / "runs" / "*"),), "cluster_key": "test-key",
+        "redis_url": "stub://", "shard_size": 64 * 1024, "settle_seconds": 0.0,
+    }, environ={})
+    (tmp_path / "runs").mkdir()
+    return settings_mod.configure(s)
+
+
+@pytest.fixture
+def db(settings: settings_mod.Settings):
+    """The SQLite control plane at head, built by the migrations."""
+    upgrade(settings.db_url)
+    yield settings
+    dispose_all()
+
+
+def _postgres_available() -> bool:
+    try:
+        import psycopg  # noqa: F401
+        from sqlalchemy import create_engine, text
+
+        eng = create_engine(POSTGRES_ADMIN_URL)
+        with eng.connect() as c:
+            c.execute(text("select 1"))
+        eng.dispose()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request, settings: settings_mod.Settings):
+    """The control plane at head on SQLite, and on a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        upgrade(settings.db_url)
+        yield settings
+        dispose_all()
+        return
+    if not _postgres_available():
+        pytest.skip(f"requires PostgreSQL at {POSTGRES_ADMIN_URL} (set CKPT_TEST_POSTGRES_URL)")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"ckpt_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    import dataclasses
+
+    s = settings_mod.configure(dataclasses.replace(settings, database_url=url))
+    try:
+        upgrade(url)
+        yield s
+    finally:
+        dispose_all()
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def session(db):
+    with session_scope(db.db_url) as s:
+        yield s

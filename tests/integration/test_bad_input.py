@@ -1,0 +1,51 @@
+"""Bad input gets a clear error naming what is wrong, and nothing is half-stored."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.integration
+
+
+def test_store_outside_the_roots_is_refused(shared_cluster, tmp_path):
+    p = tmp_path / "elsewhere.safetensors"
+    save_file({"a": torch.zeros(3)}, str(p))
+    r = shared_cluster.cli("store", str(p))
+    assert r.returncode == 1
+    assert "is not a checkpoint inside a watched root" in r.stderr
+
+
+def test_store_of_a_malformed_safetensors_names_the_problem(shared_cluster):
+    run = shared_cluster.runs / "run-bad"
+    run.mkdir()
+    p = run / ".writing"
+    save_file({"a": torch.zeros(1000)}, str(p))
+    data = p.read_bytes()
+    p.unlink()
+    bad = run / "broken.safetensors"
+    bad.write_bytes(data[:-100])
+    r = shared_cluster.cli("store", str(bad))
+    assert r.returncode == 1
+    assert "broken.safetensors: invalid safetensors file" in r.stderr and "truncated" in r.stderr
+    status = shared_cluster.cli("status", "--json")
+    assert str(bad) not in status.stdout
+
+
+def test_restore_of_an_unknown_checkpoint_says_so(shared_cluster, tmp_path):
+    r = shared_cluster.cli("restore", "999999", "--to", str(tmp_path / "x"))
+    assert r.returncode == 1 and "no checkpoint '999999'" in r.stderr
+
+
+def test_restore_refuses_to_overwrite_an_existing_destination(shared_cluster, tmp_path):
+    run = shared_cluster.runs / "run-overwrite"
+    run.mkdir()
+    p = run / "m.safetensors"
+    save_file({"a": torch.ones(10)}, str(p))
+    r = shared_cluster.cli("store", str(p), "--wait", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    dest = tmp_path / "exists"
+    dest.write_text("keep me")
+    r = shared_cluster.cli("restore", str(p), "--to", str(dest))
+    assert r.returncode == 1 and "already exists" in r.stderr
+    assert dest.read_text() == "keep me"

@@ -1,0 +1,107 @@
+"""Crashes delay work but never lose it, and never lose data."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import redis
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import func, select
+
+from pipeline.catalog import resolve
+from pipeline.db.engine import session_scope
+from pipeline.db.models import CheckpointFile, Replica, Shard
+from pipeline.gather import manifest
+from pipeline.loader import load_state_dict
+from tests.checkpoints import atomic_save, files_of, state_dict
+from tests.integration.conftest import checkpoint_job
+from tests.processes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def big_checkpoint(path, seed: int = 0):  # noqa: ANN001, ANN201
+    """~40 MB in ~160 shards of 256 KiB (the test cluster's shard size): many transfers."""
+    return atomic_save(state_dict(seed, layers=24, width=256), path)
+
+
+def stored_replicas(cluster, job_id: int) -> int:  # noqa: ANN001
+    with session_scope(cluster.settings.db_url) as s:
+        cid = cluster.job(job_id).checkpoint_id
+        return s.scalar(select(func.count(Replica.id)).join(Shard).join(CheckpointFile)
+                        .where(CheckpointFile.checkpoint_id == cid, Replica.state == "stored"))
+
+
+def node_id(worker) -> str:  # noqa: ANN001
+    return (worker.data / "node_id").read_text().strip()
+
+
+def test_storage_worker_killed_during_store_then_restore_falls_back(make_cluster, tmp_path):
+    cluster = make_cluster()
+    run = cluster.runs / "run"
+    run.mkdir()
+    path = big_checkpoint(run / "step_1.safetensors")
+    original = files_of(path)
+    job_id = checkpoint_job(cluster, path)
+    wait_for(lambda: stored_replicas(cluster, job_id) >= 5, 60, "some replicas stored")
+    dead = cluster.workers[0]
+    dead.kill()
+
+    cluster.wait_job(job_id, ("verified",), timeout=120)
+    with session_scope(cluster.settings.db_url) as s:
+        cid = cluster.job(job_id).checkpoint_id
+        live = s.scalars(select(Replica).join(Shard).join(CheckpointFile)
+                         .where(CheckpointFile.checkpoint_id == cid, Replica.state == "verified")).all()
+        assert {r.worker_id for r in live}.isdisjoint({node_id(dead)})
+
+    # Now lose a second worker: every shard still has its copy on the third, and gathering
+    # must fall back to it for the shards whose preferred replica was on the lost worker.
+    second = cluster.workers[1]
+    with session_scope(cluster.settings.db_url) as s:
+        files = manifest(s, resolve(s, str(path)))
+    preferred_on_second = sum(1 for f in files for sh in f.shards if sh.replicas[0][0] == node_id(second))
+    assert preferred_on_second > 0
+    second.kill()
+    loaded = load_state_dict(str(path), cluster.settings)  # manifest still prefers the dead worker here
+    ref = load_file(str(path))
+    assert all(torch.equal(loaded[k], ref[k]) for k in ref)
+
+    dest = tmp_path / "restored.safetensors"
+    r = cluster.cli("restore", str(path), "--to", str(dest), "--wait", timeout=180)
+    assert r.returncode == 0, r.stderr + cluster.logs()
+    assert files_of(dest) == original
+
+
+def test_dramatiq_worker_sigkilled_mid_replication(make_cluster, tmp_path):
+    cluster = make_cluster()
+    run = cluster.runs / "run"
+    run.mkdir()
+    path = big_checkpoint(run / "step_1.safetensors", seed=5)
+    job_id = checkpoint_job(cluster, path)
+    wait_for(lambda: cluster.job(job_id).state == "sharded" and stored_replicas(cluster, job_id) >= 2, 60,
+             "replication under way")
+    victims = cluster.dramatiq_workers()
+    assert victims, "no dramatiq worker process found"
+    os.kill(victims[0], signal.SIGKILL)
+
+    cluster.wait_job(job_id, ("verified",), timeout=180)
+    dest = tmp_path / "restored.safetensors"
+    r = cluster.cli("restore", str(path), "--to", str(dest), "--wait", timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert dest.read_bytes() == path.read_bytes()
+
+
+def test_redis_flushed_mid_pipeline(make_cluster):
+    cluster = make_cluster()
+    run = cluster.runs / "run"
+    run.mkdir()
+    path = big_checkpoint(run / "step_1.safetensors", seed=9)
+    job_id = checkpoint_job(cluster, path)
+    wait_for(lambda: cluster.job(job_id).state == "sharded", 60, "replication under way")
+    client = redis.Redis(unix_socket_path=str(cluster.settings.redis_socket))
+    client.flushall()
+    client.close()
+    cluster.wait_job(job_id, ("verified",), timeout=180)
+    assert "lease expired" in (cluster.home / "logs" / "scheduler.log").read_text()

@@ -1,0 +1,79 @@
+"""Rotation deletes a local checkpoint only when every replica is confirmed elsewhere."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from sqlalchemy import select, update
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import CheckpointFile, Replica, Shard
+from tests.checkpoints import atomic_save, state_dict
+from tests.integration.conftest import checkpoint_job
+from tests.processes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def replicas(cluster, job_id):  # noqa: ANN001
+    """Verified replicas of the job's tensor shards. (The header shard is skipped: a later
+    checkpoint with the same layout has the very same header shard, and would re-upload it.)"""
+    with session_scope(cluster.settings.db_url) as s:
+        cid = cluster.job(job_id).checkpoint_id
+        return [(r.id, r.worker_id, r.shard.sha256) for r in s.scalars(
+            select(Replica).join(Shard).join(CheckpointFile)
+            .where(CheckpointFile.checkpoint_id == cid, Replica.state == "verified", Shard.kind == "safetensors"))]
+
+
+def shard_file(cluster, worker_id: str, sha: str):  # noqa: ANN001
+    for w in cluster.workers:
+        if (w.data / "node_id").read_text().strip() == worker_id:
+            return w.data / "shards" / sha[:2] / sha[2:4] / sha
+    raise AssertionError(worker_id)
+
+
+def test_rotation_refuses_while_a_replica_is_missing_and_deletes_once_confirmed(make_cluster, tmp_path):
+    cluster = make_cluster(env={"CKPT_KEEP_LAST": "1"})
+    run = cluster.runs / "run"
+    run.mkdir()
+    old = atomic_save(state_dict(1), run / "step_1.safetensors")
+    old_job = checkpoint_job(cluster, old)
+    cluster.wait_job(old_job, ("verified",))
+
+    # A replica vanishes from a worker's disk after it was verified.
+    _rid, worker_id, sha = replicas(cluster, old_job)[0]
+    victim = shard_file(cluster, worker_id, sha)
+    shutil.move(victim, tmp_path / "aside")
+
+    new = atomic_save(state_dict(2), run / "step_2.safetensors")
+    cluster.wait_job(checkpoint_job(cluster, new), ("verified",))
+    blocked = wait_for(lambda: cluster.job(old_job).blocked_reason, 30, "rotation to be blocked")
+    assert "rotation blocked" in blocked and sha[:12] in blocked
+    assert old.exists() and cluster.job(old_job).state == "verified"
+
+    shutil.move(tmp_path / "aside", victim)  # the copy is back: the next sweep may delete
+    cluster.wait_job(old_job, ("rotated",), timeout=60)
+    assert not old.exists() and new.exists()
+
+
+def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
+    cluster = make_cluster(env={"CKPT_KEEP_LAST": "1"})
+    run = cluster.runs / "run"
+    run.mkdir()
+    old = atomic_save(state_dict(3), run / "step_1.safetensors")
+    old_job = checkpoint_job(cluster, old)
+    cluster.wait_job(old_job, ("verified",))
+    rid = replicas(cluster, old_job)[0][0]
+    with session_scope(cluster.settings.db_url) as s:  # as if the re-hash after upload had not happened
+        s.execute(update(Replica).where(Replica.id == rid).values(state="stored", verified_at=None))
+
+    new = atomic_save(state_dict(4), run / "step_2.safetensors")
+    cluster.wait_job(checkpoint_job(cluster, new), ("verified",))
+    blocked = wait_for(lambda: cluster.job(old_job).blocked_reason, 30, "rotation to be blocked")
+    assert "1/2 fresh verified replicas" in blocked
+    assert old.exists()
+
+    with session_scope(cluster.settings.db_url) as s:
+        s.execute(update(Replica).where(Replica.id == rid).values(state="verified", verified_at=Replica.stored_at))
+    cluster.wait_job(old_job, ("rotated",), timeout=60)
+    assert not old.exists()

@@ -1,0 +1,220 @@
+"""Real processes for tests: storage workers and a whole ``ckpt up``, always cleaned up."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline import settings as settings_mod
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Job
+from pipeline.errors import WorkerError
+from pipeline.worker_client import WorkerClient, free_port
+
+KEY = "integration-test-key"
+FAST = {  # settings that make a test cluster react in seconds, not minutes
+    "CKPT_SETTLE_SECONDS": "0.3",
+    "CKPT_SCAN_INTERVAL": "1",
+    "CKPT_LEASE_SECONDS": "6",
+    "CKPT_TICK_SECONDS": "0.5",
+    "CKPT_WORKER_DOWN_SECONDS": "2",
+    "CKPT_MIN_BACKOFF_MS": "200",
+    "CKPT_MAX_BACKOFF_MS": "2000",
+    "CKPT_SHARD_SIZE": str(256 * 1024),
+    "CKPT_MAX_ATTEMPTS": "8",
+}
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):  # noqa: ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for c in children_of(pid):
+        out.append(c)
+        out.extend(descendants(c))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class StorageWorker:
+    def __init__(self, data: Path, env: dict[str, str], log: Path) -> None:
+        self.data, self.env, self.log = data, env, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "StorageWorker":
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        client = WorkerClient(self.url, KEY.encode())
+
+        def up() -> bool:
+            try:
+                return bool(client.status())
+            except WorkerError:
+                assert self.proc.poll() is None, f"storage worker exited; see {self.log}"
+                return False
+
+        wait_for(up, 20, f"storage worker on {self.url}")
+        return self
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *descendants(self.proc.pid)] if self.proc else []
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its gunicorn children, as a crash would."""
+        for pid in reversed(self.pids()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc:
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            pids = self.pids()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def base_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    env.update({"CKPT_HOME": str(home), "CKPT_CLUSTER_KEY": KEY, "PYTHONUNBUFFERED": "1"})
+    env.update(FAST)
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """``ckpt up`` (embedded SQLite + Redis, real dramatiq, scheduler, watcher) with storage
+    workers started by the test, so that a test can kill them."""
+
+    def __init__(self, tmp: Path, *, workers: int = 3, env: dict[str, str] | None = None,
+                 processes: int = 2) -> None:
+        self.tmp = tmp
+        self.home = tmp / "home"
+        self.runs = tmp / "runs"
+        self.runs.mkdir(parents=True, exist_ok=True)
+        (tmp / "logs").mkdir(exist_ok=True)
+        self.extra_env = env or {}
+        self.n_workers, self.processes = workers, processes
+        self.workers: list[StorageWorker] = []
+        self.up_proc: subprocess.Popen | None = None
+        self.known_pids: set[int] = set()
+
+    @property
+    def env(self) -> dict[str, str]:
+        urls = ",".join(w.url for w in self.workers)
+        return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls, **self.extra_env)
+
+    def start(self) -> "Cluster":
+        for i in range(self.n_workers):
+            w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home), self.tmp / "logs" / f"worker{i}.log")
+            self.workers.append(w.start())
+        with open(self.tmp / "logs" / "up.log", "ab") as out:
+            self.up_proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "up", "--workers", "0", "--processes", str(self.processes)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: (self.home / "up.json").exists() or self.up_proc.poll() is not None, 60, "ckpt up")
+        assert self.up_proc.poll() is None, f"ckpt up exited; see {self.tmp / 'logs' / 'up.log'}"
+        self.settings = settings_mod.load(environ=self.env)
+        self._remember_pids()
+        return self
+
+    def up_info(self) -> dict:
+        return json.loads((self.home / "up.json").read_text())
+
+    def _remember_pids(self) -> None:
+        if self.up_proc:
+            self.known_pids.update([self.up_proc.pid, *descendants(self.up_proc.pid)])
+        for w in self.workers:
+            self.known_pids.update(w.pids())
+
+    def dramatiq_workers(self) -> list[int]:
+        master = self.up_info()["children"]["dramatiq"]
+        return children_of(master)
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def job(self, job_id: int) -> Job:
+        with session_scope(self.settings.db_url) as s:
+            return s.get(Job, job_id)
+
+    def wait_job(self, job_id: int, states: tuple[str, ...], timeout: float = 90) -> Job:
+        def reached():
+            job = self.job(job_id)
+            if job.state in ("failed", "superseded") and job.state not in states:
+                raise AssertionError(f"job {job_id} ended {job.state}: {job.last_error}\n{self.logs()}")
+            return job if job.state in states else None
+
+        return wait_for(reached, timeout, f"job {job_id} to reach {states}", interval=0.2)
+
+    def logs(self) -> str:
+        out = []
+        for p in sorted((self.home / "logs").glob("*.log")) + [self.tmp / "logs" / "up.log"]:
+            try:
+                lines = p.read_text(errors="replace").splitlines()[-15:]
+            except FileNotFoundError:
+                continue
+            out.append(f"--- {p.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        self._remember_pids() if self.up_proc and self.up_proc.poll() is None else None
+        if self.up_proc and self.up_proc.poll() is None:
+            self.up_proc.send_signal(signal.SIGTERM)
+            try:
+                self.up_proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.up_proc.kill()
+        for w in self.workers:
+            w.stop()
+        leftover = [p for p in self.known_pids if alive(p)]
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftover, f"processes outlived the cluster: {leftover}"
+
+
+def with_settings(s: settings_mod.Settings, **changes) -> settings_mod.Settings:  # noqa: ANN003
+    return dataclasses.replace(s, **changes)

@@ -1,0 +1,87 @@
+"""The state machine as data, and the one transition function, on SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from pipeline import states
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Job, JobEvent
+from pipeline.db.transitions import create_job, transition
+from pipeline.errors import InvalidTransition
+
+
+def all_pairs(kind: str):
+    names = sorted(states.all_states(kind))
+    return [(kind, a, b) for a in names for b in names if a != b]
+
+
+ILLEGAL = [p for k in ("store", "restore") for p in all_pairs(k) if not states.allowed(*p)]
+LEGAL = [p for k in ("store", "restore") for p in all_pairs(k) if states.allowed(*p)]
+
+
+def test_store_happy_path_is_declared():
+    path = ["detected", "sharded", "replicated", "verified", "rotated"]
+    assert all(states.allowed("store", a, b) for a, b in zip(path, path[1:]))
+    path = ["queued", "gathering", "verified", "done"]
+    assert all(states.allowed("restore", a, b) for a, b in zip(path, path[1:]))
+
+
+def test_terminal_states_have_no_way_out_but_requeue():
+    for kind in ("store", "restore"):
+        for state in states.TERMINAL[kind] - {"failed"}:
+            assert not states.TRANSITIONS[kind][state]
+
+
+def _job_in(s, kind: str, state: str) -> int:
+    job = create_job(s, kind, checkpoint_id=None)
+    s.flush()
+    job.state = state  # test setup only: put the job where the case starts
+    s.flush()
+    return job.id
+
+
+@pytest.mark.parametrize("kind,current,target", ILLEGAL)
+def test_every_illegal_transition_raises(db, kind, current, target):
+    with session_scope(db.db_url) as s:
+        job_id = _job_in(s, kind, current)
+    with pytest.raises(InvalidTransition):
+        with session_scope(db.db_url) as s:
+            transition(s, job_id, kind, current, target)
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job_id).state == current
+
+
+@pytest.mark.parametrize("kind,current,target", LEGAL)
+def test_every_legal_transition_moves_and_writes_the_timeline(any_db, kind, current, target):
+    with session_scope(any_db.db_url) as s:
+        job_id = _job_in(s, kind, current)
+    with session_scope(any_db.db_url) as s:
+        assert transition(s, job_id, kind, current, target, detail="why") is True
+    with session_scope(any_db.db_url) as s:
+        assert s.get(Job, job_id).state == target
+        last = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc())).first()
+        assert (last.from_state, last.to_state, last.detail) == (current, target, "why")
+
+
+def test_a_repeated_transition_is_a_no_op(any_db):
+    with session_scope(any_db.db_url) as s:
+        job_id = create_job(s, "store", checkpoint_id=None).id
+    with session_scope(any_db.db_url) as s:
+        assert transition(s, job_id, "store", "detected", "sharded")
+    with session_scope(any_db.db_url) as s:
+        assert transition(s, job_id, "store", "detected", "sharded") is False
+        events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)).all()
+        assert [e.to_state for e in events] == ["detected", "sharded"]
+
+
+def test_compare_and_set_refuses_a_stale_expectation(any_db):
+    with session_scope(any_db.db_url) as s:
+        job_id = create_job(s, "store", checkpoint_id=None).id
+    with session_scope(any_db.db_url) as s:
+        transition(s, job_id, "store", "detected", "sharded")
+        transition(s, job_id, "store", "sharded", "replicated")
+    # A late delivery still believing the job is 'detected' cannot move it.
+    with pytest.raises(InvalidTransition, match="cannot go from 'replicated' to 'sharded'"):
+        with session_scope(any_db.db_url) as s:
+            transition(s, job_id, "store", "detected", "sharded")
