@@ -60,6 +60,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pipeline.supervisor import Supervisor
 
     s = _settings(args)
+    if not s.roots:
+        # Quick start: watch ./checkpoints (a run: each entry in it is one checkpoint).
+        import dataclasses
+        import os
+
+        s = settings_mod.configure(dataclasses.replace(s, roots=(os.path.abspath("checkpoints"),)))
     sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
     stop = threading.Event()
     _stop_on_signals(lambda: (stop.set(), setattr(sup, "stopping", True)))
@@ -277,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything on this machine (embedded SQLite and Redis)")
-    up.add_argument("--root", action="append", help="watched root: a directory or glob of run directories")
+    up.add_argument("--root", action="append",
+                    help="watched root: a run directory or a glob of them (default ./checkpoints)")
     up.add_argument("--workers", type=int, default=3, help="local storage workers (default 3)")
     up.add_argument("--processes", type=int, default=2, help="dramatiq worker processes (default 2)")
     up.add_argument("--threads", type=int, default=4, help="threads per dramatiq process (default 4)")

@@ -1,12 +1,13 @@
 """Configuration in one place.
 
-A :class:`Settings` is built from defaults, then ``<home>/config.toml``, then the
-``CKPT_*`` environment, then explicit overrides (command-line flags). Nothing else in
-the code base reads ``os.environ``.
+A :class:`Settings` is built from defaults, then the roots of a running ``ckpt up``
+(``<home>/up.json``), then ``<home>/config.toml``, then the ``CKPT_*`` environment, then
+explicit overrides (command-line flags). Nothing else in the code base reads ``os.environ``.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import tomllib
@@ -150,6 +151,15 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
 
     home = Path(overrides.get("home") or env.get("CKPT_HOME") or Settings.home)
     values: dict[str, Any] = {}
+    running = home / "up.json"
+    if running.exists():
+        # A running `ckpt up` publishes its roots so other commands (`ckpt store`) share them.
+        try:
+            roots = json.loads(running.read_text()).get("roots")
+        except (OSError, ValueError):
+            roots = None
+        if roots:
+            values["roots"] = _coerce("roots", roots)
     config = home / "config.toml"
     if config.exists():
         try:

@@ -136,6 +136,9 @@ class Supervisor:
     def up(self) -> dict:
         if not self.settings.roots:
             raise ConfigError("no watched roots: pass --root DIR (or set CKPT_ROOTS)")
+        for root in self.settings.roots:
+            if not any(ch in root for ch in "*?["):
+                Path(root).mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
         self.settings.key()
         if self.settings.embedded_redis:
@@ -150,7 +153,7 @@ class Supervisor:
         self.start_services()
         info = {
             "pid": os.getpid(), "home": str(self.home), "database": self.settings.db_url,
-            "broker": self.settings.broker_url, "workers": urls,
+            "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),
             "children": {c.name: c.proc.pid for c in self.children if c.proc},
         }
         tmp = self.home / "up.json.tmp"

@@ -129,14 +129,14 @@ class Cluster:
     workers started by the test, so that a test can kill them."""
 
     def __init__(self, tmp: Path, *, workers: int = 3, env: dict[str, str] | None = None,
-                 processes: int = 2) -> None:
+                 processes: int = 2, spare_workers: int = 0) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.runs = tmp / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         (tmp / "logs").mkdir(exist_ok=True)
         self.extra_env = env or {}
-        self.n_workers, self.processes = workers, processes
+        self.n_workers, self.processes, self.spare = workers, processes, spare_workers
         self.workers: list[StorageWorker] = []
         self.up_proc: subprocess.Popen | None = None
         self.known_pids: set[int] = set()
@@ -147,9 +147,10 @@ class Cluster:
         return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls, **self.extra_env)
 
     def start(self) -> "Cluster":
-        for i in range(self.n_workers):
+        for i in range(self.n_workers + self.spare):
             w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home), self.tmp / "logs" / f"worker{i}.log")
-            self.workers.append(w.start())
+            # Spare workers are in CKPT_WORKERS but not running yet: a test starts them later.
+            self.workers.append(w.start() if i < self.n_workers else w)
         with open(self.tmp / "logs" / "up.log", "ab") as out:
             self.up_proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "up", "--workers", "0", "--processes", str(self.processes)],

@@ -1,0 +1,47 @@
+"""The scheduler's leader lock and lease re-drive."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Job
+from pipeline.db.transitions import create_job, now
+from pipeline.scheduler import acquire_lock, expired_work, release_lock
+from pipeline.steps import Send
+
+
+def test_only_one_scheduler_holds_the_leader_lock(any_db):
+    assert acquire_lock(any_db, "scheduler", "a", ttl=30)
+    assert not acquire_lock(any_db, "scheduler", "b", ttl=30)
+    assert acquire_lock(any_db, "scheduler", "a", ttl=30)  # renewal
+    release_lock(any_db, "scheduler", "a")
+    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
+
+
+def test_an_expired_lock_is_taken_over(any_db):
+    assert acquire_lock(any_db, "scheduler", "a", ttl=-1)
+    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
+
+
+def _job(s, kind: str, state: str, expired: bool) -> int:  # noqa: ANN001
+    job = create_job(s, kind, checkpoint_id=None)
+    job.state = state
+    job.lease_until = now() + timedelta(seconds=-5 if expired else 60)
+    s.flush()
+    return job.id
+
+
+def test_expired_leases_are_re_driven_by_state_and_kind(any_db):
+    with session_scope(any_db.db_url) as s:
+        detected = _job(s, "store", "detected", expired=True)
+        replicated = _job(s, "store", "replicated", expired=True)
+        store_verified = _job(s, "store", "verified", expired=True)  # waiting for rotation: not active
+        restore_verified = _job(s, "restore", "verified", expired=True)  # renaming into place: active
+        fresh = _job(s, "store", "detected", expired=False)
+    sends = expired_work(any_db)
+    assert set(sends) == {Send("shard", (detected,)), Send("verify", (replicated,)),
+                          Send("restore", (restore_verified,))}
+    with session_scope(any_db.db_url) as s:
+        assert s.get(Job, detected).lease_until > now()
+        assert store_verified not in {a for x in sends for a in x.args} and fresh
+    assert expired_work(any_db) == []  # the renewed leases hold

@@ -1,0 +1,90 @@
+"""The watcher detects complete, settled checkpoints once; reconciles the disk at start."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from safetensors.torch import save_file
+from sqlalchemy import select
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, Job
+from pipeline.watcher import Watcher
+from tests.checkpoints import atomic_save, dcp_folder, state_dict
+
+
+def make(db):  # noqa: ANN001
+    sent = []
+    return Watcher(db, sent.extend, use_events=False), sent
+
+
+def test_new_checkpoint_is_detected_once_with_one_store_job(db, tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    atomic_save(state_dict(0), run / "step_1.safetensors")
+    w, sent = make(db)
+    w.reconcile()
+    w.scan()
+    w.scan()
+    assert [x.actor for x in sent] == ["shard"]
+    with session_scope(db.db_url) as s:
+        (c,) = s.scalars(select(Checkpoint)).all()
+        assert (c.name, c.step, c.local_present, c.run) == ("step_1.safetensors", 1, True, str(run))
+        assert s.scalar(select(Job.state)) == "detected"
+
+
+def test_temporary_and_incomplete_entries_are_not_detected(db, tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    save_file({"a": torch.zeros(4)}, str(run / "step_2.safetensors.tmp"))
+    d = dcp_folder(run / "step_3")
+    os.unlink(d / ".metadata")
+    w, sent = make(db)
+    w.scan()
+    assert sent == []
+
+
+def test_unsettled_checkpoint_waits_for_the_settle_window(db, tmp_path):
+    import dataclasses
+
+    s = dataclasses.replace(db, settle_seconds=60.0)
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    atomic_save(state_dict(0), run / "step_1.safetensors")
+    sent = []
+    w = Watcher(s, sent.extend, use_events=False)
+    wait = w.scan()
+    assert sent == [] and 0 < wait <= 60.0
+
+
+def test_rewritten_checkpoint_is_a_new_version_and_supersedes_the_old_job(db, tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    p = atomic_save(state_dict(0), run / "step_1.safetensors")
+    w, sent = make(db)
+    w.scan()
+    atomic_save(state_dict(1), p)
+    time.sleep(0.01)
+    w.scan()
+    assert [x.actor for x in sent] == ["shard", "shard"]
+    with session_scope(db.db_url) as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        assert [j.state for j in jobs] == ["superseded", "detected"]
+        ckpts = s.scalars(select(Checkpoint).order_by(Checkpoint.id)).all()
+        assert [c.local_present for c in ckpts] == [False, True]
+
+
+def test_startup_reconciliation_marks_vanished_local_copies(db, tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    p = atomic_save(state_dict(0), run / "step_1.safetensors")
+    w, _ = make(db)
+    w.scan()
+    p.unlink()
+    w2, sent = make(db)
+    w2.reconcile()
+    w2.scan()
+    assert sent == []
+    with session_scope(db.db_url) as s:
+        assert s.scalar(select(Checkpoint.local_present)) is False
