@@ -7,6 +7,7 @@ manifest and the transition together.
 from __future__ import annotations
 
 import logging
+import time
 
 from sqlalchemy import select
 
@@ -14,7 +15,7 @@ from pipeline import placement, states
 from pipeline.catalog import file_path
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Replica, Shard, StorageWorker
-from pipeline.db.transitions import transition
+from pipeline.db.transitions import renew_lease, transition
 from pipeline.header import read_header
 from pipeline.hashing import scan
 from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
@@ -45,11 +46,12 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         files = [(f.id, f.relpath, file_path(ckpt, f), f.format, f.size, f.sha256) for f in ckpt.files]
         ckpt_path = ckpt.path
 
+    keep_alive = _LeaseKeeper(settings, job_id)
     manifest: list[tuple[int, ShardPlan, str]] = []
     for file_id, rel, path, fmt, size, sha in files:
         try:
             plans = plan_file(path, fmt, size, settings.shard_size)
-            file_sha, shard_shas = scan(path, plans, expected_size=size)
+            file_sha, shard_shas = scan(path, plans, expected_size=size, progress=keep_alive)
         except (OSError, ValueError) as exc:
             changed = f"{rel or ckpt_path} can no longer be read as detected ({exc})"
             return _supersede(settings, job_id, changed)
@@ -79,6 +81,22 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         sends = [Send("replicate", (rid,)) for rid in replica_ids]
     log.info("job %d: %d shards, %d replicas to send", job_id, len(manifest), len(sends))
     return sends
+
+
+class _LeaseKeeper:
+    """Renews the job's lease while a long hash runs (at most every ``lease/4`` seconds),
+    so the scheduler does not take a slow step for a lost one."""
+
+    def __init__(self, settings: Settings, job_id: int) -> None:
+        self.settings, self.job_id = settings, job_id
+        self.every = max(1.0, settings.lease_seconds / 4)
+        self.last = time.monotonic()
+
+    def __call__(self, _n: int) -> None:
+        if time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            with session_scope(self.settings.db_url) as s:
+                renew_lease(s, self.job_id, self.settings.lease_seconds)
 
 
 def _supersede(settings: Settings, job_id: int, why: str) -> list[Send]:

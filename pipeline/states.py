@@ -42,10 +42,10 @@ def _edges(table: dict) -> dict[str, frozenset[str]]:
 TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
     JobKind.STORE.value: _edges({
         _S.DETECTED: frozenset({_S.SHARDED, _S.FAILED, _S.SUPERSEDED}),
-        # A replica that fails verification sends the job back to re-replicate it.
         _S.SHARDED: frozenset({_S.REPLICATED, _S.FAILED, _S.SUPERSEDED}),
+        # A replica found missing, corrupt or unreachable at verify is replaced: back to sharded.
         _S.REPLICATED: frozenset({_S.VERIFIED, _S.SHARDED, _S.FAILED}),
-        _S.VERIFIED: frozenset({_S.ROTATED, _S.SHARDED}),
+        _S.VERIFIED: frozenset({_S.ROTATED}),
         _S.ROTATED: frozenset(),
         # A failed job can be requeued from the dead-letter queue: it resumes where it was.
         _S.FAILED: frozenset({_S.DETECTED, _S.SHARDED, _S.REPLICATED, _S.VERIFIED}),
