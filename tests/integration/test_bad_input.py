@@ -49,3 +49,17 @@ def test_restore_refuses_to_overwrite_an_existing_destination(shared_cluster, tm
     r = shared_cluster.cli("restore", str(p), "--to", str(dest))
     assert r.returncode == 1 and "already exists" in r.stderr
     assert dest.read_text() == "keep me"
+
+
+def test_store_of_an_incomplete_directory_says_what_is_missing(shared_cluster):
+    import os
+
+    from tests.checkpoints import dcp_folder
+
+    run = shared_cluster.runs / "run-incomplete"
+    run.mkdir()
+    d = dcp_folder(run / "step_9")
+    os.unlink(d / ".metadata")
+    r = shared_cluster.cli("store", str(d))
+    assert r.returncode == 1
+    assert "step_9: checkpoint is not complete: torch DCP shards (*.distcp) without the .metadata file" in r.stderr
