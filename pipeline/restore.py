@@ -20,6 +20,7 @@ from pipeline.catalog import latest_store_job, resolve
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
+from pipeline.durable import fsync_dir
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.gather import BLOCK, FileSource, ShardSource, fetch, manifest
 from pipeline.settings import Settings
@@ -101,7 +102,7 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
         else:
             os.rename(staging, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink()
@@ -168,15 +169,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every directory of a rebuilt tree (the files were fsynced as written)."""
     for dirpath, _dirs, _names in os.walk(root):
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))

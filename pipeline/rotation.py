@@ -24,6 +24,7 @@ from pipeline.catalog import latest_store_job
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard
 from pipeline.db.transitions import note, now, transition
+from pipeline.durable import fsync_dir
 from pipeline.errors import WorkerError
 from pipeline.retention import LocalCheckpoint, to_rotate
 from pipeline.settings import Settings
@@ -133,25 +134,22 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         return []
 
     trash = None
-    with session_scope(settings.db_url) as s:
-        # The deciding transaction (BEGIN IMMEDIATE on SQLite): nothing changes under it.
-        reason = unsafe_reason(s, settings, checkpoint_id, job_id)
-        if reason:
-            s.rollback()
-            _block(settings, job_id, reason)
-            return []
-        ckpt = s.get(Checkpoint, checkpoint_id)
-        if os.path.lexists(path):
-            trash = _move_to_trash(Path(path))
-        try:
-            ckpt.local_present = False
-            transition(s, job_id, "store", S.VERIFIED, S.ROTATED, blocked_reason=None,
-                       detail=f"local copy removed; {settings.rf}+ verified replicas remain")
-            s.flush()
-        except Exception:
-            if trash is not None:
-                os.rename(trash, path)  # undo: the transaction that allowed it did not commit
-            raise
+    try:
+        with session_scope(settings.db_url) as s:
+            # The deciding transaction (BEGIN IMMEDIATE on SQLite): nothing changes under it.
+            reason = unsafe_reason(s, settings, checkpoint_id, job_id)
+            if reason is None:
+                trash = _move_to_trash(Path(path)) if os.path.lexists(path) else None
+                s.get(Checkpoint, checkpoint_id).local_present = False
+                transition(s, job_id, "store", S.VERIFIED, S.ROTATED, blocked_reason=None,
+                           detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+    except BaseException:
+        if trash is not None:
+            os.rename(trash, path)  # undo: the transaction that allowed it did not commit
+        raise
+    if reason:
+        _block(settings, job_id, reason)
+        return []
     if trash is not None:
         shutil.rmtree(trash) if os.path.isdir(trash) else os.unlink(trash)
     log.info("rotated %s (job %d)", path, job_id)
@@ -162,11 +160,7 @@ def _move_to_trash(path: Path) -> str:
     """Rename the checkpoint to a hidden name in its run (atomic; the watcher ignores it)."""
     trash = str(path.parent / f".ckpt-trash-{uuid.uuid4().hex[:8]}-{path.name}")
     os.rename(path, trash)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
     return trash
 
 

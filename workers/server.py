@@ -12,6 +12,8 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from pipeline.durable import fsync_dir
+
 from workers.app import WorkerApp
 from workers.shardstore import ShardStore
 
@@ -34,6 +36,7 @@ def node_id_for(data_dir: str) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
+    fsync_dir(data_dir)
     return node
 
 

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
+from pipeline.durable import fsync_dir
+
 SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
 BLOCK = 4 * 1024 * 1024
 
@@ -109,7 +111,7 @@ class ShardStore:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.rename(tmp, final)
             tmp = ""
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
             return PutResult(created=True, size=length)
         finally:
             if tmp:
@@ -148,8 +150,8 @@ class ShardStore:
             os.rename(src, dst)
         except FileNotFoundError:
             return None
-        _fsync_dir(os.path.dirname(src))
-        _fsync_dir(self.quarantine)
+        fsync_dir(os.path.dirname(src))
+        fsync_dir(self.quarantine)
         return dst
 
     def inventory(self) -> Iterator[tuple[str, int]]:
@@ -173,11 +175,3 @@ def _drain(body: BinaryIO, length: int) -> None:
         if not chunk:
             break
         remaining -= len(chunk)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
