@@ -42,3 +42,12 @@ def check(key: bytes, method: str, path: str, timestamp: str | None, sig: str | 
         raise AuthError(f"request time is {now - ts:+.0f} s off this worker's clock (bound {max_skew:.0f} s)")
     if not hmac.compare_digest(signature(key, method, path, timestamp), sig):
         raise AuthError("signature does not match: wrong cluster key?")
+
+
+def proof(key: bytes, node_id: str, nonce: str) -> str:
+    """What a storage worker answers to a nonce to show it holds the cluster key."""
+    return hmac.new(key, f"proof\n{node_id}\n{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_proof(key: bytes, node_id: str, nonce: str, answer: str | None) -> bool:
+    return bool(answer) and hmac.compare_digest(proof(key, node_id, nonce), str(answer))

@@ -88,12 +88,57 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    if args.action:
+        return _worker_action(s, args.action)
+    if not args.data or not args.port:
+        raise CkptError("ckpt worker needs --data DIR and --port P (or an action: `ckpt worker drain ID`)")
     from workers.server import serve
 
-    s = _settings(args)
+    advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
     serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
-          threads=args.threads, max_skew=s.clock_skew_seconds)
+          threads=args.threads, max_skew=s.clock_skew_seconds, advertise_on=advertise)
     return 0
+
+
+def _worker_action(s: Settings, action: list[str]) -> int:
+    from pipeline.db.engine import session_scope
+    from pipeline.db.migrate import upgrade
+    from pipeline.db.models import StorageWorker
+
+    if len(action) != 2 or action[0] != "drain":
+        raise CkptError(f"unknown worker action {' '.join(action)!r}; try `ckpt worker drain ID`")
+    upgrade(s.db_url)
+    with session_scope(s.db_url) as session:
+        w = session.get(StorageWorker, action[1])
+        if w is None:
+            raise CkptError(f"no storage worker {action[1]!r}; `ckpt status` lists them")
+        if w.state not in ("draining", "removable"):
+            w.state = "draining"
+    print(f"storage worker {action[1]} is draining: its shards are copied to other workers; "
+          "`ckpt status` shows it as removable when it is done")
+    return 0
+
+
+def cmd_scrub(args: argparse.Namespace) -> int:
+    from pipeline.db.engine import session_scope
+    from pipeline.scrub import request_scrub
+    from pipeline.steps import Send
+
+    s = _settings(args)
+    _tasks()
+    with session_scope(s.db_url) as session:
+        jobs = request_scrub(session, s, worker_ids=args.worker or None, reason="ckpt scrub")
+        ids = [(j.id, j.params["worker_id"]) for j in jobs]
+    if not ids:
+        print("no live storage worker to scrub")
+        return 1
+    _send([Send("scrub", (job_id,)) for job_id, _w in ids])
+    for job_id, worker in ids:
+        print(f"scrub job {job_id}: storage worker {worker}")
+    if not args.wait:
+        return 0
+    return max(_wait(s, job_id, ok=("done",), timeout=args.timeout) for job_id, _w in ids)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
@@ -233,13 +278,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
         return 0
-    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'LOCAL':<7} {'SIZE':>10}  PATH")
+    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} {'SIZE':>10}  PATH")
     for c in doc["checkpoints"]:
         reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
-        print(f"{c['id']:>4}  {c['state']:<11} {reps:<14} {'kept' if c['local_present'] else 'rotated':<7} "
+        health = c["health"].upper() if c["health"] == "lost" else c["health"]
+        print(f"{c['id']:>4}  {c['state']:<11} {reps:<14} {health:<17} {'kept' if c['local_present'] else 'rotated':<7} "
               f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}")
         if c.get("blocked_reason"):
             print(f"      {c['blocked_reason']}")
+    lost = [c for c in doc["checkpoints"] if c["health"] == "lost"]
+    if lost:
+        print(f"\n!!! {len(lost)} checkpoint(s) have LOST shards (no copy matches the manifest): "
+              + ", ".join(str(c["id"]) for c in lost))
     active = [j for j in doc["jobs"] if j["state"] not in ("verified", "rotated", "done", "superseded")]
     if active:
         print("\njobs not finished:")
@@ -248,7 +298,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   + (f"  last error: {j['last_error']}" if j["last_error"] else ""))
     print("\nstorage workers:")
     for w in doc["workers"]:
-        print(f"  {w['id']:<16} {w['state']:<5} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB")
+        print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB"
+              + (f"  ({w['last_error']})" if w["state"] in ("down", "rejected") and w["last_error"] else ""))
     return 0
 
 
@@ -290,9 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=4, help="threads per dramatiq process (default 4)")
     up.set_defaults(func=cmd_up)
 
-    w = sub.add_parser("worker", help="run a storage worker daemon")
-    w.add_argument("--data", required=True, help="directory holding this worker's shards")
-    w.add_argument("--port", type=int, required=True)
+    w = sub.add_parser("worker", help="run a storage worker daemon, or `ckpt worker drain ID`")
+    w.add_argument("action", nargs="*", help="drain ID: copy the worker's shards elsewhere, then mark it removable")
+    w.add_argument("--data", help="directory holding this worker's shards")
+    w.add_argument("--port", type=int)
+    w.add_argument("--no-advertise", action="store_true", help="do not announce the worker on mDNS")
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     w.add_argument("--zone", help="failure zone advertised to placement")
     w.add_argument("--threads", type=int, default=8)
@@ -312,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--wait", action="store_true")
     r.add_argument("--timeout", type=float, default=3600.0)
     r.set_defaults(func=cmd_restore)
+
+    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers now")
+    sc.add_argument("--worker", action="append", help="only this worker (repeatable)")
+    sc.add_argument("--wait", action="store_true")
+    sc.add_argument("--timeout", type=float, default=24 * 3600.0)
+    sc.set_defaults(func=cmd_scrub)
 
     s = sub.add_parser("status", help="checkpoints, jobs and storage workers")
     s.add_argument("--json", action="store_true")

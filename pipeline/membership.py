@@ -1,18 +1,24 @@
-"""Which storage workers exist and which are up: probing and recording them.
+"""Which storage workers exist, which may receive shards, and which are up.
 
-Workers come from the static list (``CKPT_WORKERS``) or were recorded earlier (by
-``ckpt up`` or discovery). Each probe is an authenticated ``GET /v1/status``: a worker
-that answers is up; one unseen for ``worker_down_seconds`` is down and stops counting.
+Workers come from the static list (``CKPT_WORKERS``), from ``ckpt up``, or from mDNS
+discovery (recorded as ``candidate``). Every probe is a status request carrying a fresh
+nonce: a worker is admitted (``up``) only if it answers with a proof computed from the
+cluster key; one that cannot is ``rejected`` and never receives a shard (DESIGN invariant 5).
+A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back is
+reconciled (pipeline.reconcile) before its copies count again.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
 
+from pipeline import auth
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
@@ -22,46 +28,83 @@ from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.membership")
 
+#: States a probe may not override: an operator decided them.
+STICKY = ("draining", "removable")
 
-def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> dict[str, str]:
-    """Probe every known worker; record what answered; return {url: node id or error}."""
+
+@dataclass
+class ProbeResult:
+    answers: dict[str, str] = field(default_factory=dict)  # url -> node id, or the problem
+    returned: list[str] = field(default_factory=list)       # worker ids that came back up
+    went_down: list[str] = field(default_factory=list)
+
+
+def _ask(url: str, key: bytes) -> tuple[str, dict[str, Any] | str, bool]:
+    """``(url, status or error, rejected)`` for one worker."""
+    nonce = secrets.token_hex(16)
+    try:
+        doc = WorkerClient(url, key, timeout=10).status(nonce)
+    except WorkerError as exc:
+        return url, str(exc), exc.status in (401, 403)
+    except ValueError as exc:
+        return url, str(exc), False
+    if not auth.check_proof(key, str(doc.get("node_id")), nonce, doc.get("proof")):
+        return url, doc, True
+    return url, doc, False
+
+
+def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResult:
+    """Challenge every known worker and record what it proved."""
     with session_scope(settings.db_url) as s:
-        known = {w.url: w.source for w in s.scalars(select(StorageWorker))}
+        known = {w.url: w.source for w in s.scalars(select(StorageWorker).where(StorageWorker.state != "removable"))}
     urls = {u.rstrip("/"): "static" for u in (*settings.workers, *extra_urls)}
     for url, source in known.items():
         urls.setdefault(url, source)
     key = settings.key()
-
-    def ask(url: str) -> tuple[str, dict[str, Any] | str]:
-        try:
-            return url, WorkerClient(url, key, timeout=10).status()
-        except (WorkerError, ValueError) as exc:
-            return url, str(exc)
-
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        answers = dict(pool.map(ask, urls))
-    out: dict[str, str] = {}
+        answers = list(pool.map(lambda u: _ask(u, key), urls))
+    result = ProbeResult()
     t = now()
     with session_scope(settings.db_url) as s:
-        for url, answer in answers.items():
+        for url, answer, rejected in answers:
+            rows = list(s.scalars(select(StorageWorker).where(StorageWorker.url == url)))
+            if rejected:
+                reason = "failed the cluster-key challenge: it does not hold the cluster key"
+                result.answers[url] = reason
+                if not rows:
+                    node = answer.get("node_id") if isinstance(answer, dict) else None
+                    rows = [StorageWorker(id=str(node or f"unknown-{abs(hash(url)) % 10**8}"), url=url,
+                                          source=urls[url])]
+                    s.add(rows[0])
+                for w in rows:
+                    if w.state != "rejected":
+                        log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
+                    w.state, w.last_error = "rejected", reason
+                continue
             if isinstance(answer, dict):
                 node = str(answer["node_id"])
                 w = s.get(StorageWorker, node)
                 if w is None:
-                    w = StorageWorker(id=node, url=url, source=urls[url])
+                    w = StorageWorker(id=node, url=url, source=urls[url], state="candidate")
                     s.add(w)
-                    log.info("storage worker %s at %s joined", node, url)
-                elif w.state != "up":
-                    log.info("storage worker %s at %s is up", node, url)
-                w.url, w.zone, w.state, w.last_seen, w.last_error = url, answer.get("zone", ""), "up", t, None
+                for other in rows:  # an mDNS candidate recorded under another name
+                    if other.id != node and other.state in ("candidate", "rejected"):
+                        s.delete(other)
+                if w.state not in STICKY and w.state != "up":
+                    if w.state == "down":
+                        result.returned.append(node)
+                    log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
+                    w.state = "up"
+                w.url, w.zone, w.last_seen, w.last_error = url, answer.get("zone", ""), t, None
                 w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
-                out[url] = node
-            else:
-                out[url] = answer
-                for w in s.scalars(select(StorageWorker).where(StorageWorker.url == url)):
-                    w.last_error = answer
-                    silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-                    if w.state == "up" and silent:
-                        w.state = "down"
-                        log.warning("storage worker %s at %s is down: %s", w.id, url, answer)
-    return out
+                result.answers[url] = node
+                continue
+            result.answers[url] = answer
+            for w in rows:
+                w.last_error = answer
+                silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
+                if w.state == "up" and silent:
+                    w.state = "down"
+                    result.went_down.append(w.id)
+                    log.warning("storage worker %s at %s is down: %s", w.id, url, answer)
+    return result

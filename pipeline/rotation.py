@@ -94,7 +94,8 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
     for shard_id, what in label.items():
         n = len(good.get(shard_id, ()))
         if n < settings.rf:
-            return f"{what} has {n}/{settings.rf} fresh verified replicas on live workers"
+            pinned = "; the local copy is pinned while the shard has no good replica" if n == 0 else ""
+            return f"{what} has {n}/{settings.rf} fresh verified replicas on live workers{pinned}"
     return None
 
 

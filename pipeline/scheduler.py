@@ -1,8 +1,10 @@
 """The scheduler: one leader-locked loop that keeps the pipeline moving.
 
-Every tick it renews its leader lease, probes the storage workers, and re-drives every
-job whose lease expired (a killed Dramatiq worker or a wiped Redis delays work, never
-loses it: DESIGN invariant 3). Now and then it also asks each run to apply rotation.
+Every tick it renews its leader lease, challenges the storage workers (reconciling those
+that came back), and re-drives every job whose lease expired (a killed Dramatiq worker or
+a wiped Redis delays work, never loses it: DESIGN invariant 3). Every sweep it also
+applies rotation, repairs under-replicated shards (a worker is down or draining), marks
+drained workers removable, and starts the nightly scrub when it is due.
 """
 from __future__ import annotations
 
@@ -11,17 +13,21 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Callable
 
-from sqlalchemy import and_, or_, select, update
+from apscheduler.triggers.cron import CronTrigger
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from pipeline import states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, Lock, Replica, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Lock, Replica, Shard, StorageWorker
 from pipeline.db.transitions import now
+from pipeline.discovery import Browser
 from pipeline.membership import probe_all
+from pipeline.repair import request_repair
+from pipeline.scrub import request_scrub
 from pipeline.settings import Settings
 from pipeline.steps import Send
 
@@ -71,8 +77,8 @@ def expired_work(settings: Settings) -> list[Send]:
 
 def resume(session, job: Job) -> list[Send]:  # noqa: ANN001
     """The messages that continue ``job`` from its current state."""
-    if job.kind == "restore":
-        return [Send("restore", (job.id,))]
+    if job.kind in ("restore", "scrub", "repair"):
+        return [Send(job.kind, (job.id,))]
     if job.state == S.DETECTED:
         return [Send("shard", (job.id,))]
     if job.state == S.REPLICATED:
@@ -92,6 +98,87 @@ def rotation_sweep(settings: Settings) -> list[Send]:
     return [Send("rotate_run", (run,)) for run in runs]
 
 
+def last_fire(cron: str, now: datetime, timezone=None) -> datetime | None:  # noqa: ANN001
+    """The latest time at or before ``now`` when ``cron`` fires (APScheduler's CronTrigger).
+
+    Looks back two days at most: a machine off for a week catches up once, not seven times.
+    """
+    trigger = CronTrigger.from_crontab(cron, timezone=timezone)
+    t = trigger.get_next_fire_time(None, now - timedelta(days=2))
+    last = None
+    while t is not None and t <= now:
+        last = t
+        t = trigger.get_next_fire_time(t, t + timedelta(seconds=1))
+    return last
+
+
+def nightly_scrub(settings: Settings, at: datetime, timezone=None) -> list[Send]:  # noqa: ANN001
+    """Scrub jobs for the latest nightly fire time, once per day whatever fires how often.
+
+    Each job's dedupe key is ``nightly:<date>:<worker>``: a double fire, two schedulers or
+    a catch-up after downtime all collapse into one scrub per worker and day. A fire time
+    that came before anything was protected has nothing to scrub and is skipped.
+    """
+    if not settings.scrub_cron:
+        return []
+    fire = last_fire(settings.scrub_cron, at, timezone)
+    if fire is None:
+        return []
+    with session_scope(settings.db_url) as s:
+        first = s.scalar(select(func.min(Checkpoint.detected_at)))
+        if first is None or first > fire:
+            return []
+        jobs = request_scrub(s, settings, dedupe=f"nightly:{fire.date().isoformat()}",
+                             reason=f"nightly, due {fire.isoformat(timespec='minutes')}")
+        return [Send("scrub", (j.id,)) for j in jobs]
+
+
+def under_replicated(settings: Settings) -> list[Send]:
+    """Repair jobs for protected checkpoints with a shard short of RF verified copies on up workers."""
+    sends = []
+    with session_scope(settings.db_url) as s:
+        for checkpoint_id in short_checkpoints(s, settings.rf):
+            job = request_repair(s, settings, checkpoint_id, "under-replicated: a worker is down, draining or lost copies")
+            if job is not None:
+                sends.append(Send("repair", (job.id,)))
+    return sends
+
+
+def short_checkpoints(s, rf: int) -> list[int]:  # noqa: ANN001
+    latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
+    protected = select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state.in_((S.VERIFIED, S.ROTATED)))
+    per_shard = (
+        select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"),
+               func.count(func.distinct(StorageWorker.id)).label("n"))
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .outerjoin(Replica, (Replica.shard_id == Shard.id) & (Replica.state == "verified"))
+        .outerjoin(StorageWorker, (StorageWorker.id == Replica.worker_id) & (StorageWorker.state == "up"))
+        .where(CheckpointFile.checkpoint_id.in_(protected))
+        .group_by(CheckpointFile.checkpoint_id, Shard.id)
+    ).subquery()
+    return list(s.scalars(select(per_shard.c.cid).where(per_shard.c.n < rf).distinct()))
+
+
+def finish_drains(settings: Settings) -> None:
+    """A draining worker becomes removable once none of its shards still needs its copy."""
+    with session_scope(settings.db_url) as s:
+        for w in s.scalars(select(StorageWorker).where(StorageWorker.state == "draining")):
+            its_shards = select(Replica.shard_id).where(Replica.worker_id == w.id,
+                                                        Replica.state.in_(("stored", "verified")))
+            elsewhere = (
+                select(Replica.shard_id, func.count(func.distinct(Replica.worker_id)).label("n"))
+                .join(StorageWorker, StorageWorker.id == Replica.worker_id)
+                .where(Replica.shard_id.in_(its_shards), Replica.state == "verified", StorageWorker.state == "up")
+                .group_by(Replica.shard_id)
+            ).subquery()
+            total = s.scalar(select(func.count(func.distinct(its_shards.c.shard_id))))
+            covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
+            if covered == total:
+                w.state, w.last_error = "removable", None
+                log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",
+                         w.id, total)
+
+
 class Scheduler:
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -109,18 +196,32 @@ class Scheduler:
             self.leader = leader
         if not leader:
             return
-        probe_all(self.settings)
+        probe = probe_all(self.settings)
+        self.send([Send("reconcile_worker", (w,)) for w in probe.returned])
         self.send(expired_work(self.settings))
-        if self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
+        if probe.went_down or self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
             self._last_sweep = self.clock()
             self.send(rotation_sweep(self.settings))
+            self.send(under_replicated(self.settings))
+            finish_drains(self.settings)
+            self.send(nightly_scrub(self.settings, now()))
 
     def run(self) -> None:
-        while not self.stopping.is_set():
+        browser = None
+        if self.settings.mdns:
             try:
-                self.tick()
-            except Exception:
-                log.exception("scheduler tick failed; retrying")
-            self.stopping.wait(self.settings.tick_seconds)
-        if self.leader:
-            release_lock(self.settings, LEADER, self.holder)
+                browser = Browser(self.settings)
+            except OSError as exc:  # no usable interface: the static list still works
+                log.warning("mDNS discovery disabled: %s", exc)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("scheduler tick failed; retrying")
+                self.stopping.wait(self.settings.tick_seconds)
+        finally:
+            if browser is not None:
+                browser.close()
+            if self.leader:
+                release_lock(self.settings, LEADER, self.holder)

@@ -63,6 +63,16 @@ class Settings:
     #: Smallest and largest retry backoff, in milliseconds.
     min_backoff_ms: int = 1000
     max_backoff_ms: int = 60_000
+    #: When the nightly scrub runs (cron, in the machine's local time); empty disables it.
+    scrub_cron: str = "30 2 * * *"
+    #: Read rate of a scrub on one storage worker, bytes per second (0: unthrottled).
+    scrub_rate: int = 200 * MiB
+    #: Shards re-hashed per scrub request; the cursor is saved after each batch.
+    scrub_batch: int = 64
+    #: Browse mDNS for storage workers (``_ckpt-store._tcp.local.``).
+    mdns: int = 1
+    #: Addresses zeroconf uses, comma-separated, or "all"; loopback only by default.
+    mdns_interfaces: tuple[str, ...] = ("127.0.0.1",)
 
     # -- derived values -------------------------------------------------------------
 

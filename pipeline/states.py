@@ -11,6 +11,8 @@ from enum import StrEnum
 class JobKind(StrEnum):
     STORE = "store"
     RESTORE = "restore"
+    SCRUB = "scrub"
+    REPAIR = "repair"
 
 
 class StoreState(StrEnum):
@@ -31,7 +33,22 @@ class RestoreState(StrEnum):
     FAILED = "failed"          # retries exhausted
 
 
-_S, _R = StoreState, RestoreState
+class ScrubState(StrEnum):
+    QUEUED = "queued"          # scheduler (nightly) / CLI / HTTP: one job per storage worker
+    SCRUBBING = "scrubbing"    # scrub actor: re-hashing the worker's replicas from a cursor
+    DONE = "done"              # scrub actor: every replica checked against the manifest
+    FAILED = "failed"          # retries exhausted
+
+
+class RepairState(StrEnum):
+    QUEUED = "queued"          # scrub / verify / scheduler (under-replicated or drained shards)
+    REPAIRING = "repairing"    # repair actor: copying from a replica that matches the manifest
+    DONE = "done"              # repair actor: every shard of the checkpoint back at RF, verified
+    LOST = "lost"              # repair actor: some shard has no copy that matches the manifest
+    FAILED = "failed"          # retries exhausted
+
+
+_S, _R, _C, _P = StoreState, RestoreState, ScrubState, RepairState
 
 
 def _edges(table: dict) -> dict[str, frozenset[str]]:
@@ -58,20 +75,39 @@ TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
         _R.DONE: frozenset(),
         _R.FAILED: frozenset({_R.QUEUED}),
     }),
+    JobKind.SCRUB.value: _edges({
+        _C.QUEUED: frozenset({_C.SCRUBBING, _C.FAILED}),
+        _C.SCRUBBING: frozenset({_C.DONE, _C.FAILED}),
+        _C.DONE: frozenset(),
+        _C.FAILED: frozenset({_C.QUEUED}),
+    }),
+    JobKind.REPAIR.value: _edges({
+        _P.QUEUED: frozenset({_P.REPAIRING, _P.FAILED}),
+        _P.REPAIRING: frozenset({_P.DONE, _P.LOST, _P.FAILED}),
+        _P.DONE: frozenset(),
+        # A lost shard is looked at again when a copy may have come back (a worker returned).
+        _P.LOST: frozenset({_P.QUEUED}),
+        _P.FAILED: frozenset({_P.QUEUED}),
+    }),
 }
 
-INITIAL: dict[str, str] = {"store": _S.DETECTED.value, "restore": _R.QUEUED.value}
+INITIAL: dict[str, str] = {"store": _S.DETECTED.value, "restore": _R.QUEUED.value,
+                           "scrub": _C.QUEUED.value, "repair": _P.QUEUED.value}
 
 #: States in which nothing more happens without a person (or a new checkpoint) asking.
 TERMINAL: dict[str, frozenset[str]] = {
     "store": frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value}),
     "restore": frozenset({_R.DONE.value, _R.FAILED.value}),
+    "scrub": frozenset({_C.DONE.value, _C.FAILED.value}),
+    "repair": frozenset({_P.DONE.value, _P.LOST.value, _P.FAILED.value}),
 }
 
 #: States in which an actor is expected to be working, so an expired lease means lost work.
 ACTIVE: dict[str, frozenset[str]] = {
     "store": frozenset({_S.DETECTED.value, _S.SHARDED.value, _S.REPLICATED.value}),
     "restore": frozenset({_R.QUEUED.value, _R.GATHERING.value, _R.VERIFIED.value}),
+    "scrub": frozenset({_C.QUEUED.value, _C.SCRUBBING.value}),
+    "repair": frozenset({_P.QUEUED.value, _P.REPAIRING.value}),
 }
 
 

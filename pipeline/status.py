@@ -7,6 +7,8 @@ from sqlalchemy import func, select
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from pipeline.db.transitions import now
+from pipeline.health import replica_health, shard_health
 from pipeline.settings import Settings
 
 
@@ -28,6 +30,34 @@ def replica_counts(session, checkpoint_ids: list[int]) -> dict[int, int]:  # noq
     return {cid: n for cid, n in rows}
 
 
+def checkpoint_health(session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:  # noqa: ANN001
+    """Per checkpoint: its worst shard health and the count of shards in each health."""
+    out: dict[int, dict[str, Any]] = {}
+    if not ckpts:
+        return out
+    t = now()
+    local = {c.id: c.local_present for c in ckpts}
+    rows = session.execute(
+        select(CheckpointFile.checkpoint_id, Shard.id, Replica.state, Replica.verified_at, StorageWorker.state)
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .outerjoin(Replica, Replica.shard_id == Shard.id)
+        .outerjoin(StorageWorker, StorageWorker.id == Replica.worker_id)
+        .where(CheckpointFile.checkpoint_id.in_(list(local)))
+    ).all()
+    per_shard: dict[tuple[int, int], list[str]] = {}
+    for cid, sid, rstate, verified_at, wstate in rows:
+        reps = per_shard.setdefault((cid, sid), [])
+        if rstate is not None and rstate not in ("abandoned", "trimmed"):
+            reps.append(replica_health(rstate, verified_at, wstate or "down", t, settings.freshness_seconds))
+    for (cid, _sid), reps in per_shard.items():
+        h = shard_health(reps, settings.rf, local[cid])
+        entry = out.setdefault(cid, {"healthy": 0, "under-replicated": 0, "lost": 0})
+        entry[h] += 1
+    for entry in out.values():
+        entry["health"] = "lost" if entry["lost"] else ("under-replicated" if entry["under-replicated"] else "healthy")
+    return out
+
+
 def job_dict(j: Job) -> dict[str, Any]:
     return {
         "id": j.id, "kind": j.kind, "checkpoint_id": j.checkpoint_id, "state": j.state, "attempts": j.attempts,
@@ -46,6 +76,7 @@ def status(settings: Settings) -> dict[str, Any]:
             if j.kind == "store" and j.checkpoint_id is not None:
                 latest[j.checkpoint_id] = j
         counts = replica_counts(s, [c.id for c in ckpts])
+        health = checkpoint_health(s, settings, ckpts)
         workers = list(s.scalars(select(StorageWorker).order_by(StorageWorker.id)))
         return {
             "checkpoints": [
@@ -56,6 +87,8 @@ def status(settings: Settings) -> dict[str, Any]:
                     "local_present": c.local_present, "total_bytes": c.total_bytes,
                     "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
                     "blocked_reason": latest[c.id].blocked_reason if c.id in latest else None,
+                    "health": health.get(c.id, {}).get("health", "unprotected"),
+                    "shards": {k: v for k, v in health.get(c.id, {}).items() if k != "health"},
                     "detected_at": c.detected_at,
                 }
                 for c in ckpts

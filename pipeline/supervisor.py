@@ -148,7 +148,7 @@ class Supervisor:
         if urls:
             # Later children (and this process) find the local workers through CKPT_WORKERS.
             self.settings = _with_workers(self.settings, urls)
-            _wait_for(lambda: all(a.startswith("w-") for a in probe_all(self.settings).values()), 30,
+            _wait_for(lambda: all(a.startswith("w-") for a in probe_all(self.settings).answers.values()), 30,
                       "local storage workers did not answer; see logs/worker-*.log")
         self.start_services()
         info = {

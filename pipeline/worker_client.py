@@ -59,8 +59,23 @@ class WorkerClient:
 
     # -- API ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        return self._request_json("GET", "/v1/status")[1]
+    def status(self, nonce: str | None = None) -> dict[str, Any]:
+        """The worker's status; with ``nonce``, it includes the worker's key-possession proof."""
+        if nonce is None:
+            return self._request_json("GET", "/v1/status")[1]
+        conn = self._connect()
+        try:
+            conn.request("GET", "/v1/status", headers=self._headers("GET", "/v1/status", {"X-Ckpt-Nonce": nonce}))
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise WorkerError(self.url, f"GET /v1/status failed ({exc})") from None
+        finally:
+            conn.close()
+        doc = _decode(self.url, "GET", "/v1/status", resp.status, data, (200,))[1]
+        if not isinstance(doc, dict) or "node_id" not in doc:
+            raise WorkerError(self.url, "status answer is not a storage worker's", resp.status)
+        return doc
 
     def head(self, name: str) -> int | None:
         path = f"/v1/shards/{name}"
@@ -131,9 +146,52 @@ class WorkerClient:
             _decode(self.url, "GET", path, resp.status, data, (200,))
         return conn, resp
 
-    def verify(self, names: list[str]) -> list[dict[str, Any]]:
-        """Ask the worker to re-hash ``names`` from its disk; ``[{name, sha256, size}]``."""
-        return self._request_json("POST", "/v1/verify", {"shards": names})[1]["results"]
+    def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
+        """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled)."""
+        return self._request_json("POST", "/v1/verify", {"shards": names, "rate": rate})[1]["results"]
+
+    def quarantine(self, names: list[str]) -> dict[str, bool]:
+        return self._request_json("POST", "/v1/quarantine", {"shards": names})[1]["moved"]
+
+    def purge_quarantined(self, names: list[str]) -> dict[str, int]:
+        return self._request_json("POST", "/v1/quarantine/purge", {"shards": names})[1]["purged"]
+
+    def delete(self, name: str) -> bool:
+        return self._request_json("DELETE", f"/v1/shards/{name}")[1]["deleted"]
+
+    def copy_from(self, source: "WorkerClient", name: str, size: int) -> dict[str, Any]:
+        """Stream shard ``name`` from ``source`` into this worker, which checks its hash."""
+        src_conn, src = source.open_shard(name)
+        url_path = f"/v1/shards/{name}"
+        conn = self._connect()
+        try:
+            conn.putrequest("PUT", url_path, skip_accept_encoding=True)
+            for k, v in self._headers("PUT", url_path, {"Content-Type": "application/octet-stream",
+                                                        "Content-Length": str(size)}).items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            buf = memoryview(bytearray(1 << 20))
+            sent = 0
+            try:
+                while sent < size:
+                    n = src.readinto(buf)
+                    if not n:
+                        break
+                    conn.sock.sendall(buf[:n])
+                    sent += n
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused early: the answer says why
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None
+        finally:
+            conn.close()
+            src_conn.close()
+        return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
+
+    def inventory_full(self) -> dict[str, Any]:
+        return self._request_json("GET", "/v1/inventory")[1]
 
     def stat(self, names: list[str]) -> dict[str, int | None]:
         return self._request_json("POST", "/v1/stat", {"shards": names})[1]["sizes"]

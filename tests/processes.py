@@ -28,6 +28,8 @@ FAST = {  # settings that make a test cluster react in seconds, not minutes
     "CKPT_MAX_BACKOFF_MS": "2000",
     "CKPT_SHARD_SIZE": str(256 * 1024),
     "CKPT_MAX_ATTEMPTS": "8",
+    # No zeroconf outside a private network namespace (tests/integration/test_discovery.py).
+    "CKPT_MDNS": "0",
 }
 
 

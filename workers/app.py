@@ -1,12 +1,16 @@
 """The storage worker's HTTP API, as a plain WSGI application.
 
-    GET  /v1/status              node id, API version, zone, capacity, free, shard count
-    HEAD /v1/shards/<sha256>     200 with Content-Length if held, else 404
-    GET  /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can)
-    PUT  /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
-    POST /v1/verify              {"shards": [...]} -> re-hash each from the disk
-    POST /v1/stat                {"shards": [...]} -> size of each, or null
-    GET  /v1/inventory           {"shards": [[sha256, size], ...]}
+    GET    /v1/status              node id, API version, zone, capacity, free, shard count, and
+                                   with X-Ckpt-Nonce a proof that this worker holds the cluster key
+    HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
+    GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can)
+    PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
+    DELETE /v1/shards/<sha256>     remove a surplus copy
+    POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
+    POST   /v1/stat                {"shards": [...]} -> size of each, or null
+    POST   /v1/quarantine          {"shards": [...]} -> move aside (not served, not counted)
+    POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
+    GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}
 
 Every request must be signed with the cluster key (pipeline.auth); answers are JSON.
 """
@@ -19,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from pipeline import auth
 from pipeline.errors import AuthError
-from workers.shardstore import ShardStore, StoreError, valid_name
+from workers.shardstore import ShardStore, StoreError, Throttle, valid_name
 
 API_VERSION = 1
 MAX_JSON_BODY = 16 * 1024 * 1024
@@ -79,26 +83,44 @@ class WorkerApp:
                 return self.put(name, environ, start)
             if method in ("GET", "HEAD"):
                 return self.get(name, environ, start, head=method == "HEAD")
+            if method == "DELETE":
+                return _json(start, 200, {"name": name, "deleted": self.store.delete(name)})
             return _error(start, 405, f"{method} not allowed on a shard")
         if path == "/v1/status" and method == "GET":
             count, used = self.store.usage()
-            return _json(start, 200, {
+            doc = {
                 "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
-                "shards": count, "used": used,
-            })
+                "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
+            }
+            nonce = environ.get("HTTP_X_CKPT_NONCE")
+            if nonce:
+                doc["proof"] = auth.proof(self.key, self.node_id, nonce[:128])
+            return _json(start, 200, doc)
         if path == "/v1/verify" and method == "POST":
-            names = self._names(environ)
+            doc = self._body(environ)
+            names = self._names_of(doc)
+            rate = doc.get("rate") or 0
+            if not isinstance(rate, (int, float)) or rate < 0:
+                raise StoreError(400, '"rate" must be a non-negative number of bytes per second')
+            throttle = Throttle(float(rate))
             results = []
             for name in names:
-                sha, size = self.store.rehash(name)
+                sha, size = self.store.rehash(name, throttle)
                 results.append({"name": name, "sha256": sha, "size": size})
             return _json(start, 200, {"results": results})
+        if path == "/v1/quarantine" and method == "POST":
+            names = self._names(environ)
+            return _json(start, 200, {"moved": {n: self.store.quarantine_shard(n) is not None for n in names}})
+        if path == "/v1/quarantine/purge" and method == "POST":
+            names = self._names(environ)
+            return _json(start, 200, {"purged": {n: self.store.purge_quarantined(n) for n in names}})
         if path == "/v1/stat" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"sizes": {n: self.store.has(n) for n in names}})
         if path == "/v1/inventory" and method == "GET":
-            return _json(start, 200, {"shards": [[n, s] for n, s in self.store.inventory()]})
+            return _json(start, 200, {"shards": [[n, s] for n, s in self.store.inventory()],
+                                      "quarantined": self.store.quarantined()})
         return _error(start, 404, f"no such endpoint: {method} {path}")
 
     def put(self, name: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
@@ -128,7 +150,7 @@ class WorkerApp:
             return wrapper(f, 1024 * 1024)
         return _iter_file(f)
 
-    def _names(self, environ: dict[str, Any]) -> list[str]:
+    def _body(self, environ: dict[str, Any]) -> dict[str, Any]:
         raw_len = environ.get("CONTENT_LENGTH") or ""
         if not raw_len.isdigit():
             raise StoreError(411, "Content-Length is required")
@@ -137,9 +159,18 @@ class WorkerApp:
             raise StoreError(413, f"JSON body of {n:,} bytes exceeds {MAX_JSON_BODY:,}")
         try:
             doc = json.loads(environ["wsgi.input"].read(n))
-            names = doc["shards"]
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}') from None
+        if not isinstance(doc, dict):
+            raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}')
+        return doc
+
+    def _names(self, environ: dict[str, Any]) -> list[str]:
+        return self._names_of(self._body(environ))
+
+    @staticmethod
+    def _names_of(doc: dict[str, Any]) -> list[str]:
+        names = doc.get("shards")
         if not isinstance(names, list) or len(names) > MAX_NAMES:
             raise StoreError(400, f'"shards" must be a list of at most {MAX_NAMES} names')
         bad = [n for n in names if not isinstance(n, str) or not valid_name(n)]

@@ -54,13 +54,34 @@ class _Gunicorn(BaseApplication):
 
 
 def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", threads: int = 8,
-          capacity: int = 0, max_skew: float = 300.0) -> None:
-    """Run the storage worker in the foreground until SIGTERM/SIGINT."""
+          capacity: int = 0, max_skew: float = 300.0, advertise_on: tuple[str, ...] = ()) -> None:
+    """Run the storage worker in the foreground until SIGTERM/SIGINT.
+
+    With ``advertise_on`` (zeroconf interface addresses, or ("all",)), the worker is
+    announced on mDNS while it runs.
+    """
     store = ShardStore(data_dir, capacity=capacity)
     node = node_id_for(data_dir)
     app = WorkerApp(store, key=key, node_id=node, zone=zone, max_skew=max_skew)
     log.info("storage worker %s serving %s on %s:%d", node, data_dir, host, port)
+    advertiser = []
+
+    def when_ready(_server: Any) -> None:
+        if advertise_on:
+            from pipeline.discovery import Advertiser
+
+            try:
+                advertiser.append(Advertiser(node, host, port, zone, advertise_on))
+            except OSError as exc:  # no multicast here: static lists still find the worker
+                log.warning("not advertising on mDNS: %s", exc)
+
+    def on_exit(_server: Any) -> None:
+        for a in advertiser:
+            a.close()
+
     _Gunicorn(app, {
+        "when_ready": when_ready,
+        "on_exit": on_exit,
         "bind": f"{host}:{port}",
         "workers": 1,
         "worker_class": "gthread",

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
@@ -120,10 +121,11 @@ class ShardStore:
                 except FileNotFoundError:
                     pass
 
-    def rehash(self, name: str) -> tuple[str | None, int | None]:
+    def rehash(self, name: str, throttle: "Throttle | None" = None) -> tuple[str | None, int | None]:
         """``(sha256, size)`` of the shard as it is on the disk now, or ``(None, None)`` if absent.
 
-        The page cache is dropped first so the bytes come from the disk, not memory.
+        The page cache is dropped first so the bytes come from the disk, not memory;
+        ``throttle`` bounds the read rate (scrubs must not starve training I/O).
         """
         try:
             f = open(self.path(name), "rb", buffering=0)
@@ -139,6 +141,8 @@ class ShardStore:
             while n := f.readinto(buf):
                 h.update(view[:n])
                 size += n
+                if throttle is not None:
+                    throttle.consume(n)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return h.hexdigest(), size
 
@@ -154,6 +158,31 @@ class ShardStore:
         fsync_dir(self.quarantine)
         return dst
 
+    def purge_quarantined(self, name: str) -> int:
+        """Delete the quarantined copies of ``name`` (once a good copy was verified elsewhere)."""
+        self.path(name)  # validates the name
+        n = 0
+        for entry in os.listdir(self.quarantine):
+            if entry.split(".", 1)[0] == name:
+                os.unlink(os.path.join(self.quarantine, entry))
+                n += 1
+        if n:
+            fsync_dir(self.quarantine)
+        return n
+
+    def quarantined(self) -> list[str]:
+        return sorted(os.listdir(self.quarantine))
+
+    def delete(self, name: str) -> bool:
+        """Remove a (surplus) shard; True if it was there."""
+        path = self.path(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        fsync_dir(os.path.dirname(path))
+        return True
+
     def inventory(self) -> Iterator[tuple[str, int]]:
         for dirpath, _dirs, files in os.walk(self.shards):
             for name in files:
@@ -166,6 +195,23 @@ class ShardStore:
             count += 1
             used += size
         return count, used
+
+
+class Throttle:
+    """Keeps a reader at or under ``rate`` bytes per second (0: unthrottled)."""
+
+    def __init__(self, rate: float, clock=time.monotonic, sleep=time.sleep) -> None:  # noqa: ANN001
+        self.rate, self.clock, self.sleep = rate, clock, sleep
+        self.start = clock()
+        self.done = 0
+
+    def consume(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        self.done += n
+        ahead = self.done / self.rate - (self.clock() - self.start)
+        if ahead > 0:
+            self.sleep(ahead)
 
 
 def _drain(body: BinaryIO, length: int) -> None:

@@ -143,7 +143,8 @@ class StorageWorker(Base):
     zone: Mapped[str] = mapped_column(String(128), default="")
     #: "local" (started by ckpt up), "static" (CKPT_WORKERS) or "mdns".
     source: Mapped[str] = mapped_column(String(16))
-    #: "up", "down" or "candidate".
+    #: "up", "down", "candidate" (found, not yet admitted), "rejected" (failed the key
+    #: challenge), "draining" (copying its shards away) or "removable" (drained).
     state: Mapped[str] = mapped_column(String(16), default="up")
     capacity_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -160,11 +161,14 @@ class Replica(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
     worker_id: Mapped[str] = mapped_column(ForeignKey("storage_workers.id"), index=True)
-    #: "pending", "stored", "verified", "corrupt", "missing" or "abandoned".
+    #: "pending", "stored", "verified", "corrupt", "missing", "abandoned" or "trimmed".
     state: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     stored_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    #: Last time the worker's re-hash matched the manifest.
     verified_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    #: Last time the replica was checked (verify or scrub), whatever the result.
+    checked_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
 
     shard: Mapped[Shard] = relationship(back_populates="replicas")
@@ -190,6 +194,8 @@ class Job(Base):
     blocked_reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
     lease_until: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: Collapses duplicates: at most one job per key (e.g. one nightly scrub per worker and day).
+    dedupe_key: Mapped[Optional[str]] = mapped_column(String(255), nullable=True, unique=True)
     bytes_done: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_total: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)

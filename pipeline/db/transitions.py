@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from pipeline import states
@@ -74,8 +75,13 @@ def create_job(
     lease_seconds: float = 60.0,
     bytes_total: int = 0,
     detail: str | None = None,
+    dedupe_key: str | None = None,
 ) -> Job:
-    """Insert a job in its kind's initial state, with the first timeline row."""
+    """Insert a job in its kind's initial state, with the first timeline row.
+
+    With ``dedupe_key``, a second job with the same key violates a unique constraint:
+    callers that expect duplicates use :func:`create_job_once`.
+    """
     t = now()
     job = Job(
         kind=kind,
@@ -88,11 +94,23 @@ def create_job(
         created_at=t,
         updated_at=t,
         lease_until=t + timedelta(seconds=lease_seconds),
+        dedupe_key=dedupe_key,
     )
     session.add(job)
     session.flush()
     session.add(JobEvent(job_id=job.id, at=t, from_state=None, to_state=job.state, detail=detail))
     return job
+
+
+def create_job_once(session: Session, kind: str, dedupe_key: str, **kwargs: Any) -> Job | None:
+    """Like :func:`create_job`, but None when a job with ``dedupe_key`` already exists."""
+    if session.scalar(select(Job.id).where(Job.dedupe_key == dedupe_key)) is not None:
+        return None
+    try:
+        with session.begin_nested():
+            return create_job(session, kind, dedupe_key=dedupe_key, **kwargs)
+    except IntegrityError:  # a concurrent scheduler (or double fire) created it first
+        return None
 
 
 def note(session: Session, job_id: int, detail: str) -> None:

@@ -10,9 +10,12 @@ import logging
 import dramatiq
 
 from pipeline import settings as settings_mod
+from pipeline.reconcile import reconcile_worker as reconcile_step
+from pipeline.repair import repair as repair_step
 from pipeline.replication import replicate as replicate_step
 from pipeline.restore import restore as restore_step
 from pipeline.rotation import plan_run, rotate as rotate_step
+from pipeline.scrub import scrub as scrub_step
 from pipeline.sharding import shard_checkpoint
 from pipeline.steps import AttemptsExhausted, Send
 from pipeline.verification import verify_checkpoint
@@ -66,3 +69,18 @@ def rotate(job_id: int) -> None:
 @dramatiq.actor(actor_name="restore", queue_name="ckpt", **_TRANSFER)
 def restore(job_id: int) -> None:
     send_all(restore_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="scrub", queue_name="ckpt", **_TRANSFER)
+def scrub(job_id: int) -> None:
+    send_all(scrub_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="repair", queue_name="ckpt", **_TRANSFER)
+def repair(job_id: int) -> None:
+    send_all(repair_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="reconcile_worker", queue_name="ckpt", **_TRANSFER)
+def reconcile_worker(worker_id: str) -> None:
+    send_all(reconcile_step(settings_mod.current(), worker_id))

@@ -15,7 +15,7 @@ def job_id_for(session, actor: str, args: tuple[Any, ...]) -> int | None:  # noq
     if actor == "replicate":
         job = job_of_replica(session, int(args[0]))
         return job.id if job else None
-    if actor in ("shard", "verify", "rotate", "restore"):
+    if actor in ("shard", "verify", "rotate", "restore", "scrub", "repair"):
         return int(args[0])
     return None
 

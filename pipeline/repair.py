@@ -1,0 +1,224 @@
+"""Repair: bring every shard of a checkpoint back to RF copies that match the manifest.
+
+A source is a replica whose fresh re-hash matches the manifest's SHA-256, or the local
+copy if it still exists (the receiving worker checks its hash): never "primary wins". A
+corrupt copy is quarantined on its worker (moved aside, not served, not counted) and
+purged only after the new copy there re-hashed correctly. A shard with no good source is
+``lost``: the job says so, and rotation stays blocked for its checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline import placement, states
+from pipeline.catalog import file_path
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from pipeline.db.transitions import create_job, note, now, renew_lease, transition
+from pipeline.errors import CkptError, PlacementError, WorkerError
+from pipeline.header import read_header, shard_header
+from pipeline.health import READABLE
+from pipeline.replicas import mark
+from pipeline.settings import Settings
+from pipeline.sharding import live_candidates
+from pipeline.steps import Send, begin_step
+from pipeline.worker_client import WorkerClient
+
+log = logging.getLogger("ckpt.repair")
+P = states.RepairState
+
+
+@dataclass
+class ShardWork:
+    shard_id: int
+    label: str
+    sha: str
+    size: int
+    kind: str
+    src_path: str | None  # the local file, if the checkpoint still has it
+    src_offset: int
+    length: int
+    tensors: tuple[str, ...]
+    sources: list[tuple[str, str]] = field(default_factory=list)  # (worker id, url): readable copies
+    fix_in_place: list[tuple[str, str, str]] = field(default_factory=list)  # (worker id, url, state)
+    holders: set[str] = field(default_factory=set)
+    need: int = 0  # new replicas to place on other workers
+
+
+def request_repair(session: Session, settings: Settings, checkpoint_id: int, reason: str) -> Job | None:
+    """Create a repair job for the checkpoint unless one is already queued or running."""
+    active = session.scalar(select(Job.id).where(Job.kind == "repair", Job.checkpoint_id == checkpoint_id,
+                                                 Job.state.in_(sorted(states.ACTIVE["repair"]))).limit(1))
+    if active is not None:
+        return None
+    return create_job(session, "repair", checkpoint_id=checkpoint_id, params={"reason": reason},
+                      lease_seconds=settings.lease_seconds, detail=reason)
+
+
+def plan(s: Session, settings: Settings, checkpoint_id: int) -> list[ShardWork]:
+    """The shards of a checkpoint that need work, as plain data."""
+    ckpt = s.get(Checkpoint, checkpoint_id)
+    work = []
+    for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)):
+        local = file_path(ckpt, f) if ckpt.local_present else None
+        for sh in s.scalars(select(Shard).where(Shard.file_id == f.id).order_by(Shard.seq)):
+            w = ShardWork(sh.id, f"shard {sh.seq} of {f.relpath or ckpt.name}", sh.sha256, sh.size, sh.kind, local,
+                          sh.src_offset, sh.length, tuple(sh.tensors or ()))
+            good_up = 0
+            for r in s.scalars(select(Replica).where(Replica.shard_id == sh.id)):
+                w.holders.add(r.worker_id)
+                ws = r.worker.state
+                if r.state in ("verified", "stored") and ws in READABLE:
+                    w.sources.append((r.worker_id, r.worker.url))
+                    if r.state == "verified" and ws == "up":
+                        good_up += 1
+                elif r.state in ("corrupt", "missing") and ws == "up":
+                    w.fix_in_place.append((r.worker_id, r.worker.url, r.state))
+            w.need = max(0, settings.rf - good_up - len(w.fix_in_place))
+            if w.fix_in_place or w.need:
+                work.append(w)
+    return work
+
+
+def repair(settings: Settings, job_id: int) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state in states.TERMINAL["repair"]:
+            return []
+        expected = job.state
+        job = begin_step(s, settings, job_id, expected)
+        if job is None:
+            return []
+        if expected == P.QUEUED:
+            transition(s, job_id, "repair", P.QUEUED, P.REPAIRING, lease_seconds=settings.lease_seconds,
+                       attempts=job.attempts)
+        checkpoint_id = job.checkpoint_id
+        work = plan(s, settings, checkpoint_id)
+
+    key = settings.key()
+    lost: list[str] = []
+    fixed = 0
+    for w in work:
+        try:
+            for worker_id, url, state in w.fix_in_place:
+                _rebuild_on(settings, key, w, worker_id, url, quarantine_first=state == "corrupt")
+                fixed += 1
+            for _ in range(w.need):
+                with session_scope(settings.db_url) as s:
+                    target = placement.place(w.sha, live_candidates(s), 1, exclude=frozenset(w.holders))[0]
+                    s.add(Replica(shard_id=w.shard_id, worker_id=target, state="pending"))
+                    url = s.get(StorageWorker, target).url
+                w.holders.add(target)
+                _rebuild_on(settings, key, w, target, url, quarantine_first=False)
+                fixed += 1
+        except _NoSource:
+            lost.append(f"{w.label} ({w.sha[:12]})")
+        with session_scope(settings.db_url) as s:
+            renew_lease(s, job_id, settings.lease_seconds)
+
+    with session_scope(settings.db_url) as s:
+        if lost:
+            detail = "LOST: no copy matches the manifest for " + "; ".join(lost[:10])
+            transition(s, job_id, "repair", P.REPAIRING, P.LOST, detail=detail, last_error=detail)
+            log.error("checkpoint %d: %s", checkpoint_id, detail)
+            return []
+        transition(s, job_id, "repair", P.REPAIRING, P.DONE, detail=f"{fixed} replicas rebuilt and verified")
+        run = s.get(Checkpoint, checkpoint_id).run
+    log.info("checkpoint %d repaired: %d replicas rebuilt", checkpoint_id, fixed)
+    return [Send("rotate_run", (run,))]
+
+
+class _NoSource(Exception):
+    """Raised when every candidate source turned out bad while rebuilding."""
+
+
+def _good_source(settings: Settings, key: bytes, w: ShardWork) -> WorkerClient | None:
+    """The first readable replica whose re-hash, now, matches the manifest."""
+    while w.sources:
+        worker_id, url = w.sources[0]
+        client = WorkerClient(url, key)
+        try:
+            (answer,) = client.verify([w.sha])
+        except (WorkerError, ValueError):
+            w.sources.pop(0)
+            continue
+        if answer["sha256"] == w.sha:
+            return client
+        w.sources.pop(0)
+        with session_scope(settings.db_url) as s:  # it was counted as good: not any more
+            t = now()
+            state = "missing" if answer["sha256"] is None else "corrupt"
+            mark(s, worker_id, w.sha, checked_at=t, state=state, last_error=f"re-hash at repair: {answer['sha256']}")
+    return None
+
+
+def _rebuild_on(settings: Settings, key: bytes, w: ShardWork, worker_id: str, url: str, *,
+                quarantine_first: bool) -> None:
+    """Put a verified copy of the shard on ``worker_id``; raise :class:`_NoSource` if none exists."""
+    target = WorkerClient(url, key)
+    if quarantine_first:
+        target.quarantine([w.sha])  # moved aside: not served, not counted, not yet deleted
+    _transfer(settings, key, w, _good_source(settings, key, w), target)
+    (answer,) = target.verify([w.sha])
+    t = now()
+    if answer["sha256"] != w.sha:
+        with session_scope(settings.db_url) as s:
+            mark(s, worker_id, w.sha, states=("pending", "corrupt", "missing"), state="corrupt", checked_at=t,
+                 last_error=f"re-hash after repair gave {answer['sha256']}")
+        raise WorkerError(url, f"copy of {w.sha[:12]} did not verify after repair")
+    with session_scope(settings.db_url) as s:
+        mark(s, worker_id, w.sha, states=("pending", "corrupt", "missing", "stored", "verified"), state="verified",
+             stored_at=t, verified_at=t, checked_at=t, last_error=None)
+        note_job_for(s, w, worker_id)
+    target.purge_quarantined([w.sha])  # only now that the new copy verified
+
+
+def _transfer(settings: Settings, key: bytes, w: ShardWork, source: WorkerClient | None,
+              target: WorkerClient) -> None:
+    """Copy the shard to ``target`` from a good replica, else from the local copy.
+
+    The target hashes what it receives: a source that turns out bad is dropped for the next.
+    Raises :class:`_NoSource` when nothing good is left; an unreachable target raises.
+    """
+    while source is not None:
+        try:
+            target.copy_from(source, w.sha, w.size)
+            return
+        except WorkerError as exc:
+            if exc.worker == target.url and exc.status is None:
+                raise  # the target is unreachable: retry the job later
+            log.warning("repair of %s from %s failed (%s); trying the next copy", w.sha[:12], source.url, exc)
+            w.sources.pop(0)
+            source = _good_source(settings, key, w)
+    if w.src_path is None:
+        raise _NoSource()
+    header = b""
+    try:
+        if w.kind == "safetensors":
+            names = set(w.tensors)
+            header = shard_header([t for t in read_header(w.src_path).tensors if t.name in names])
+        target.put_range(w.sha, header, w.src_path, w.src_offset, w.length)
+    except WorkerError as exc:
+        if exc.status != 422:
+            raise
+        w.src_path = None  # the local copy no longer matches the manifest
+        raise _NoSource() from None
+    except (OSError, CkptError):
+        w.src_path = None
+        raise _NoSource() from None
+
+
+def note_job_for(s: Session, w: ShardWork, worker_id: str) -> None:
+    job = s.scalar(select(Job).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
+                   .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
+                   .join(Shard, Shard.file_id == CheckpointFile.id)
+                   .where(Shard.id == w.shard_id, Job.kind == "repair").order_by(Job.id.desc()).limit(1))
+    if job is not None:
+        note(s, job.id, f"{w.label} rebuilt on {worker_id} and verified")
+
+
+__all__ = ["request_repair", "repair", "plan", "PlacementError"]
