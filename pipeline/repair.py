@@ -117,6 +117,9 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                 fixed += 1
         except _NoSource:
             lost.append(f"{w.label} ({w.sha[:12]})")
+            for worker_id, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
+                if state == "corrupt":
+                    _quarantine(key, url, w.sha)
         with session_scope(settings.db_url) as s:
             renew_lease(s, job_id, settings.lease_seconds)
 
@@ -153,7 +156,17 @@ def _good_source(settings: Settings, key: bytes, w: ShardWork) -> WorkerClient |
             t = now()
             state = "missing" if answer["sha256"] is None else "corrupt"
             mark(s, worker_id, w.sha, checked_at=t, state=state, last_error=f"re-hash at repair: {answer['sha256']}")
+        if answer["sha256"] is not None:
+            _quarantine(key, url, w.sha)
+        w.fix_in_place.append((worker_id, url, "missing"))  # set aside; rebuilt there like a missing copy
     return None
+
+
+def _quarantine(key: bytes, url: str, sha: str) -> None:
+    try:
+        WorkerClient(url, key).quarantine([sha])
+    except WorkerError as exc:  # it stays marked corrupt: never served by us, never counted
+        log.warning("could not quarantine %s on %s: %s", sha[:12], url, exc)
 
 
 def _rebuild_on(settings: Settings, key: bytes, w: ShardWork, worker_id: str, url: str, *,

@@ -100,22 +100,41 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
 
 
 def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
-    """Ask every worker whether it still holds each verified replica at the right size."""
+    """Ask the workers whether they still hold the copies that count, at the right size.
+
+    Only fresh verified replicas on live workers are asked about; each shard needs RF
+    confirmed copies. A worker that cannot answer confirms nothing.
+    """
+    fresh_after = now() - timedelta(seconds=settings.freshness_seconds)
     with session_scope(settings.db_url) as s:
         by_worker: dict[str, tuple[str, dict[str, int]]] = {}
+        shards: dict[str, tuple[str, set[str]]] = {}  # sha -> (label, workers)
         for rep in s.scalars(select(Replica).join(Shard).join(CheckpointFile).where(
                 CheckpointFile.checkpoint_id == checkpoint_id, Replica.state == "verified")):
+            if rep.worker.state != "up" or rep.verified_at is None or rep.verified_at < fresh_after:
+                continue
             url, sizes = by_worker.setdefault(rep.worker_id, (rep.worker.url, {}))
             sizes[rep.shard.sha256] = rep.shard.size
+            shards.setdefault(rep.shard.sha256, (f"shard {rep.shard.seq} of {rep.shard.file.relpath or 'the file'}",
+                                                 set()))
     key = settings.key()
+    confirmed: dict[str, int] = {}
+    problems = []
     for worker_id, (url, sizes) in by_worker.items():
         try:
             held = WorkerClient(url, key).stat(sorted(sizes))
         except WorkerError as exc:
-            return f"worker {worker_id} could not confirm its replicas ({exc.reason})"
+            problems.append(f"worker {worker_id} could not confirm its replicas ({exc.reason})")
+            continue
         for name, size in sizes.items():
-            if held.get(name) != size:
-                return f"worker {worker_id} no longer holds shard {name[:12]} (answered size {held.get(name)})"
+            if held.get(name) == size:
+                confirmed[name] = confirmed.get(name, 0) + 1
+            else:
+                problems.append(f"worker {worker_id} no longer holds shard {name[:12]} (answered size {held.get(name)})")
+    for sha, (label, _ws) in shards.items():
+        if confirmed.get(sha, 0) < settings.rf:
+            why = "; ".join(problems[:3]) or "too few copies"
+            return f"{label} has {confirmed.get(sha, 0)}/{settings.rf} copies confirmed by the workers: {why}"
     return None
 
 

@@ -163,15 +163,17 @@ def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
         for w in s.scalars(select(StorageWorker).where(StorageWorker.state == "draining")):
-            its_shards = select(Replica.shard_id).where(Replica.worker_id == w.id,
-                                                        Replica.state.in_(("stored", "verified")))
+            its_shards = (select(Replica.shard_id).where(Replica.worker_id == w.id,
+                                                         Replica.state.in_(("stored", "verified")))
+                          .distinct().subquery())
             elsewhere = (
                 select(Replica.shard_id, func.count(func.distinct(Replica.worker_id)).label("n"))
                 .join(StorageWorker, StorageWorker.id == Replica.worker_id)
-                .where(Replica.shard_id.in_(its_shards), Replica.state == "verified", StorageWorker.state == "up")
+                .where(Replica.shard_id.in_(select(its_shards.c.shard_id)), Replica.state == "verified",
+                       StorageWorker.state == "up")
                 .group_by(Replica.shard_id)
             ).subquery()
-            total = s.scalar(select(func.count(func.distinct(its_shards.c.shard_id))))
+            total = s.scalar(select(func.count()).select_from(its_shards))
             covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
             if covered == total:
                 w.state, w.last_error = "removable", None

@@ -69,8 +69,8 @@ def alive(pid: int) -> bool:
 
 
 class StorageWorker:
-    def __init__(self, data: Path, env: dict[str, str], log: Path) -> None:
-        self.data, self.env, self.log = data, env, log
+    def __init__(self, data: Path, env: dict[str, str], log: Path, key: str = KEY) -> None:
+        self.data, self.env, self.log, self.key = data, env, log, key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -80,7 +80,7 @@ class StorageWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port)],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        client = WorkerClient(self.url, KEY.encode())
+        client = WorkerClient(self.url, self.key.encode())
 
         def up() -> bool:
             try:
@@ -94,6 +94,17 @@ class StorageWorker:
 
     def pids(self) -> list[int]:
         return [self.proc.pid, *descendants(self.proc.pid)] if self.proc else []
+
+    @property
+    def node_id(self) -> str:
+        return (self.data / "node_id").read_text().strip()
+
+    def shard(self, sha: str) -> Path:
+        return self.data / "shards" / sha[:2] / sha[2:4] / sha
+
+    def quarantined(self) -> list[str]:
+        q = self.data / "quarantine"
+        return sorted(p.name for p in q.iterdir()) if q.exists() else []
 
     def kill(self) -> None:
         """SIGKILL the worker and its gunicorn children, as a crash would."""
@@ -131,26 +142,27 @@ class Cluster:
     workers started by the test, so that a test can kill them."""
 
     def __init__(self, tmp: Path, *, workers: int = 3, env: dict[str, str] | None = None,
-                 processes: int = 2, spare_workers: int = 0) -> None:
+                 processes: int = 2, spare_workers: int = 0, static: bool = True) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.runs = tmp / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         (tmp / "logs").mkdir(exist_ok=True)
         self.extra_env = env or {}
-        self.n_workers, self.processes, self.spare = workers, processes, spare_workers
+        self.n_workers, self.processes, self.spare, self.static = workers, processes, spare_workers, static
         self.workers: list[StorageWorker] = []
         self.up_proc: subprocess.Popen | None = None
         self.known_pids: set[int] = set()
 
     @property
     def env(self) -> dict[str, str]:
-        urls = ",".join(w.url for w in self.workers)
+        urls = ",".join(w.url for w in self.workers) if self.static else ""
         return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls, **self.extra_env)
 
     def start(self) -> "Cluster":
         for i in range(self.n_workers + self.spare):
-            w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home), self.tmp / "logs" / f"worker{i}.log")
+            w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home, **self.extra_env),
+                              self.tmp / "logs" / f"worker{i}.log")
             # Spare workers are in CKPT_WORKERS but not running yet: a test starts them later.
             self.workers.append(w.start() if i < self.n_workers else w)
         with open(self.tmp / "logs" / "up.log", "ab") as out:
@@ -171,6 +183,21 @@ class Cluster:
             self.known_pids.update([self.up_proc.pid, *descendants(self.up_proc.pid)])
         for w in self.workers:
             self.known_pids.update(w.pids())
+
+    def worker(self, node_id: str) -> StorageWorker:
+        return next(w for w in self.workers if w.node_id == node_id)
+
+    def replicas(self, checkpoint_path: Path, states: tuple[str, ...] = ("verified",)) -> list[tuple[str, str, int]]:
+        """(worker id, shard sha256, shard seq) of the checkpoint's tensor-shard replicas."""
+        from sqlalchemy import select
+
+        from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard
+
+        with session_scope(self.settings.db_url) as s:
+            return [(r.worker_id, r.shard.sha256, r.shard.seq) for r in s.scalars(
+                select(Replica).join(Shard).join(CheckpointFile).join(Checkpoint)
+                .where(Checkpoint.path == str(checkpoint_path.resolve()), Replica.state.in_(states),
+                       Shard.kind == "safetensors").order_by(Shard.seq, Replica.worker_id))]
 
     def dramatiq_workers(self) -> list[int]:
         master = self.up_info()["children"]["dramatiq"]

@@ -1,0 +1,56 @@
+"""Shard health rules, and the scrub read throttle."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from pipeline.health import replica_health, shard_health
+from workers.shardstore import Throttle
+
+NOW = datetime(2026, 11, 21, tzinfo=timezone.utc)
+DAY = 86400.0
+
+
+@pytest.mark.parametrize("state,age_days,worker,expected", [
+    ("verified", 0.5, "up", "verified"),
+    ("verified", 3, "up", "stale"),
+    ("verified", 0.5, "down", "missing"),
+    ("verified", 0.5, "draining", "verified"),
+    ("stored", None, "up", "unverified"),
+    ("corrupt", 0.1, "up", "corrupt"),
+    ("missing", None, "up", "missing"),
+    ("pending", None, "up", "pending"),
+])
+def test_replica_health(state, age_days, worker, expected):
+    verified_at = NOW - timedelta(days=age_days) if age_days is not None else None
+    assert replica_health(state, verified_at, worker, NOW, 2 * DAY) == expected
+
+
+@pytest.mark.parametrize("replicas,local,expected", [
+    (["verified", "verified"], False, "healthy"),
+    (["verified", "stale"], False, "healthy"),
+    (["verified", "corrupt"], False, "under-replicated"),
+    (["missing", "corrupt"], True, "under-replicated"),
+    (["missing", "corrupt"], False, "lost"),
+    ([], False, "lost"),
+])
+def test_shard_health(replicas, local, expected):
+    assert shard_health(replicas, 2, local) == expected
+
+
+def test_throttle_sleeps_to_hold_the_rate():
+    clock = [0.0]
+    slept = []
+
+    def sleep(d: float) -> None:
+        slept.append(d)
+        clock[0] += d
+
+    t = Throttle(100.0, clock=lambda: clock[0], sleep=sleep)
+    for _ in range(10):
+        t.consume(50)  # 500 bytes at 100 B/s: 5 s
+    assert clock[0] == pytest.approx(5.0)
+    unthrottled = Throttle(0, clock=lambda: 0.0, sleep=lambda d: slept.append(-1))
+    unthrottled.consume(10**9)
+    assert -1 not in slept
