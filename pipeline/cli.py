@@ -402,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CkptError as exc:
         print(f"ckpt: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `ckpt status | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
