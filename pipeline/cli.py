@@ -66,6 +66,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         import os
 
         s = settings_mod.configure(dataclasses.replace(s, roots=(os.path.abspath("checkpoints"),)))
+    if args.web_port is not None:
+        import dataclasses as _dc
+
+        s = settings_mod.configure(_dc.replace(s, web_port=args.web_port))
     sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
     stop = threading.Event()
     _stop_on_signals(lambda: (stop.set(), setattr(sup, "stopping", True)))
@@ -77,6 +81,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         for url in info["workers"]:
             print(f"  storage worker {url}", flush=True)
         print(f"  watching       {', '.join(s.roots)}", flush=True)
+        if info.get("web"):
+            print(f"  web UI         {info['web']}  (admin token: {s.admin_token()})", flush=True)
         print("  logs           " + str(sup.home / "logs"), flush=True)
         print("ready: new checkpoints under the roots are protected; Ctrl-C stops everything", flush=True)
         if not stop.is_set():
@@ -121,24 +127,19 @@ def _worker_action(s: Settings, action: list[str]) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from pipeline.db.engine import session_scope
-    from pipeline.scrub import request_scrub
-    from pipeline.steps import Send
+    from pipeline import commands
 
     s = _settings(args)
     _tasks()
-    with session_scope(s.db_url) as session:
-        jobs = request_scrub(session, s, worker_ids=args.worker or None, reason="ckpt scrub")
-        ids = [(j.id, j.params["worker_id"]) for j in jobs]
-    if not ids:
+    started = commands.scrub_now(s, args.worker or None, reason="ckpt scrub")
+    if not started:
         print("no live storage worker to scrub")
         return 1
-    _send([Send("scrub", (job_id,)) for job_id, _w in ids])
-    for job_id, worker in ids:
-        print(f"scrub job {job_id}: storage worker {worker}")
+    for r in started:
+        print(f"scrub job {r.job_id}: storage worker {r.detail}")
     if not args.wait:
         return 0
-    return max(_wait(s, job_id, ok=("done",), timeout=args.timeout) for job_id, _w in ids)
+    return max(_wait(s, r.job_id, ok=("done",), timeout=args.timeout) for r in started)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
@@ -163,6 +164,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    from pipeline.serving import run
+    from webui import create_app
+
+    overrides = {"web_host": args.host, "web_port": args.port}
+    s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
+    app = create_app(settings=s)
+    print(f"web UI on http://{s.web_host}:{s.web_port}/", flush=True)
+    run(app, host=s.web_host, port=s.web_port, threads=args.threads, name="ckpt-web")
+    return 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
@@ -173,44 +186,29 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from pipeline import catalog, detect, roots
-    from pipeline.db.engine import session_scope
+    from pipeline import commands
 
     s = _settings(args)
     _tasks()
-    run, path = roots.locate(args.path, s.roots)
-    entries = detect.inspect(path)
-    detected = catalog.hash_checkpoint(run, path, entries)
-    with session_scope(s.db_url) as session:
-        ckpt, job, created = catalog.record(session, detected, lease_seconds=s.lease_seconds,
-                                            detail="requested by ckpt store")
-        ckpt_id, job_id, state = ckpt.id, job.id, job.state
-    if created:
-        from pipeline.steps import Send
-
-        _send([Send("shard", (job_id,))])
-        print(f"checkpoint {ckpt_id}: store job {job_id} created for {path}")
+    r = commands.store(s, args.path, detail="requested by ckpt store")
+    if r.created:
+        print(f"checkpoint {r.checkpoint_id}: store job {r.job_id} created for {r.detail}")
     else:
-        print(f"checkpoint {ckpt_id}: this version is already known (job {job_id}, {state})")
+        print(f"checkpoint {r.checkpoint_id}: this version is already known (job {r.job_id}, {r.state})")
     if args.wait:
-        return _wait(s, job_id, ok=("verified", "rotated"), timeout=args.timeout)
+        return _wait(s, r.job_id, ok=("verified", "rotated"), timeout=args.timeout)
     return 0
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from pipeline import restore
-    from pipeline.db.engine import session_scope
-    from pipeline.steps import Send
+    from pipeline import commands
 
     s = _settings(args)
     _tasks()
-    with session_scope(s.db_url) as session:
-        job = restore.request(session, s, args.checkpoint, args.to, overwrite=args.overwrite)
-        job_id, dest = job.id, job.params["dest"]
-    _send([Send("restore", (job_id,))])
-    print(f"restore job {job_id}: checkpoint {args.checkpoint} -> {dest}")
+    r = commands.restore_to(s, args.checkpoint, args.to, overwrite=args.overwrite)
+    print(f"restore job {r.job_id}: checkpoint {args.checkpoint} -> {r.detail}")
     if args.wait:
-        return _wait(s, job_id, ok=("done",), timeout=args.timeout)
+        return _wait(s, r.job_id, ok=("done",), timeout=args.timeout)
     return 0
 
 
@@ -339,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=3, help="local storage workers (default 3)")
     up.add_argument("--processes", type=int, default=2, help="dramatiq worker processes (default 2)")
     up.add_argument("--threads", type=int, default=4, help="threads per dramatiq process (default 4)")
+    up.add_argument("--web-port", type=int, help="web UI port (default 8080; 0 disables the web UI)")
     up.set_defaults(func=cmd_up)
 
     w = sub.add_parser("worker", help="run a storage worker daemon, or `ckpt worker drain ID`")
@@ -380,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requeue", metavar="ID|all")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_dead_letters)
+
+    web = sub.add_parser("web", help="serve the web UI and JSON API (gunicorn, threaded)")
+    web.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    web.add_argument("--port", type=int, help="port (default 8080)")
+    web.add_argument("--threads", type=int, default=8)
+    web.set_defaults(func=cmd_web)
 
     for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
                              ("watch", cmd_watch, "run the watcher on the roots"),

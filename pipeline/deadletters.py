@@ -76,6 +76,8 @@ def _revive_job(settings: Settings, actor: str, args: tuple[Any, ...]) -> None:
             if rep is not None and rep.state == "pending":
                 rep.attempts = 0
         job = s.get(Job, job_id)
+        if job is None:  # the job was deleted: the fresh message will find nothing to do
+            return
         back = (job.params or {}).get("failed_from") if job.kind == "store" else "queued"
         if job.state == states.StoreState.FAILED and back:
             transition(s, job_id, job.kind, job.state, back, detail="requeued from the dead-letter queue",

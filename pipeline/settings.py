@@ -73,6 +73,9 @@ class Settings:
     mdns: int = 1
     #: Addresses zeroconf uses, comma-separated, or "all"; loopback only by default.
     mdns_interfaces: tuple[str, ...] = ("127.0.0.1",)
+    #: Where the web UI listens (``ckpt up`` and ``ckpt web``).
+    web_host: str = "127.0.0.1"
+    web_port: int = 8080
 
     # -- derived values -------------------------------------------------------------
 
@@ -96,10 +99,18 @@ class Settings:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
         if self.cluster_key:
             return self.cluster_key.encode()
-        path = self.home / "cluster.key"
+        return self.secret("cluster.key")
+
+    def admin_token(self) -> str:
+        """The web UI's admin token, ``<home>/admin.token`` (created on first start)."""
+        return self.secret("admin.token").decode()
+
+    def secret(self, name: str) -> bytes:
+        """A random secret kept in ``<home>/<name>`` (mode 0600), created on first use."""
+        path = self.home / name
         if not path.exists():
             self.home.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = self.home / f".{name}.{os.getpid()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))

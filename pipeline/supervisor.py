@@ -127,8 +127,11 @@ class Supervisor:
         env = self._env()
         dramatiq_argv = [sys.executable, "-m", "dramatiq", "pipeline.tasks", "--processes", str(self.processes),
                          "--threads", str(self.threads), "--queues", "ckpt"]
-        for name, argv in (("dramatiq", dramatiq_argv), ("scheduler", self._ckpt("scheduler")),
-                           ("watcher", self._ckpt("watch"))):
+        services = [("dramatiq", dramatiq_argv), ("scheduler", self._ckpt("scheduler")), ("watcher", self._ckpt("watch"))]
+        if self.settings.web_port:
+            services.append(("web", self._ckpt("web", "--host", self.settings.web_host,
+                                               "--port", str(self.settings.web_port))))
+        for name, argv in services:
             child = Child(name, argv, env, self.home / "logs" / f"{name}.log", stop_timeout=30)
             child.start()
             self.children.append(child)
@@ -141,6 +144,7 @@ class Supervisor:
                 Path(root).mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
         self.settings.key()
+        self.settings.admin_token()  # created here, not raced by the children that read it
         if self.settings.embedded_redis:
             self.start_redis()
         upgrade(self.settings.db_url)
@@ -154,6 +158,7 @@ class Supervisor:
         info = {
             "pid": os.getpid(), "home": str(self.home), "database": self.settings.db_url,
             "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),
+            "web": f"http://{self.settings.web_host}:{self.settings.web_port}/" if self.settings.web_port else None,
             "children": {c.name: c.proc.pid for c in self.children if c.proc},
         }
         tmp = self.home / "up.json.tmp"
@@ -192,7 +197,7 @@ class Supervisor:
         """Stop children in reverse order of start: watcher first, Redis last."""
         self.stopping = True
         order = list(reversed(self.children))
-        services = [c for c in order if c.name in ("watcher", "scheduler", "dramatiq")]
+        services = [c for c in order if c.name in ("web", "watcher", "scheduler", "dramatiq")]
         others = [c for c in order if c not in services]
         for group in (services, others):
             for child in group:

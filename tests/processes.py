@@ -30,6 +30,7 @@ FAST = {  # settings that make a test cluster react in seconds, not minutes
     "CKPT_MAX_ATTEMPTS": "8",
     # No zeroconf outside a private network namespace (tests/integration/test_discovery.py).
     "CKPT_MDNS": "0",
+    "CKPT_WEB_PORT": "0",  # a test that wants the web UI picks a free port
 }
 
 

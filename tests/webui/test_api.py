@@ -1,0 +1,168 @@
+"""The JSON API with Flask's test client: every endpoint, each 4xx, auth."""
+from __future__ import annotations
+
+import dramatiq
+import pytest
+
+from tests.webui.conftest import one_job, seed
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def dead_letter(actor: str = "shard", args: tuple = (424242,)) -> str:
+    """Dead-letter a real message the way Dramatiq does: consume it and nack it."""
+    broker = dramatiq.get_broker()
+    sent = broker.get_actor(actor).send(*args)
+    consumer = broker.consume("ckpt", prefetch=1, timeout=500)
+    try:
+        for message in consumer:
+            if message is not None and message.message_id == sent.message_id:
+                consumer.nack(message)
+                return message.options["redis_message_id"]
+    finally:
+        consumer.close()
+    raise AssertionError("message not delivered")
+
+
+def test_read_endpoints_return_the_control_plane(client, web_settings):
+    ids = seed(web_settings)
+    cks = client.get("/api/checkpoints").get_json()["checkpoints"]
+    assert [(c["id"], c["state"], c["replicas_verified"], c["health"]) for c in cks] == [
+        (ids["checkpoint"], "verified", 2, "healthy")]
+    detail = client.get(f"/api/checkpoints/{ids['checkpoint']}").get_json()
+    assert detail["files"][0]["shards"][0]["replicas"][0]["health"] == "verified"
+    assert client.get("/api/checkpoints?state=detected").get_json()["checkpoints"] == []
+    jobs = client.get("/api/jobs?kind=restore").get_json()["jobs"]
+    assert [j["id"] for j in jobs] == [ids["restore_job"]]
+    assert client.get("/api/jobs?state=verified").get_json()["jobs"][0]["id"] == ids["store_job"]
+    job = client.get(f"/api/jobs/{ids['store_job']}").get_json()
+    assert [e["to"] for e in job["timeline"]] == ["detected", "sharded", "replicated", "verified"]
+    assert {w["id"] for w in client.get("/api/workers").get_json()["workers"]} == {"w-0", "w-1"}
+    health = client.get("/api/health").get_json()
+    assert health["shards"] == {"healthy": len(detail["files"][0]["shards"])}
+    assert client.get("/api/dead-letters").get_json() == {"dead_letters": []}
+
+
+@pytest.mark.parametrize("url", ["/api/checkpoints/9999", "/api/jobs/9999"])
+def test_unknown_ids_are_404_with_a_reason(client, url):
+    r = client.get(url)
+    assert r.status_code == 404 and r.is_json and "9999" in r.get_json()["error"]
+
+
+def test_unknown_job_kind_is_400(client):
+    r = client.get("/api/jobs?kind=bogus")
+    assert r.status_code == 400 and "unknown job kind" in r.get_json()["error"]
+
+
+@pytest.mark.parametrize("method,url,body", [
+    ("post", "/api/store", {"path": "/x"}),
+    ("post", "/api/restore", {"checkpoint": "1", "dest": "/tmp/y"}),
+    ("post", "/api/scrub", {}),
+    ("post", "/api/dead-letters/all/requeue", None),
+])
+def test_mutations_need_the_admin_token(client, method, url, body):
+    r = getattr(client, method)(url, json=body)
+    assert r.status_code == 401 and "Authorization: Bearer" in r.get_json()["error"]
+    r = getattr(client, method)(url, json=body, headers=bearer("wrong"))
+    assert r.status_code == 403 and "wrong" in r.get_json()["error"]
+
+
+def test_get_never_mutates(client, web_settings):
+    for url in ("/api/store", "/api/restore", "/api/scrub"):
+        assert client.get(url).status_code == 405
+    assert one_job(web_settings, "store") is None
+
+
+def test_store_accepts_a_checkpoint_inside_a_root(client, web_settings, token, tmp_path):
+    from tests.checkpoints import atomic_save, state_dict
+
+    path = atomic_save(state_dict(3), tmp_path / "runs" / "r1" / "step_3.safetensors")
+    r = client.post("/api/store", json={"path": str(path)}, headers=bearer(token))
+    assert r.status_code == 202, r.get_json()
+    doc = r.get_json()
+    assert doc["state"] == "detected" and doc["created"] is True
+    assert r.headers["Location"] == f"/api/jobs/{doc['id']}"
+    assert dramatiq.get_broker().client.llen("dramatiq:ckpt") >= 0  # sent to the real broker
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (None, 400, "JSON object"),
+    ({}, 400, "path"),
+    ({"path": ""}, 400, "path"),
+    ({"path": "/etc/passwd"}, 400, "not a checkpoint inside a watched root"),
+])
+def test_store_refuses_bad_bodies_and_paths(client, token, body, status, needle):
+    kwargs = {"json": body} if body is not None else {"data": "not json", "content_type": "text/plain"}
+    r = client.post("/api/store", headers=bearer(token), **kwargs)
+    assert r.status_code == status and needle in r.get_json()["error"]
+
+
+def test_store_of_an_incomplete_checkpoint_is_400(client, token, tmp_path):
+    (tmp_path / "runs" / "r1" / "step_9").mkdir()
+    r = client.post("/api/store", json={"path": str(tmp_path / "runs" / "r1" / "step_9")}, headers=bearer(token))
+    assert r.status_code == 400 and "not complete" in r.get_json()["error"]
+
+
+def test_restore_validates_checkpoint_and_destination(client, web_settings, token, tmp_path):
+    ids = seed(web_settings)
+    r = client.post("/api/restore", json={"checkpoint": "424242", "dest": str(tmp_path / "d")}, headers=bearer(token))
+    assert r.status_code == 404
+    existing = tmp_path / "exists"
+    existing.write_text("keep")
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(existing)}, headers=bearer(token))
+    assert r.status_code == 409 and "already exists" in r.get_json()["error"]
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"]}, headers=bearer(token))
+    assert r.status_code == 400 and "dest" in r.get_json()["error"]
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "new")},
+                    headers=bearer(token))
+    assert r.status_code == 202 and r.get_json()["kind"] == "restore"
+    assert existing.read_text() == "keep"
+
+
+def test_restore_of_a_checkpoint_that_is_not_protected_is_400(client, web_settings, token, tmp_path):
+    from pipeline import commands
+    from tests.checkpoints import atomic_save, state_dict
+
+    path = atomic_save(state_dict(5), tmp_path / "runs" / "r1" / "step_5.safetensors")
+    commands.store(web_settings, str(path))
+    r = client.post("/api/restore", json={"checkpoint": str(path), "dest": str(tmp_path / "o")}, headers=bearer(token))
+    assert r.status_code == 400 and "only replicated or verified" in r.get_json()["error"]
+
+
+def test_scrub_starts_one_job_per_live_worker(client, web_settings, token):
+    seed(web_settings)
+    r = client.post("/api/scrub", json={}, headers=bearer(token))
+    assert r.status_code == 202
+    assert sorted(j["params"]["worker_id"] for j in r.get_json()["jobs"]) == ["w-0", "w-1"]
+    r = client.post("/api/scrub", json={"workers": "w-0"}, headers=bearer(token))
+    assert r.status_code == 400
+    r = client.post("/api/scrub", json={"workers": ["nope"]}, headers=bearer(token))
+    assert r.status_code == 400 and "unknown storage worker" in r.get_json()["error"]
+
+
+def test_scrub_without_workers_is_409(client, token):
+    r = client.post("/api/scrub", json={}, headers=bearer(token))
+    assert r.status_code == 409
+
+
+def test_dead_letters_are_listed_and_requeued(client, token):
+    letter = dead_letter()
+    listed = client.get("/api/dead-letters").get_json()["dead_letters"]
+    assert [(d["id"], d["actor"], d["args"]) for d in listed] == [(letter, "shard", [424242])]
+    assert client.post("/api/dead-letters/nope/requeue", headers=bearer(token)).status_code == 404
+    r = client.post(f"/api/dead-letters/{letter}/requeue", headers=bearer(token))
+    assert r.status_code == 200 and r.get_json() == {"requeued": 1}
+    assert client.get("/api/dead-letters").get_json()["dead_letters"] == []
+    assert dramatiq.get_broker().client.llen("dramatiq:ckpt") == 1  # a fresh message is queued
+
+
+def test_metrics_are_prometheus_text_from_real_rows(client, web_settings):
+    seed(web_settings)
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'ckpt_jobs{kind="store",state="verified"} 1.0' in text
+    assert 'ckpt_jobs{kind="restore",state="done"} 1.0' in text
+    assert 'ckpt_shards{health="healthy"}' in text and 'ckpt_shards{health="lost"} 0.0' in text
+    assert 'ckpt_worker_up{state="up",worker="w-0"} 1.0' in text
+    assert "ckpt_transfer_seconds_bucket" in text and "ckpt_bytes_stored" in text

@@ -1,0 +1,117 @@
+"""Server-rendered pages, forms with login and CSRF, the chart and the live stream."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.db.engine import session_scope
+from pipeline.db.transitions import create_job, transition
+from tests.checkpoints import atomic_save, state_dict
+from tests.webui.conftest import csrf_of, one_job, seed
+from tests.webui.test_api import dead_letter
+
+PAGES = ["/", "/checkpoints", "/health", "/jobs", "/workers", "/dead-letters", "/login"]
+
+
+@pytest.mark.parametrize("url", PAGES)
+def test_every_page_renders_empty(client, url):
+    r = client.get(url)
+    assert r.status_code == 200 and b"ckpt-pipeline" in r.data
+
+
+def test_pages_show_the_seeded_checkpoint(client, web_settings):
+    ids = seed(web_settings)
+    assert b"step_1.safetensors" in client.get("/checkpoints").data
+    assert b"2/2 verified" in client.get("/checkpoints").data
+    detail = client.get(f"/checkpoints/{ids['checkpoint']}").get_data(as_text=True)
+    assert "shard" in detail and "w-0" in detail and "healthy" in detail
+    assert client.get("/checkpoints?state=detected").get_data(as_text=True).count("step_1") == 0
+    matrix = client.get("/health").get_data(as_text=True)
+    assert 'class="cell verified"' in matrix
+    job = client.get(f"/jobs/{ids['store_job']}").get_data(as_text=True)
+    assert "replicated" in job and "seeded verified" in job
+    assert b"w-1" in client.get("/workers").data
+
+
+def test_unknown_pages_are_404_pages(client):
+    r = client.get("/checkpoints/777")
+    assert r.status_code == 404 and b"no checkpoint" in r.data
+
+
+def test_overview_chart_is_drawn_from_real_transfers(client, web_settings):
+    assert b"No store or restore has finished yet" in client.get("/").data
+    seed(web_settings)
+    html = client.get("/").get_data(as_text=True)
+    assert html.count('class="bar-store"') == 1 and html.count('class="bar-restore"') == 1
+    assert "store job 1:" in html and "written to verified in" in html
+
+
+def test_actions_need_login(client):
+    r = client.get("/actions")
+    assert r.status_code == 302 and "/login" in r.headers["Location"]
+    r = client.post("/actions/store", data={"path": "/x"})
+    assert r.status_code == 401
+
+
+def test_wrong_token_does_not_log_in(client):
+    page = client.get("/login").get_data(as_text=True)
+    r = client.post("/login", data={"token": "nope", "csrf_token": csrf_of(page)})
+    assert r.status_code == 403
+    assert client.get("/actions").status_code == 302
+
+
+def test_forms_need_the_csrf_token(admin, tmp_path):
+    path = atomic_save(state_dict(2), tmp_path / "runs" / "r1" / "step_2.safetensors")
+    r = admin.post("/actions/store", data={"path": str(path)})
+    assert r.status_code == 403 and b"CSRF" in r.data
+    r = admin.post("/actions/store", data={"path": str(path), "csrf_token": "forged"})
+    assert r.status_code == 403
+
+
+def test_store_form_creates_a_job_and_goes_to_its_page(admin, web_settings, tmp_path):
+    path = atomic_save(state_dict(2), tmp_path / "runs" / "r1" / "step_2.safetensors")
+    token = csrf_of(admin.get("/actions").get_data(as_text=True))
+    r = admin.post("/actions/store", data={"path": str(path), "csrf_token": token})
+    job = one_job(web_settings, "store")
+    assert r.status_code == 303 and r.headers["Location"] == f"/jobs/{job.id}"
+    r = admin.post("/actions/store", data={"path": "/etc/hosts", "csrf_token": token})
+    assert r.status_code == 400 and b"not a checkpoint inside a watched root" in r.data
+
+
+def test_restore_and_scrub_forms(admin, web_settings, tmp_path):
+    ids = seed(web_settings)
+    token = csrf_of(admin.get("/actions").get_data(as_text=True))
+    r = admin.post("/actions/restore", data={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "out"),
+                                             "csrf_token": token})
+    assert r.status_code == 303 and one_job(web_settings, "restore").params["dest"] == str(tmp_path / "out")
+    r = admin.post("/actions/scrub", data={"csrf_token": token})
+    assert r.status_code == 303 and r.headers["Location"] == "/jobs?kind=scrub"
+
+
+def test_requeue_form(admin):
+    letter = dead_letter()
+    page = admin.get("/dead-letters").get_data(as_text=True)
+    assert letter[:12] in page
+    r = admin.post("/dead-letters/requeue", data={"id": letter, "csrf_token": csrf_of(page)})
+    assert r.status_code == 303
+    assert b"No dead letter" in admin.get("/dead-letters").data
+
+
+def test_job_stream_sends_events_until_the_job_ends(client, web_settings):
+    with session_scope(web_settings.db_url) as s:
+        job_id = create_job(s, "restore", checkpoint_id=None, params={"dest": "/x"}).id
+    r = client.get(f"/jobs/{job_id}/stream", buffered=False)
+    assert r.mimetype == "text/event-stream"
+    chunks = iter(r.response)
+    first = json.loads(next(chunks).decode().removeprefix("data: "))
+    assert first["state"] == "queued" and not first["terminal"]
+    with session_scope(web_settings.db_url) as s:
+        transition(s, job_id, "restore", "queued", "failed", detail="test")
+    events = [json.loads(c.decode().removeprefix("data: ")) for c in chunks if c.strip()]
+    assert events[-1]["state"] == "failed" and events[-1]["terminal"]
+    r.close()
+
+
+def test_logout_needs_csrf(admin):
+    assert admin.post("/logout").status_code == 403

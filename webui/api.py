@@ -1,0 +1,117 @@
+"""The JSON API: the pages' data for scripts, and the same actions."""
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, current_app, jsonify, request, url_for
+
+from pipeline import commands, deadletters, states
+from webui import data
+from webui.errors import ApiError
+from webui.security import api_admin
+
+bp = Blueprint("api", __name__, url_prefix="/api")
+
+
+def settings():  # noqa: ANN201
+    return current_app.config["CKPT_SETTINGS"]
+
+
+def body(*required: str) -> dict[str, Any]:
+    doc = request.get_json(silent=True)
+    if not isinstance(doc, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    missing = [k for k in required if not isinstance(doc.get(k), (str, int)) or doc.get(k) == ""]
+    if missing:
+        raise ApiError(400, f"missing or empty field(s): {', '.join(missing)}")
+    return doc
+
+
+@bp.get("/checkpoints")
+def checkpoints():  # noqa: ANN201
+    return jsonify(checkpoints=data.checkpoints(settings(), state=request.args.get("state") or None,
+                                                run=request.args.get("run") or None))
+
+
+@bp.get("/checkpoints/<int:checkpoint_id>")
+def checkpoint(checkpoint_id: int):  # noqa: ANN201
+    return jsonify(data.checkpoint(settings(), checkpoint_id))
+
+
+@bp.get("/jobs")
+def jobs():  # noqa: ANN201
+    state, kind = request.args.get("state") or None, request.args.get("kind") or None
+    if kind and kind not in states.TRANSITIONS:
+        raise ApiError(400, f"unknown job kind {kind!r}; one of {', '.join(sorted(states.TRANSITIONS))}")
+    return jsonify(jobs=data.jobs(settings(), state=state, kind=kind))
+
+
+@bp.get("/jobs/<int:job_id>")
+def job(job_id: int):  # noqa: ANN201
+    return jsonify(data.job(settings(), job_id))
+
+
+@bp.get("/workers")
+def workers():  # noqa: ANN201
+    return jsonify(workers=data.workers(settings()))
+
+
+@bp.get("/health")
+def health():  # noqa: ANN201
+    return jsonify(data.health(settings()))
+
+
+@bp.get("/dead-letters")
+def dead_letters():  # noqa: ANN201
+    return jsonify(dead_letters=deadletters.list_letters(settings()))
+
+
+def accepted(job_id: int, extra: dict[str, Any] | None = None):  # noqa: ANN201
+    doc = data.job(settings(), job_id)
+    if extra:
+        doc.update(extra)
+    resp = jsonify(doc)
+    resp.status_code = 202
+    resp.headers["Location"] = url_for("api.job", job_id=job_id)
+    return resp
+
+
+@bp.post("/store")
+@api_admin
+def store():  # noqa: ANN201
+    r = commands.store(settings(), str(body("path")["path"]), detail="requested over HTTP")
+    return accepted(r.job_id, {"created": r.created, "checkpoint_id": r.checkpoint_id})
+
+
+@bp.post("/restore")
+@api_admin
+def restore():  # noqa: ANN201
+    doc = body("checkpoint", "dest")
+    r = commands.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=bool(doc.get("overwrite")))
+    return accepted(r.job_id)
+
+
+@bp.post("/scrub")
+@api_admin
+def scrub():  # noqa: ANN201
+    doc = request.get_json(silent=True) or {}
+    workers = doc.get("workers") if isinstance(doc, dict) else None
+    if workers is not None and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
+        raise ApiError(400, '"workers" must be a list of storage worker ids')
+    started = commands.scrub_now(settings(), workers or None, reason="requested over HTTP")
+    if not started:
+        raise ApiError(409, "no live storage worker to scrub")
+    resp = jsonify(jobs=[data.job(settings(), r.job_id) for r in started])
+    resp.status_code = 202
+    resp.headers["Location"] = url_for("api.job", job_id=started[0].job_id)
+    return resp
+
+
+@bp.post("/dead-letters/<letter_id>/requeue")
+@api_admin
+def requeue(letter_id: str):  # noqa: ANN201
+    if letter_id == "all":
+        return jsonify(requeued=deadletters.requeue(settings(), None))
+    if not any(d["id"] == letter_id or d["message_id"] == letter_id for d in deadletters.list_letters(settings())):
+        raise ApiError(404, f"no dead letter {letter_id!r}")
+    return jsonify(requeued=deadletters.requeue(settings(), [letter_id]))

@@ -1,0 +1,244 @@
+"""What the pages and the JSON API show, as plain dicts, from the control plane.
+
+Pages and API read the same functions, so the browser and scripts see the same data.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+
+from pipeline import states
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Replica, Shard, StorageWorker
+from pipeline.db.transitions import now
+from pipeline.errors import UnknownCheckpoint, UnknownJob
+from pipeline.health import replica_health, shard_health
+from pipeline.settings import Settings
+from pipeline.status import checkpoint_health, job_dict, replica_counts
+
+PROTECTED = (states.StoreState.VERIFIED.value, states.StoreState.ROTATED.value)
+
+
+def _latest_store_jobs(s) -> dict[int, Job]:  # noqa: ANN001
+    latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
+    return {j.checkpoint_id: j for j in s.scalars(select(Job).where(Job.id.in_(latest)))}
+
+
+def _ckpt_dict(c: Checkpoint, job: Job | None, verified: int, health: dict, rf: int) -> dict[str, Any]:
+    return {
+        "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
+        "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
+        "state": job.state if job else "unknown", "job_id": job.id if job else None,
+        "blocked_reason": job.blocked_reason if job else None,
+        "replicas_verified": verified, "replicas_wanted": rf,
+        "health": health.get("health", "unprotected"),
+        "shards": {k: v for k, v in health.items() if k != "health"},
+    }
+
+
+def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
+    with session_scope(settings.db_url) as s:
+        q = select(Checkpoint).order_by(Checkpoint.id.desc())
+        if run:
+            q = q.where(Checkpoint.run == run)
+        ckpts = list(s.scalars(q))
+        jobs = _latest_store_jobs(s)
+        if state:
+            ckpts = [c for c in ckpts if c.id in jobs and jobs[c.id].state == state]
+        counts = replica_counts(s, [c.id for c in ckpts])
+        health = checkpoint_health(s, settings, ckpts)
+        return [_ckpt_dict(c, jobs.get(c.id), counts.get(c.id, 0), health.get(c.id, {}), settings.rf) for c in ckpts]
+
+
+def runs(settings: Settings) -> list[str]:
+    with session_scope(settings.db_url) as s:
+        return list(s.scalars(select(Checkpoint.run).distinct().order_by(Checkpoint.run)))
+
+
+def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
+    """One checkpoint with its files, shard manifest and every replica's health."""
+    t = now()
+    with session_scope(settings.db_url) as s:
+        c = s.get(Checkpoint, checkpoint_id)
+        if c is None:
+            raise UnknownCheckpoint(str(checkpoint_id))
+        job = _latest_store_jobs(s).get(c.id)
+        counts = replica_counts(s, [c.id])
+        health = checkpoint_health(s, settings, [c])
+        out = _ckpt_dict(c, job, counts.get(c.id, 0), health.get(c.id, {}), settings.rf)
+        files = []
+        for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)
+                           .order_by(CheckpointFile.relpath)):
+            shards = []
+            for sh in s.scalars(select(Shard).where(Shard.file_id == f.id).order_by(Shard.seq)):
+                reps = []
+                for r in s.scalars(select(Replica).where(Replica.shard_id == sh.id).order_by(Replica.worker_id)):
+                    if r.state in ("abandoned", "trimmed"):
+                        continue
+                    reps.append({
+                        "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
+                        "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
+                        "health": replica_health(r.state, r.verified_at, r.worker.state, t, settings.freshness_seconds),
+                    })
+                shards.append({
+                    "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
+                    "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
+                    "first_tensor": (sh.tensors or [None])[0], "replicas": reps,
+                    "health": shard_health([r["health"] for r in reps], settings.rf, c.local_present),
+                })
+            files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
+                          "shards": shards})
+        out["files"] = files
+        out["jobs"] = [job_dict(j) for j in s.scalars(select(Job).where(Job.checkpoint_id == c.id)
+                                                       .order_by(Job.id.desc()))]
+        return out
+
+
+def health(settings: Settings) -> dict[str, Any]:
+    """Shard x replica matrices of every checkpoint, and cluster-wide counts."""
+    t = now()
+    with session_scope(settings.db_url) as s:
+        ckpts = list(s.scalars(select(Checkpoint).order_by(Checkpoint.id.desc()).limit(50)))
+        matrices = []
+        replica_totals: dict[str, int] = {}
+        shard_totals: dict[str, int] = {}
+        for c in ckpts:
+            rows = []
+            for f in c.files:
+                for sh in f.shards:
+                    cells = [replica_health(r.state, r.verified_at, r.worker.state, t, settings.freshness_seconds)
+                             for r in sorted(sh.replicas, key=lambda r: r.worker_id)
+                             if r.state not in ("abandoned", "trimmed")]
+                    cell_workers = [r.worker_id for r in sorted(sh.replicas, key=lambda r: r.worker_id)
+                                    if r.state not in ("abandoned", "trimmed")]
+                    h = shard_health(cells, settings.rf, c.local_present)
+                    shard_totals[h] = shard_totals.get(h, 0) + 1
+                    for cell in cells:
+                        replica_totals[cell] = replica_totals.get(cell, 0) + 1
+                    rows.append({"label": f"{f.relpath or c.name}#{sh.seq}", "sha256": sh.sha256, "health": h,
+                                 "cells": [{"worker_id": w, "health": x} for w, x in zip(cell_workers, cells)]})
+            if rows:
+                matrices.append({"id": c.id, "path": c.path, "rows": rows,
+                                 "width": max(len(r["cells"]) for r in rows)})
+        return {"checkpoints": matrices, "replicas": replica_totals, "shards": shard_totals}
+
+
+def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, limit: int = 200) -> list[dict]:
+    with session_scope(settings.db_url) as s:
+        q = select(Job).order_by(Job.id.desc()).limit(limit)
+        if state:
+            q = q.where(Job.state == state)
+        if kind:
+            q = q.where(Job.kind == kind)
+        out = []
+        for j in s.scalars(q):
+            d = job_dict(j)
+            end = j.finished_at or now()
+            d["duration_s"] = (end - j.created_at).total_seconds()
+            d["checkpoint_path"] = j.checkpoint.path if j.checkpoint else None
+            d["active"] = j.state in states.ACTIVE[j.kind]
+            out.append(d)
+        return out
+
+
+def job(settings: Settings, job_id: int) -> dict[str, Any]:
+    with session_scope(settings.db_url) as s:
+        j = s.get(Job, job_id)
+        if j is None:
+            raise UnknownJob(job_id)
+        d = job_dict(j)
+        d["checkpoint_path"] = j.checkpoint.path if j.checkpoint else None
+        d["terminal"] = j.state in states.TERMINAL[j.kind]
+        d["active"] = j.state in states.ACTIVE[j.kind]
+        end = j.finished_at or now()
+        d["duration_s"] = (end - j.created_at).total_seconds()
+        d["timeline"] = [{"at": e.at, "from": e.from_state, "to": e.to_state, "detail": e.detail}
+                         for e in s.scalars(select(JobEvent).where(JobEvent.job_id == j.id).order_by(JobEvent.id))]
+        return d
+
+
+def workers(settings: Settings) -> list[dict[str, Any]]:
+    with session_scope(settings.db_url) as s:
+        held = dict(s.execute(
+            select(Replica.worker_id, func.count(func.distinct(Shard.sha256))).join(Shard)
+            .where(Replica.state.in_(("stored", "verified"))).group_by(Replica.worker_id)).all())
+        held_bytes: dict[str, int] = {}
+        for wid, size in s.execute(
+                select(Replica.worker_id, Shard.size).join(Shard).where(Replica.state.in_(("stored", "verified")))
+                .group_by(Replica.worker_id, Shard.sha256, Shard.size)):
+            held_bytes[wid] = held_bytes.get(wid, 0) + size
+        return [{
+            "id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
+            "last_seen": w.last_seen, "last_error": w.last_error, "shards": held.get(w.id, 0),
+            "bytes": held_bytes.get(w.id, 0), "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes,
+            "used_bytes": max(0, w.capacity_bytes - w.free_bytes),
+        } for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))]
+
+
+def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]]:
+    """Finished stores and restores, oldest first: throughput and time to protection."""
+    with session_scope(settings.db_url) as s:
+        out = []
+        q = (select(Job, JobEvent.at).join(JobEvent, JobEvent.job_id == Job.id)
+             .where(((Job.kind == "store") & (JobEvent.to_state == "verified"))
+                    | ((Job.kind == "restore") & (JobEvent.to_state == "done")))
+             .order_by(JobEvent.at.desc()).limit(limit))
+        for j, at in s.execute(q):
+            c = j.checkpoint
+            if c is None:
+                continue
+            started = j.created_at
+            seconds = max(1e-3, (at - started).total_seconds())
+            written = datetime.fromtimestamp(c.mtime, tz=at.tzinfo) if j.kind == "store" else started
+            out.append({
+                "job_id": j.id, "kind": j.kind, "checkpoint_id": c.id, "bytes": c.total_bytes, "at": at,
+                "seconds": seconds, "mb_per_s": c.total_bytes / seconds / 1e6,
+                "time_to_protection_s": max(0.0, (at - written).total_seconds()) if j.kind == "store" else None,
+            })
+        return list(reversed(out))
+
+
+def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
+    ckpts = checkpoints(settings)
+    ws = workers(settings)
+    by_state: dict[str, int] = {}
+    protected = unprotected = lost = 0
+    for c in ckpts:
+        by_state[c["state"]] = by_state.get(c["state"], 0) + 1
+        if c["state"] in PROTECTED and c["health"] != "lost":
+            protected += c["total_bytes"]
+        elif c["local_present"]:
+            unprotected += c["total_bytes"]
+        if c["health"] == "lost":
+            lost += 1
+    with session_scope(settings.db_url) as s:
+        active = or_active()
+        running = s.scalar(select(func.count(Job.id)).where(active)) or 0
+        failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
+        last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == "scrub", Job.state == "done"))
+    return {
+        "protected_bytes": protected, "unprotected_bytes": unprotected, "lost_checkpoints": lost,
+        "checkpoints_by_state": by_state, "jobs_running": running, "jobs_failed": failed,
+        "dead_letters": dead_letters,
+        "workers_up": sum(1 for w in ws if w["state"] == "up"),
+        "workers_down": sum(1 for w in ws if w["state"] != "up"), "workers": ws,
+        "last_scrub": last_scrub, "next_scrub": next_scrub(settings),
+        "transfers": recent_transfers(settings),
+    }
+
+
+def or_active():  # noqa: ANN201
+    from sqlalchemy import and_, or_
+
+    return or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
+
+
+def next_scrub(settings: Settings) -> datetime | None:
+    if not settings.scrub_cron:
+        return None
+    from apscheduler.triggers.cron import CronTrigger
+
+    t = now()
+    return CronTrigger.from_crontab(settings.scrub_cron).get_next_fire_time(None, t + timedelta(seconds=1))

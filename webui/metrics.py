@@ -1,0 +1,98 @@
+"""``/metrics`` in the Prometheus text format, computed from the control plane at scrape time."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from flask import Blueprint, Response, current_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from sqlalchemy import func, select
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, Job, JobEvent
+from webui import data
+
+bp = Blueprint("metrics", __name__)
+BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+def _histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily:
+    counts, acc = [], 0
+    for b in BUCKETS:
+        acc = sum(1 for v in values if v <= b)
+        counts.append((str(b), acc))
+    counts.append(("+Inf", len(values)))
+    return HistogramMetricFamily(name, doc, buckets=counts, sum_value=sum(values))
+
+
+class ControlPlaneCollector:
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def collect(self) -> Iterator[Any]:
+        s = self.settings
+        jobs = GaugeMetricFamily("ckpt_jobs", "Jobs by kind and state", labels=["kind", "state"])
+        with session_scope(s.db_url) as session:
+            for kind, state, n in session.execute(select(Job.kind, Job.state, func.count(Job.id))
+                                                  .group_by(Job.kind, Job.state)):
+                jobs.add_metric([kind, state], n)
+            stored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
+                                    .join(Job, Job.checkpoint_id == Checkpoint.id)
+                                    .where(Job.kind == "store", Job.state.in_(("verified", "rotated")))) or 0
+            restored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
+                                      .join(Job, Job.checkpoint_id == Checkpoint.id)
+                                      .where(Job.kind == "restore", Job.state == "done")) or 0
+            steps = _step_durations(session)
+        yield jobs
+        g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
+        g.add_metric([], stored)
+        yield g
+        g = GaugeMetricFamily("ckpt_bytes_restored", "Bytes of checkpoints restored")
+        g.add_metric([], restored)
+        yield g
+        yield _histogram("ckpt_transfer_seconds", "Seconds from sharded to replicated (store transfers)",
+                         steps["transfer"])
+        yield _histogram("ckpt_verify_seconds", "Seconds from replicated to verified", steps["verify"])
+        yield _histogram("ckpt_restore_seconds", "Seconds from queued to done (restores)", steps["restore"])
+        h = data.health(s)
+        reps = GaugeMetricFamily("ckpt_replicas", "Replicas by health", labels=["health"])
+        for name, n in sorted(h["replicas"].items()):
+            reps.add_metric([name], n)
+        yield reps
+        shards = GaugeMetricFamily("ckpt_shards", "Shards by health (lost: no copy matches)", labels=["health"])
+        for name in ("healthy", "under-replicated", "lost"):
+            shards.add_metric([name], h["shards"].get(name, 0))
+        yield shards
+        up = GaugeMetricFamily("ckpt_worker_up", "1 if the storage worker is up", labels=["worker", "state"])
+        free = GaugeMetricFamily("ckpt_worker_free_bytes", "Free bytes on the storage worker", labels=["worker"])
+        for w in data.workers(s):
+            up.add_metric([w["id"], w["state"]], 1 if w["state"] == "up" else 0)
+            free.add_metric([w["id"]], w["free_bytes"])
+        yield up
+        yield free
+
+
+def _step_durations(session) -> dict[str, list[float]]:  # noqa: ANN001
+    out: dict[str, list[float]] = {"transfer": [], "verify": [], "restore": []}
+    rows = session.execute(select(JobEvent.job_id, Job.kind, JobEvent.to_state, JobEvent.at)
+                           .join(Job, Job.id == JobEvent.job_id)
+                           .where(Job.kind.in_(("store", "restore"))).order_by(JobEvent.id).limit(50_000))
+    seen: dict[int, dict[str, Any]] = {}
+    for job_id, kind, to_state, at in rows:
+        seen.setdefault(job_id, {"kind": kind})[to_state] = at
+    for marks in seen.values():
+        if marks["kind"] == "store":
+            if "sharded" in marks and "replicated" in marks:
+                out["transfer"].append((marks["replicated"] - marks["sharded"]).total_seconds())
+            if "replicated" in marks and "verified" in marks:
+                out["verify"].append((marks["verified"] - marks["replicated"]).total_seconds())
+        elif "queued" in marks and "done" in marks:
+            out["restore"].append((marks["done"] - marks["queued"]).total_seconds())
+    return out
+
+
+@bp.get("/metrics")
+def metrics():  # noqa: ANN201
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControlPlaneCollector(current_app.config["CKPT_SETTINGS"]))
+    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)

@@ -1,0 +1,146 @@
+"""The server-rendered pages: overview, checkpoints, shard health, jobs, workers, dead letters, actions."""
+from __future__ import annotations
+
+import json
+import time
+
+from flask import Blueprint, Response, current_app, flash, redirect, render_template, request, stream_with_context, url_for
+from markupsafe import Markup
+
+from pipeline import commands, deadletters, states
+from webui import data
+from webui.charts import transfers_chart
+from webui.security import form_admin
+
+bp = Blueprint("pages", __name__)
+
+
+def settings():  # noqa: ANN201
+    return current_app.config["CKPT_SETTINGS"]
+
+
+def dead_letter_count() -> int:
+    try:
+        return len(deadletters.list_letters(settings()))
+    except Exception:  # noqa: BLE001 - the broker may be away; the page still renders
+        return -1
+
+
+@bp.route("/")
+def overview():  # noqa: ANN201
+    doc = data.overview(settings(), dead_letter_count())
+    return render_template("overview.html", o=doc, chart=Markup(transfers_chart(doc["transfers"])))
+
+
+@bp.route("/checkpoints")
+def checkpoints():  # noqa: ANN201
+    state, run = request.args.get("state") or None, request.args.get("run") or None
+    return render_template("checkpoints.html", items=data.checkpoints(settings(), state=state, run=run),
+                           runs=data.runs(settings()), state=state, run=run,
+                           states=sorted(states.all_states("store")))
+
+
+@bp.route("/checkpoints/<int:checkpoint_id>")
+def checkpoint(checkpoint_id: int):  # noqa: ANN201
+    return render_template("checkpoint.html", c=data.checkpoint(settings(), checkpoint_id))
+
+
+@bp.route("/health")
+def health():  # noqa: ANN201
+    return render_template("health.html", h=data.health(settings()))
+
+
+@bp.route("/jobs")
+def jobs():  # noqa: ANN201
+    state, kind = request.args.get("state") or None, request.args.get("kind") or None
+    return render_template("jobs.html", items=data.jobs(settings(), state=state, kind=kind), state=state, kind=kind,
+                           kinds=sorted(states.TRANSITIONS))
+
+
+@bp.route("/jobs/<int:job_id>")
+def job(job_id: int):  # noqa: ANN201
+    return render_template("job.html", j=data.job(settings(), job_id))
+
+
+@bp.route("/jobs/<int:job_id>/stream")
+def job_stream(job_id: int):  # noqa: ANN201
+    """Server-sent events: the job's state and bytes, until it ends."""
+    s = settings()
+    data.job(s, job_id)  # 404 before the stream starts
+
+    @stream_with_context
+    def events():  # noqa: ANN202
+        last = None
+        deadline = time.monotonic() + 3600
+        while time.monotonic() < deadline:
+            j = data.job(s, job_id)
+            doc = {"id": j["id"], "state": j["state"], "bytes_done": j["bytes_done"],
+                   "bytes_total": j["bytes_total"], "attempts": j["attempts"], "last_error": j["last_error"],
+                   "terminal": j["terminal"], "events": len(j["timeline"])}
+            if doc != last:
+                yield f"data: {json.dumps(doc)}\n\n"
+                last = doc
+            if j["terminal"]:
+                return
+            time.sleep(0.5)
+
+    return Response(events(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@bp.route("/workers")
+def workers():  # noqa: ANN201
+    return render_template("workers.html", items=data.workers(settings()))
+
+
+@bp.route("/dead-letters")
+def dead_letters():  # noqa: ANN201
+    return render_template("dead_letters.html", items=deadletters.list_letters(settings()))
+
+
+@bp.route("/dead-letters/requeue", methods=("POST",))
+@form_admin
+def requeue():  # noqa: ANN201
+    which = request.form.get("id") or None
+    n = deadletters.requeue(settings(), None if which == "all" else [which] if which else [])
+    flash(f"requeued {n} message(s)", "info" if n else "error")
+    return redirect(url_for("pages.dead_letters"), code=303)
+
+
+@bp.route("/actions")
+@form_admin
+def actions():  # noqa: ANN201
+    return render_template("actions.html", roots=settings().roots, ckpts=data.checkpoints(settings()))
+
+
+@bp.route("/actions/store", methods=("POST",))
+@form_admin
+def store():  # noqa: ANN201
+    path = request.form.get("path", "").strip()
+    if not path:
+        flash("give the path of a checkpoint inside a watched root", "error")
+        return redirect(url_for("pages.actions"), code=303)
+    r = commands.store(settings(), path, detail="requested from the web UI")
+    return redirect(url_for("pages.job", job_id=r.job_id), code=303)
+
+
+@bp.route("/actions/restore", methods=("POST",))
+@form_admin
+def restore():  # noqa: ANN201
+    ref, dest = request.form.get("checkpoint", "").strip(), request.form.get("dest", "").strip()
+    if not ref or not dest:
+        flash("choose a checkpoint and a destination path", "error")
+        return redirect(url_for("pages.actions"), code=303)
+    r = commands.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
+    return redirect(url_for("pages.job", job_id=r.job_id), code=303)
+
+
+@bp.route("/actions/scrub", methods=("POST",))
+@form_admin
+def scrub():  # noqa: ANN201
+    started = commands.scrub_now(settings(), reason="requested from the web UI")
+    if not started:
+        flash("no live storage worker to scrub", "error")
+        return redirect(url_for("pages.actions"), code=303)
+    if len(started) == 1:
+        return redirect(url_for("pages.job", job_id=started[0].job_id), code=303)
+    return redirect(url_for("pages.jobs", kind="scrub"), code=303)
