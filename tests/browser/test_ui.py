@@ -1,0 +1,131 @@
+"""The web UI in a real browser (headless Chromium + Playwright) against a running ckpt up.
+
+Screenshots of every page are kept under the test's temporary directory
+(``<tmp>/screenshots/*.png``) and checked not to be blank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.worker_client import free_port
+from tests.checkpoints import atomic_save, files_of, state_dict
+from tests.integration.conftest import checkpoint_job
+from tests.processes import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def not_blank(png: Path) -> bool:
+    """True when the screenshot has real content: many distinct colours, not one flat fill."""
+    from PIL import Image
+
+    with Image.open(png) as im:
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
+    return colours is None or len(colours) > 20
+
+
+@pytest.fixture
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("Chromium is not installed: `./dev test` installs Debian's chromium package")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def api(base: str, path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_every_page_store_restore_and_requeue_in_the_browser(make_cluster, browser, tmp_path):
+    port = free_port()
+    cluster = make_cluster(workers=1, spare_workers=1,
+                           env={"CKPT_WEB_PORT": str(port), "CKPT_MAX_RETRIES": "1", "CKPT_SCRUB_CRON": ""})
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _answers(base), 60, "the web UI")
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    run = cluster.runs / "run"
+    run.mkdir()
+
+    # With one storage worker of the two RF needs, the first store is dead-lettered.
+    first = atomic_save(state_dict(1), run / "step_1.safetensors")
+    first_job = checkpoint_job(cluster, first)
+    cluster.wait_job(first_job, ("failed",), timeout=60)
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(base + "/login")
+    page.fill("input[name=token]", cluster.settings.admin_token())
+    page.click("#login button")
+    page.wait_for_url(base + "/")
+
+    def shoot(name: str, path: str) -> None:
+        page.goto(base + path)
+        page.wait_for_load_state("load")
+        out = shots / f"{name}.png"
+        page.screenshot(path=str(out), full_page=True)
+        assert not_blank(out), f"{name} screenshot is blank"
+
+    for name, path in [("overview", "/"), ("checkpoints", "/checkpoints"), ("checkpoint", "/checkpoints/1"),
+                       ("health", "/health"), ("jobs", "/jobs"), ("job", f"/jobs/{first_job}"),
+                       ("workers", "/workers"), ("dead-letters", "/dead-letters"), ("actions", "/actions")]:
+        shoot(name, path)
+    page.goto(base + "/dead-letters")
+    rows = page.locator("#dead-letters tr:has(button)")
+    assert rows.count() == 1 and rows.locator("td").nth(1).inner_text() == "shard"
+
+    # A second worker joins; requeue the dead letter from the page: the first store completes.
+    cluster.workers[1].start()
+    wait_for(lambda: sum(w["state"] == "up" for w in api(base, "/api/workers")["workers"]) == 2, 30, "two workers")
+    page.goto(base + "/dead-letters")
+    page.click("#requeue-all")
+    page.wait_for_selector("text=requeued 1 message(s)")
+    cluster.wait_job(first_job, ("verified",), timeout=60)
+
+    # Store from the form and watch the job page update live to 'verified'.
+    second = atomic_save(state_dict(2, layers=8, width=128), run / "step_2.safetensors")
+    page.goto(base + "/actions")
+    page.fill("#store-form input[name=path]", str(second))
+    page.click("#store-form button")
+    page.wait_for_url(f"{base}/jobs/*")
+    page.wait_for_selector("#job-state.verified", timeout=60_000)
+    shoot("store-verified", page.url.removeprefix(base))
+
+    # Restore it from the form; the file comes back byte for byte.
+    dest = tmp_path / "restored.safetensors"
+    second_id = next(c["id"] for c in api(base, "/api/checkpoints")["checkpoints"] if c["path"] == str(second))
+    page.goto(base + "/actions")
+    page.select_option("#restore-form select[name=checkpoint]", str(second_id))
+    page.fill("#restore-form input[name=dest]", str(dest))
+    page.click("#restore-form button")
+    page.wait_for_url(f"{base}/jobs/*")
+    page.wait_for_selector("#job-state.done", timeout=60_000)
+    shoot("restore-done", page.url.removeprefix(base))
+    assert files_of(dest) == files_of(second)
+
+    shoot("overview-after", "/")
+    assert page.locator("svg.chart rect.bar-store").count() >= 2
+    assert page.locator("svg.chart rect.bar-restore").count() == 1
+    print("screenshots:", ", ".join(sorted(p.name for p in shots.iterdir())))
+
+
+def _answers(base: str) -> bool:
+    try:
+        return "checkpoints" in api(base, "/api/checkpoints")
+    except OSError:
+        return False
