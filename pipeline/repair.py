@@ -25,7 +25,7 @@ from pipeline.health import READABLE
 from pipeline.replicas import mark
 from pipeline.settings import Settings
 from pipeline.sharding import live_candidates
-from pipeline.steps import Send, begin_step
+from pipeline.steps import Send, start_job
 from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.repair")
@@ -86,16 +86,9 @@ def plan(s: Session, settings: Settings, checkpoint_id: int) -> list[ShardWork]:
 
 def repair(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        job = s.get(Job, job_id)
-        if job is None or job.state in states.TERMINAL["repair"]:
-            return []
-        expected = job.state
-        job = begin_step(s, settings, job_id, expected)
+        job = start_job(s, settings, job_id, "repair", P.QUEUED, P.REPAIRING)
         if job is None:
             return []
-        if expected == P.QUEUED:
-            transition(s, job_id, "repair", P.QUEUED, P.REPAIRING, lease_seconds=settings.lease_seconds,
-                       attempts=job.attempts)
         checkpoint_id = job.checkpoint_id
         work = plan(s, settings, checkpoint_id)
 

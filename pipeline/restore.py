@@ -24,7 +24,7 @@ from pipeline.durable import fsync_dir
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.gather import BLOCK, FileSource, ShardSource, fetch, manifest
 from pipeline.settings import Settings
-from pipeline.steps import Send, begin_step
+from pipeline.steps import Send, start_job
 
 log = logging.getLogger("ckpt.restore")
 R = states.RestoreState
@@ -50,16 +50,9 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
 
 def restore(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        job = s.get(Job, job_id)
-        if job is None or job.state in states.TERMINAL["restore"]:
-            return []
-        expected = job.state
-        job = begin_step(s, settings, job_id, expected)
+        job = start_job(s, settings, job_id, "restore", R.QUEUED, R.GATHERING)
         if job is None:
             return []
-        if expected == R.QUEUED:
-            transition(s, job_id, "restore", R.QUEUED, R.GATHERING, lease_seconds=settings.lease_seconds,
-                       attempts=job.attempts)
         ckpt = s.get(Checkpoint, job.checkpoint_id)
         files = manifest(s, ckpt)
         is_dir, dest, overwrite = ckpt.is_dir, Path(job.params["dest"]), bool(job.params.get("overwrite"))

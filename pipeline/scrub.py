@@ -21,7 +21,7 @@ from pipeline.errors import CkptError
 from pipeline.repair import request_repair
 from pipeline.replicas import HELD, mark, shas_on
 from pipeline.settings import Settings
-from pipeline.steps import Send, begin_step
+from pipeline.steps import Send, start_job
 from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.scrub")
@@ -52,16 +52,9 @@ def request_scrub(session: Session, settings: Settings, *, worker_ids: list[str]
 
 def scrub(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        job = s.get(Job, job_id)
-        if job is None or job.state in states.TERMINAL["scrub"]:
-            return []
-        expected = job.state
-        job = begin_step(s, settings, job_id, expected)
+        job = start_job(s, settings, job_id, "scrub", C.QUEUED, C.SCRUBBING)
         if job is None:
             return []
-        if expected == C.QUEUED:
-            transition(s, job_id, "scrub", C.QUEUED, C.SCRUBBING, lease_seconds=settings.lease_seconds,
-                       attempts=job.attempts)
         worker_id = job.params["worker_id"]
         worker = s.get(StorageWorker, worker_id)
         client = WorkerClient(worker.url, settings.key())

@@ -48,6 +48,23 @@ def begin_step(session: Session, settings: Settings, job_id: int, expected: str)
     return job
 
 
+def start_job(session: Session, settings: Settings, job_id: int, kind: str, queued: str, working: str) -> Job | None:
+    """Begin (or resume) a job that goes ``queued -> working``; None when there is nothing to do.
+
+    Counts the attempt of whatever step the job is in (crash redeliveries included), and
+    moves a queued job to its working state in the same transaction.
+    """
+    job = session.get(Job, job_id)
+    if job is None or job.state in states.TERMINAL[kind]:
+        return None
+    expected = job.state
+    job = begin_step(session, settings, job_id, expected)
+    if job is not None and expected == queued:
+        transition(session, job_id, kind, queued, working, lease_seconds=settings.lease_seconds,
+                   attempts=job.attempts)
+    return job
+
+
 def fail_job(session: Session, job_id: int, error: str) -> bool:
     """Mark a job ``failed`` with ``error``, from whatever non-terminal state it is in."""
     job = session.get(Job, job_id)

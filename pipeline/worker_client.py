@@ -43,18 +43,23 @@ class WorkerClient:
             h.update(extra)
         return h
 
-    def _request_json(self, method: str, path: str, doc: Any = None, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
-        body = json.dumps(doc).encode() if doc is not None else None
-        extra = {"Content-Type": "application/json"} if body is not None else {}
+    def _exchange(self, method: str, path: str, body: bytes | None = None,
+                  extra: dict[str, str] | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+        """One signed request; the response and its whole body."""
         conn = self._connect()
         try:
             conn.request(method, path, body=body, headers=self._headers(method, path, extra))
             resp = conn.getresponse()
-            data = resp.read()
+            return resp, resp.read()
         except OSError as exc:
             raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
         finally:
             conn.close()
+
+    def _request_json(self, method: str, path: str, doc: Any = None, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
+        body = json.dumps(doc).encode() if doc is not None else None
+        extra = {"Content-Type": "application/json"} if body is not None else {}
+        resp, data = self._exchange(method, path, body, extra)
         return _decode(self.url, method, path, resp.status, data, ok)
 
     # -- API ---------------------------------------------------------------------------
@@ -63,15 +68,7 @@ class WorkerClient:
         """The worker's status; with ``nonce``, it includes the worker's key-possession proof."""
         if nonce is None:
             return self._request_json("GET", "/v1/status")[1]
-        conn = self._connect()
-        try:
-            conn.request("GET", "/v1/status", headers=self._headers("GET", "/v1/status", {"X-Ckpt-Nonce": nonce}))
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as exc:
-            raise WorkerError(self.url, f"GET /v1/status failed ({exc})") from None
-        finally:
-            conn.close()
+        resp, data = self._exchange("GET", "/v1/status", extra={"X-Ckpt-Nonce": nonce})
         doc = _decode(self.url, "GET", "/v1/status", resp.status, data, (200,))[1]
         if not isinstance(doc, dict) or "node_id" not in doc:
             raise WorkerError(self.url, "status answer is not a storage worker's", resp.status)
@@ -79,15 +76,7 @@ class WorkerClient:
 
     def head(self, name: str) -> int | None:
         path = f"/v1/shards/{name}"
-        conn = self._connect()
-        try:
-            conn.request("HEAD", path, headers=self._headers("HEAD", path))
-            resp = conn.getresponse()
-            resp.read()
-        except OSError as exc:
-            raise WorkerError(self.url, f"HEAD {path} failed ({exc})") from None
-        finally:
-            conn.close()
+        resp, _ = self._exchange("HEAD", path)
         if resp.status == 404:
             return None
         if resp.status != 200:
