@@ -1,0 +1,274 @@
+"""``python -m bench`` (or ``./dev bench``): the data-path benchmark of ckpt-pipeline.
+
+Runs the real system (``ckpt up``: embedded Redis, dramatiq workers, 3 storage workers on
+loopback, RF 2) on checkpoints it generates, prints one table and saves it as JSON.
+Options: ``--sizes 0.1,1,4`` (GiB), ``--out FILE``, ``--keep`` (keep the work directory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import layouts, limits, transitions
+from bench.system import System
+
+GiB = layouts.GiB
+
+
+def store(system: System, path: Path) -> dict:
+    seconds, rss, out = system.cli("store", str(path), "--wait")
+    job_id = int(re.search(r"job (\d+)", out).group(1))
+    ckpt_id = int(re.search(r"checkpoint (\d+)", out).group(1))
+    assert system.job(job_id).state == "verified", out
+    return {"seconds": seconds, "cli_rss_kib": rss, "job_id": job_id, "checkpoint_id": ckpt_id}
+
+
+def restore(system: System, ckpt_id: int, dest: Path) -> dict:
+    seconds, rss, _ = system.cli("restore", str(ckpt_id), "--to", str(dest), "--wait")
+    return {"seconds": seconds, "cli_rss_kib": rss}
+
+
+def used_bytes(system: System) -> int:
+    from pipeline.worker_client import WorkerClient
+
+    info = json.loads((system.home / "up.json").read_text())
+    return sum(WorkerClient(u, system.settings.key()).status()["used"] for u in info["workers"])
+
+
+def measure_size(work: Path, gib: float) -> dict:
+    target = int(gib * GiB)
+    res: dict = {"size_gib": gib}
+    with System(work / f"sys-{gib}", CKPT_SETTLE_SECONDS="3600", CKPT_SCRUB_RATE="0") as system:
+        run = system.runs / "run"
+        run.mkdir()
+        t = time.perf_counter()
+        path = layouts.write_file(layouts.decoder(target, seed=1), run / "step_1.safetensors")
+        res["generate_s"] = time.perf_counter() - t
+        size = path.stat().st_size
+        res["bytes"] = size
+        hash_s, source_sha = limits.sha256_seconds(path)
+        write_s = limits.write_copies_seconds(path, work / "scratch", system.settings.rf)
+        res["limit_store_s"] = hash_s + write_s
+
+        before = used_bytes(system)
+        s = store(system, path)
+        res["store_s"], res["store_cli_rss_kib"] = s["seconds"], s["cli_rss_kib"]
+        sent_first = used_bytes(system) - before
+
+        dest = work / "restored.safetensors"
+        r = restore(system, s["checkpoint_id"], dest)
+        res["restore_s"], res["restore_cli_rss_kib"] = r["seconds"], r["cli_rss_kib"]
+        res["restore_identical"] = limits.sha256_seconds(dest)[1] == source_sha
+        res["limit_restore_s"] = limits.restore_limit_seconds(dest, work / "scratch")
+        dest.unlink()
+
+        from safetensors.torch import load_file
+
+        from pipeline.loader import load_state_dict
+
+        t = time.perf_counter()
+        loaded = load_state_dict(s["checkpoint_id"], system.settings)
+        res["load_state_dict_s"] = time.perf_counter() - t
+        del loaded
+        t = time.perf_counter()
+        ref = load_file(str(path))
+        res["load_file_lazy_s"] = time.perf_counter() - t
+        del ref
+        # load_file maps the file and hands out lazy tensors; load_state_dict hands out
+        # tensors in memory: compare with load_file whose tensors are brought into memory.
+        t = time.perf_counter()
+        ref = {k: v.clone() for k, v in load_file(str(path)).items()}
+        res["load_file_s"] = time.perf_counter() - t
+        del ref
+
+        # A second step of the same run in which half the tensors did not change.
+        hidden, layers, _ = layouts.shape_for(target)
+        second = layouts.write_file(layouts.decoder(target, seed=2, changed_from_layer=layers // 2, base_seed=1),
+                                    run / "step_2.safetensors")
+        before = used_bytes(system)
+        store(system, second)
+        res["sent_second_fraction"] = (used_bytes(system) - before) / max(1, sent_first)
+
+        seconds, _, out = system.cli("scrub", "--wait")
+        scrubs = [system.job(int(m)) for m in re.findall(r"scrub job (\d+)", out)]
+        res["scrub_gb_per_s_per_worker"] = statistics.mean(
+            j.bytes_done / 1e9 / max(1e-6, (j.finished_at - j.created_at).total_seconds()) for j in scrubs)
+        res["peak_rss_kib"] = system.processes()
+        res["peak_rss_kib"]["ckpt store (CLI)"] = res["store_cli_rss_kib"]
+        res["peak_rss_kib"]["ckpt restore (CLI)"] = res["restore_cli_rss_kib"]
+        for p in run.iterdir():
+            p.unlink()
+    return res
+
+
+def measure_dirs(work: Path, gib: float) -> dict:
+    """Store and restore an HF-style folder and a DCP folder of about ``gib``."""
+    out = {}
+    with System(work / "sys-dirs", CKPT_SETTLE_SECONDS="3600") as system:
+        run = system.runs / "run"
+        run.mkdir()
+        sd = layouts.decoder(int(gib * GiB), seed=3)
+        for kind, writer in (("hf", layouts.write_hf), ("dcp", layouts.write_dcp)):
+            path = writer(sd, run / f"{kind}-step_1")
+            s = store(system, path)
+            dest = work / f"{kind}-restored"
+            r = restore(system, s["checkpoint_id"], dest)
+            same = all((dest / p.relative_to(path)).read_bytes() == p.read_bytes()
+                       for p in path.rglob("*") if p.is_file())
+            out[kind] = {"bytes": layouts.size_of(path), "store_s": s["seconds"], "restore_s": r["seconds"],
+                         "identical": same}
+            shutil.rmtree(dest)
+    return out
+
+
+def measure_control_plane(work: Path) -> dict:
+    """Detection latency (default settle), 200 x 1 MiB checkpoints, transition latency."""
+    import os
+
+    from sqlalchemy import func, select
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Checkpoint, Job
+
+    res: dict = {}
+    with System(work / "sys-cp") as system:
+        run = system.runs / "run"
+        run.mkdir()
+        renamed: dict[str, float] = {}
+        for i in range(20):
+            p = run / f"lat_{i:03d}.bin"
+            tmp = run / f".{p.name}.tmp"
+            tmp.write_bytes(os.urandom(1 << 20))
+            os.rename(tmp, p)
+            renamed[str(p)] = time.time()
+            time.sleep(0.25)
+        deadline = time.monotonic() + 60
+        lat = []
+        while time.monotonic() < deadline:
+            with session_scope(system.settings.db_url) as s:
+                rows = {c.path: c.detected_at.timestamp() for c in s.scalars(select(Checkpoint))}
+            if all(p in rows for p in renamed):
+                lat = [rows[p] - t for p, t in renamed.items()]
+                break
+            time.sleep(0.2)
+        res["detect_p50_s"] = statistics.median(lat) if lat else None
+        res["detect_max_s"] = max(lat) if lat else None
+
+        run2 = system.runs / "many"
+        run2.mkdir()
+        t0 = time.time()
+        for i in range(200):
+            tmp = run2 / f".c{i}.tmp"
+            tmp.write_bytes(os.urandom(1 << 20))
+            os.rename(tmp, run2 / f"c_{i:04d}.bin")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with session_scope(system.settings.db_url) as s:
+                n = s.scalar(select(func.count(Job.id)).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
+                             .where(Checkpoint.run == str(run2), Job.state == "verified"))
+            if n == 200:
+                break
+            time.sleep(0.2)
+        res["cp_200_seconds"] = time.time() - t0
+        res["cp_checkpoints_per_s"] = 200 / res["cp_200_seconds"] if n == 200 else None
+
+        with multiprocessing.get_context("spawn").Pool(4) as pool:
+            lat = [x for part in pool.map(transitions.run, [(system.settings.db_url, 50)] * 4) for x in part]
+        lat.sort()
+        res["transition_p50_ms"] = 1000 * lat[len(lat) // 2]
+        res["transition_p99_ms"] = 1000 * lat[int(len(lat) * 0.99)]
+    return res
+
+
+def table(sizes: list[dict], dirs: dict, cp: dict) -> str:
+    rows = []
+
+    def row(name: str, fn, fmt: str = "{:.2f}", target: str = "") -> None:  # noqa: ANN001
+        vals = []
+        for r in sizes:
+            try:
+                v = fn(r)
+                vals.append(fmt.format(v) if v is not None else "-")
+            except (KeyError, ZeroDivisionError, TypeError):
+                vals.append("-")
+        rows.append((name, vals, target))
+
+    row("checkpoint GiB", lambda r: r["bytes"] / GiB)
+    row("store s", lambda r: r["store_s"])
+    row("store limit s (sha once + RF fsynced copies)", lambda r: r["limit_store_s"])
+    row("store / limit", lambda r: r["store_s"] / r["limit_store_s"], target="<= 1.5")
+    row("store s per GiB", lambda r: r["store_s"] / (r["bytes"] / GiB))
+    row("restore s", lambda r: r["restore_s"])
+    row("restore limit s (read + hash + fsynced write)", lambda r: r["limit_restore_s"])
+    row("restore / limit", lambda r: r["restore_s"] / r["limit_restore_s"], target="<= 1.5")
+    row("restore byte-identical", lambda r: r["restore_identical"], "{}")
+    row("load_state_dict s", lambda r: r["load_state_dict_s"])
+    row("load_file s (tensors in memory)", lambda r: r["load_file_s"])
+    row("load_file s (lazy, mmap)", lambda r: r["load_file_lazy_s"], "{:.3f}")
+    row("load_state_dict / load_file in memory", lambda r: r["load_state_dict_s"] / r["load_file_s"], target="<= 2")
+    row("max peak RSS MiB (any process)", lambda r: max(r["peak_rss_kib"].values()) / 1024, "{:.0f}", "<= 256")
+    row("  storage worker MiB", lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith("storage")) / 1024, "{:.0f}")
+    row("  dramatiq worker MiB", lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith("dramatiq")) / 1024, "{:.0f}")
+    row("  ckpt store CLI MiB", lambda r: r["peak_rss_kib"]["ckpt store (CLI)"] / 1024, "{:.0f}")
+    row("  ckpt restore CLI MiB", lambda r: r["peak_rss_kib"]["ckpt restore (CLI)"] / 1024, "{:.0f}")
+    row("half-changed step: bytes sent vs first", lambda r: r["sent_second_fraction"], "{:.0%}", "<= 55%")
+    row("scrub GB/s per worker (unthrottled)", lambda r: r["scrub_gb_per_s_per_worker"])
+    width = max(len(n) for n, _, _ in rows) + 2
+    head = "metric".ljust(width) + "".join(f"{r['size_gib']:>10} GiB" for r in sizes) + "   target"
+    lines = [head, "-" * len(head)]
+    lines += [n.ljust(width) + "".join(f"{v:>14}" for v in vals) + (f"   {t}" if t else "") for n, vals, t in rows]
+    lines.append("")
+    for kind, d in dirs.items():
+        lines.append(f"{kind} folder {d['bytes'] / GiB:.2f} GiB: store {d['store_s']:.2f} s, restore {d['restore_s']:.2f} s,"
+                     f" identical {d['identical']}")
+    lines.append(f"detection latency (file renamed into place -> detected): p50 {cp['detect_p50_s']:.2f} s, "
+                 f"max {cp['detect_max_s']:.2f} s   target p50 <= 0.5 s")
+    cps = cp["cp_checkpoints_per_s"]
+    lines.append(f"control plane: 200 x 1 MiB checkpoints to verified in {cp['cp_200_seconds']:.1f} s = "
+                 f"{cps:.1f} checkpoints/s   target >= 10" if cps else "control plane: 200 checkpoints did not all verify")
+    lines.append(f"state transition with 4 processes: p50 {cp['transition_p50_ms']:.1f} ms, "
+                 f"p99 {cp['transition_p99_ms']:.1f} ms   target p99 <= 50 ms")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--sizes", default="0.1,1,4", help="checkpoint sizes in GiB (default 0.1,1,4)")
+    ap.add_argument("--dirs-gib", type=float, default=0.25, help="size of the HF and DCP folders (GiB)")
+    ap.add_argument("--out", help="JSON output (default bench/results/<time>.json)")
+    ap.add_argument("--work", help="work directory (default: a temporary one on the same disk as /tmp)")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        sizes = []
+        for gib in [float(x) for x in args.sizes.split(",")]:
+            print(f"== {gib} GiB ...", flush=True)
+            sizes.append(measure_size(work, gib))
+        print("== HF and DCP folders ...", flush=True)
+        dirs = measure_dirs(work, args.dirs_gib)
+        print("== control plane ...", flush=True)
+        cp = measure_control_plane(work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    text = table(sizes, dirs, cp)
+    print(text)
+    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "table": text}, indent=2,
+                              default=str))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The real system for the benchmark: ``ckpt up`` with 3 local storage workers, RF 2."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline import settings as settings_mod
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Job
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan if the bench dies
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+    return [k for c in kids for k in (c, *descendants(c))]
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """VmHWM: the process's peak resident set, from the OS."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+
+
+class System:
+    def __init__(self, root: Path, **env: str) -> None:
+        self.root, self.home, self.runs = root, root / "home", root / "runs"
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        self.env.update({"CKPT_HOME": str(self.home), "CKPT_ROOTS": str(self.runs / "*"), "CKPT_MDNS": "0",
+                         "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "", "CKPT_KEEP_LAST": "1000",
+                         "CKPT_TICK_SECONDS": "0.5", **env})
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "System":
+        log = open(self.root / "up.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", "3"], env=self.env,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 60
+        while not (self.home / "up.json").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ckpt up did not start; see {self.root / 'up.log'}")
+            time.sleep(0.1)
+        self.settings = settings_mod.configure(settings_mod.load(environ=self.env))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=90)
+
+    def cli(self, *args: str) -> tuple[float, int, str]:
+        """Run ``ckpt ARGS``; (seconds, peak RSS KiB of that process, stdout).
+
+        The peak is VmHWM read from /proc while the child runs: it starts over at exec, so it
+        does not count the benchmark's own pages that fork shared with the child before exec
+        (ru_maxrss does).
+        """
+        t = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=self.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        peak = 0
+        exe = None
+        while p.poll() is None:
+            if exe is None and "pipeline.cli" in cmdline(p.pid):
+                exe = True
+            if exe:
+                peak = max(peak, peak_rss_kib(p.pid) or 0)
+            time.sleep(0.02)
+        out, err = p.stdout.read().decode(), p.stderr.read().decode()
+        seconds = time.perf_counter() - t
+        if p.returncode != 0:
+            raise RuntimeError(f"ckpt {' '.join(args)} failed: {err[-2000:]}")
+        return seconds, peak, out
+
+    def processes(self) -> dict[str, int]:
+        """Peak RSS (KiB) of every process of the system, by role."""
+        info = json.loads((self.home / "up.json").read_text())
+        out: dict[str, int] = {}
+        for role, pid in info["children"].items():
+            for i, p in enumerate([pid, *descendants(pid)]):
+                rss = peak_rss_kib(p)
+                if rss is not None:
+                    name = role if i == 0 else f"{role}/child{i}"
+                    out[name] = rss
+        out["ckpt up"] = peak_rss_kib(self.proc.pid) or 0
+        return out
+
+    def job(self, job_id: int) -> Job:
+        with session_scope(self.settings.db_url) as s:
+            return s.get(Job, job_id)
