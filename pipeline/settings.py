@@ -36,8 +36,10 @@ class Settings:
     keep_last: int = 2
     #: Target shard size; safetensors files are cut at tensor boundaries near it.
     shard_size: int = 64 * MiB
-    #: A checkpoint must not change for this long before it is detected.
-    settle_seconds: float = 2.0
+    #: A checkpoint must not change for this long before it is detected. Structure proves
+    #: completeness (DESIGN section 2); this only absorbs writers that pause mid-file. A
+    #: change after detection is still caught (the shard step re-hashes; workers check).
+    settle_seconds: float = 0.3
     #: The watcher rescans every root this often even without file events.
     scan_interval: float = 5.0
     #: A job whose lease is older than this is re-driven by the scheduler.

@@ -21,6 +21,7 @@ from pipeline.durable import fsync_dir
 
 SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
 BLOCK = 4 * 1024 * 1024
+NET_BLOCK = 1024 * 1024
 
 
 class StoreError(Exception):
@@ -90,7 +91,9 @@ class ShardStore:
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=name[:16] + ".")
         try:
-            buf = bytearray(min(BLOCK, max(length, 1)))
+            # Small network reads: the server's body reader makes several temporary copies
+            # of each read, and with many uploads in flight big ones pile up in the heap.
+            buf = bytearray(min(NET_BLOCK, max(length, 1)))
             view = memoryview(buf)
             remaining = length
             with os.fdopen(fd, "wb", buffering=0) as out:
