@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from pipeline.planner import ShardPlan
 
 BLOCK = 4 * 1024 * 1024
+
+
+_SIDE: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _side_thread() -> ThreadPoolExecutor:
+    """One helper thread per process (a forked child starts its own: threads do not fork)."""
+    global _SIDE
+    if _SIDE is None or _SIDE[0] != os.getpid():
+        _SIDE = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash"))
+    return _SIDE[1]
 
 
 def sha256_file(path: str | os.PathLike[str], *, drop_cache: bool = False) -> str:
@@ -46,6 +58,9 @@ def scan(
     shard_hashes: list[str] = []
     buf = bytearray(BLOCK)
     view = memoryview(buf)
+    # hashlib releases the GIL on large buffers: the whole-file hash runs on a second core
+    # while this thread hashes the same block into its shard.
+    side = _side_thread()
     with open(path, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         size = os.fstat(f.fileno()).st_size
@@ -62,8 +77,9 @@ def scan(
                 if not n:
                     raise OSError(f"{path}: file ended at byte {pos} while shard {plan.seq} needs more")
                 chunk = view[:n]
+                pending = side.submit(whole.update, chunk)
                 h.update(chunk)
-                whole.update(chunk)
+                pending.result()
                 remaining -= n
                 pos += n
                 if progress:
