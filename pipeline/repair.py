@@ -90,12 +90,11 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
         if job is None:
             return []
         checkpoint_id = job.checkpoint_id
-        work = plan(s, settings, checkpoint_id)
 
     key = settings.key()
     lost: list[str] = []
     fixed = 0
-    for w in work:
+    for w in _passes(settings, checkpoint_id, lost):
         try:
             for worker_id, url, state in w.fix_in_place:
                 _rebuild_on(settings, key, w, worker_id, url, quarantine_first=state == "corrupt")
@@ -126,6 +125,26 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
         run = s.get(Checkpoint, checkpoint_id).run
     log.info("checkpoint %d repaired: %d replicas rebuilt", checkpoint_id, fixed)
     return [Send("rotate_run", (run,))]
+
+
+#: Re-plans after the first: replicas found bad while this repair ran (concurrent scrubs of
+#: other workers) are fixed by it, not left for the next under-replication sweep.
+MAX_PASSES = 4
+
+
+def _passes(settings: Settings, checkpoint_id: int, lost: list[str]):  # noqa: ANN202
+    """The shards to work on, planned again after each pass until nothing is left."""
+    given_up: set[int] = set()
+    for _ in range(MAX_PASSES):
+        with session_scope(settings.db_url) as s:
+            work = [w for w in plan(s, settings, checkpoint_id) if w.shard_id not in given_up]
+        if not work:
+            return
+        for w in work:
+            before = len(lost)
+            yield w
+            if len(lost) > before:
+                given_up.add(w.shard_id)
 
 
 class _NoSource(Exception):

@@ -64,10 +64,14 @@ def test_one_scrub_detects_each_kind_of_damage_and_repair_restores_rf(make_clust
     assert len(scrubs) == 3 and all(j.state == "done" for j in scrubs)
     assert sum(j.params["bad"] for j in scrubs) == 4  # each kind of damage detected once
 
-    wait_for(lambda: (r := jobs(cluster, "repair")) and all(j.state == "done" for j in r), 90, "repairs")
-    for worker_id, sha, damage in victims:
+    def repaired(worker_id: str, sha: str) -> bool:
         p = cluster.worker(worker_id).shard(sha)
-        assert hashlib.sha256(p.read_bytes()).hexdigest() == sha, damage
+        return p.exists() and hashlib.sha256(p.read_bytes()).hexdigest() == sha
+
+    for worker_id, sha, damage in victims:
+        wait_for(lambda: repaired(worker_id, sha), 90, f"the {damage} copy to be rebuilt")
+    wait_for(lambda: all(j.state == "done" for j in jobs(cluster, "repair")), 60, "repairs to finish")
+    for worker_id, sha, damage in victims:
         assert not any(q.startswith(sha) for q in cluster.worker(worker_id).quarantined()), damage
     status = json.loads(cluster.cli("status", "--json").stdout)
     (c,) = status["checkpoints"]
