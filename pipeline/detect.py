@@ -89,10 +89,28 @@ def _check_markers(path: Path, rels: set[str]) -> None:
         raise IncompleteCheckpoint(str(path), "HF Trainer checkpoint without trainer_state.json")
 
 
-def settled(entries: list[FileEntry], settle_seconds: float, now: float | None = None) -> bool:
-    """True when no file changed during the last ``settle_seconds``."""
+def tree_mtime_ns(path: Path) -> int:
+    """Newest mtime of a checkpoint directory and its subdirectories (0 for a file).
+
+    Adding or removing an entry changes its directory's mtime, not the files': a
+    directory being deleted can look like a smaller, valid checkpoint for a moment.
+    """
+    if not path.is_dir():
+        return 0
+    newest = 0
+    for dirpath, _dirs, _files in os.walk(path):
+        try:
+            newest = max(newest, os.stat(dirpath).st_mtime_ns)
+        except FileNotFoundError:
+            pass
+    return newest
+
+
+def settled(entries: list[FileEntry], settle_seconds: float, now: float | None = None,
+            tree_ns: int = 0) -> bool:
+    """True when no file (and no directory entry) changed during the last ``settle_seconds``."""
     now = time.time() if now is None else now
-    newest = max(e.mtime_ns for e in entries) / 1e9
+    newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
     return now - newest >= settle_seconds
 
 
@@ -108,4 +126,5 @@ def unchanged(entries: list[FileEntry]) -> bool:
     return True
 
 
-__all__ = ["FileEntry", "HeaderError", "IncompleteCheckpoint", "inspect", "list_files", "settled", "unchanged"]
+__all__ = ["FileEntry", "HeaderError", "IncompleteCheckpoint", "inspect", "list_files", "settled", "tree_mtime_ns",
+           "unchanged"]

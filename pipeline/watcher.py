@@ -122,12 +122,15 @@ class Watcher:
         sig = catalog.signature(entries)
         if self.known.get(key) == sig:
             return None
-        if not detect.settled(entries, self.settings.settle_seconds):
-            newest = max(e.mtime_ns for e in entries) / 1e9
+        tree_ns = detect.tree_mtime_ns(path)
+        if not detect.settled(entries, self.settings.settle_seconds, tree_ns=tree_ns):
+            newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         try:
             detected = catalog.hash_checkpoint(run, path, entries)
         except (SourceChanged, OSError):
+            return self.settings.settle_seconds
+        if detect.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing
             return self.settings.settle_seconds
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,

@@ -88,3 +88,25 @@ def test_startup_reconciliation_marks_vanished_local_copies(db, tmp_path):
     assert sent == []
     with session_scope(db.db_url) as s:
         assert s.scalar(select(Checkpoint.local_present)) is False
+
+
+def test_a_directory_losing_files_is_not_taken_for_a_new_version(db, tmp_path):
+    import dataclasses
+
+    s = dataclasses.replace(db, settle_seconds=5.0)
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    d = run / "step_5"
+    d.mkdir()
+    save_file({"w": torch.zeros(8)}, str(d / "model.safetensors"))
+    torch.save({"lr": 1.0}, d / "optimizer.pt")
+    old = time.time() - 3600
+    for p in (d / "model.safetensors", d / "optimizer.pt", d):
+        os.utime(p, (old, old))
+    sent = []
+    w = Watcher(s, sent.extend, use_events=False)
+    w.scan()
+    assert [x.actor for x in sent] == ["shard"]
+    (d / "optimizer.pt").unlink()  # rmtree under way: the rest still parses, with old mtimes
+    w.scan()
+    assert [x.actor for x in sent] == ["shard"]  # the directory just changed: not settled
