@@ -14,6 +14,20 @@ from pipeline.db.migrate import upgrade
 POSTGRES_ADMIN_URL = os.environ.get("CKPT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+def _postgres_available() -> bool:
+    try:
+        import psycopg  # noqa: F401
+        from sqlalchemy import create_engine, text
+
+        eng = create_engine(POSTGRES_ADMIN_URL)
+        with eng.connect() as c:
+            c.execute(text("select 1"))
+        eng.dispose()
+        return True
+    except Exception:
+        return False
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> settings_mod.Settings:
     s = settings_mod.load({
@@ -32,21 +46,11 @@ def db(settings: settings_mod.Settings):
     dispose_all()
 
 
-def _postgres_available() -> bool:
-    try:
-        import psycopg  # noqa: F401
-        from sqlalchemy import create_engine, text
-
-        eng = create_engine(POSTGRES_ADMIN_URL)
-        with eng.connect() as c:
-            c.execute(text("select 1"))
-        eng.dispose()
-        return True
-    except Exception:
-        return False
+POSTGRES = pytest.param("postgresql", marks=pytest.mark.skipif(
+    not _postgres_available(), reason=f"requires PostgreSQL at {POSTGRES_ADMIN_URL} (set CKPT_TEST_POSTGRES_URL)"))
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", POSTGRES])
 def any_db(request, settings: settings_mod.Settings):
     """The control plane at head on SQLite, and on a fresh PostgreSQL database."""
     if request.param == "sqlite":
@@ -54,8 +58,6 @@ def any_db(request, settings: settings_mod.Settings):
         yield settings
         dispose_all()
         return
-    if not _postgres_available():
-        pytest.skip(f"requires PostgreSQL at {POSTGRES_ADMIN_URL} (set CKPT_TEST_POSTGRES_URL)")
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 

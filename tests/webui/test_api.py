@@ -84,7 +84,7 @@ def test_store_accepts_a_checkpoint_inside_a_root(client, web_settings, token, t
     doc = r.get_json()
     assert doc["state"] == "detected" and doc["created"] is True
     assert r.headers["Location"] == f"/api/jobs/{doc['id']}"
-    assert dramatiq.get_broker().client.llen("dramatiq:ckpt") >= 0  # sent to the real broker
+    assert dramatiq.get_broker().client.llen("dramatiq:ckpt") == 1  # the shard message, on the real broker
 
 
 @pytest.mark.parametrize("body,status,needle", [
