@@ -65,7 +65,9 @@ def write_file(sd: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
-def write_hf(sd: dict[str, torch.Tensor], path: Path, parts: int = 4) -> Path:
+def write_hf(sd: dict[str, torch.Tensor], path: Path, parts: int = 4, trainer: bool = False) -> Path:
+    """An HF-style folder: ``parts`` safetensors files, their index and a config; with
+    ``trainer``, also the HF Trainer's optimizer, training args and (last) trainer state."""
     tmp = path.parent / f".{path.name}.tmp"
     tmp.mkdir()
     names = sorted(sd)
@@ -77,6 +79,10 @@ def write_hf(sd: dict[str, torch.Tensor], path: Path, parts: int = 4) -> Path:
         weight_map.update({n: fname for n in chunk})
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if trainer:
+        torch.save({"step": 10, "lr": 0.1}, tmp / "optimizer.pt")
+        torch.save({"output_dir": "out"}, tmp / "training_args.bin")
+        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
     os.rename(tmp, path)
     return path
 

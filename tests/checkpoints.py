@@ -1,12 +1,13 @@
 """Realistic checkpoints written for tests: safetensors files, HF folders, torch DCP."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from bench import layouts
 
 
 def state_dict(seed: int = 0, layers: int = 4, width: int = 64, dtype=torch.float32) -> dict[str, torch.Tensor]:  # noqa: ANN001
@@ -34,38 +35,13 @@ def atomic_save(sd: dict[str, torch.Tensor], path: Path) -> Path:
 
 
 def hf_folder(path: Path, seed: int = 0, parts: int = 3) -> Path:
-    """An HF-style directory: several safetensors files, their index, config and trainer files."""
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.mkdir()
-    sd = state_dict(seed, layers=6)
-    names = sorted(sd)
-    weight_map = {}
-    for k in range(parts):
-        fname = f"model-{k + 1:05d}-of-{parts:05d}.safetensors"
-        chunk = {n: sd[n] for n in names[k::parts]}
-        save_file(chunk, str(tmp / fname))
-        weight_map.update({n: fname for n in chunk})
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps({"model_type": "toy", "hidden_size": 64}))
-    torch.save({"step": 10, "lr": 0.1}, tmp / "optimizer.pt")
-    torch.save({"output_dir": "out"}, tmp / "training_args.bin")
-    (tmp / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
-    os.rename(tmp, path)
-    return path
+    """An HF Trainer folder: several safetensors files, their index, config and trainer files."""
+    return layouts.write_hf(state_dict(seed, layers=6), path, parts=parts, trainer=True)
 
 
 def dcp_folder(path: Path, seed: int = 0) -> Path:
     """A torch.distributed.checkpoint directory (.distcp files and .metadata)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    tmp = path.parent / f".{path.name}.tmp"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state_dict(seed), checkpoint_id=str(tmp))
-    os.rename(tmp, path)
-    return path
+    return layouts.write_dcp(state_dict(seed), path)
 
 
 def files_of(path: Path) -> dict[str, bytes]:
