@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import HeaderError, IncompleteCheckpoint
+from pipeline.errors import IncompleteCheckpoint
 from pipeline.header import Header, read_header
 
 #: Written by the HF Trainer with the model, first thing in ``checkpoint-N/``; the Trainer
@@ -52,8 +52,8 @@ def list_files(path: Path) -> list[tuple[str, str]]:
 def inspect(path: Path) -> list[FileEntry]:
     """Validate a checkpoint's structure; return its files.
 
-    Raises :class:`IncompleteCheckpoint` (markers missing, empty) or
-    :class:`HeaderError` (a safetensors file that is malformed or truncated).
+    Raises :class:`~pipeline.errors.IncompleteCheckpoint` (markers missing, empty) or
+    :class:`~pipeline.errors.HeaderError` (a safetensors file that is malformed or truncated).
     """
     if not path.exists():
         raise IncompleteCheckpoint(str(path), "it does not exist")
@@ -125,6 +125,3 @@ def unchanged(entries: list[FileEntry]) -> bool:
             return False
     return True
 
-
-__all__ = ["FileEntry", "HeaderError", "IncompleteCheckpoint", "inspect", "list_files", "settled", "tree_mtime_ns",
-           "unchanged"]

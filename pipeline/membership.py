@@ -9,6 +9,7 @@ reconciled (pipeline.reconcile) before its copies count again.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -73,8 +74,9 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResu
                 result.answers[url] = reason
                 if not rows:
                     node = answer.get("node_id") if isinstance(answer, dict) else None
-                    rows = [StorageWorker(id=str(node or f"unknown-{abs(hash(url)) % 10**8}"), url=url,
-                                          source=urls[url])]
+                    # hash() is salted per process: a stable id comes from the URL's SHA-256.
+                    stable = "unknown-" + hashlib.sha256(url.encode()).hexdigest()[:12]
+                    rows = [StorageWorker(id=str(node or stable), url=url, source=urls[url])]
                     s.add(rows[0])
                 for w in rows:
                     if w.state != "rejected":

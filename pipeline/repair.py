@@ -14,17 +14,16 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pipeline import placement, states
+from pipeline import states
 from pipeline.catalog import file_path
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
 from pipeline.db.transitions import create_job, note, now, renew_lease, transition
-from pipeline.errors import CkptError, PlacementError, WorkerError
-from pipeline.header import read_header, shard_header
+from pipeline.errors import CkptError, WorkerError
 from pipeline.health import READABLE
-from pipeline.replicas import mark
+from pipeline.replicas import mark, place_replacement
+from pipeline.sharding import shard_prefix
 from pipeline.settings import Settings
-from pipeline.sharding import live_candidates
 from pipeline.steps import Send, start_job
 from pipeline.worker_client import WorkerClient
 
@@ -45,7 +44,6 @@ class ShardWork:
     tensors: tuple[str, ...]
     sources: list[tuple[str, str]] = field(default_factory=list)  # (worker id, url): readable copies
     fix_in_place: list[tuple[str, str, str]] = field(default_factory=list)  # (worker id, url, state)
-    holders: set[str] = field(default_factory=set)
     need: int = 0  # new replicas to place on other workers
 
 
@@ -70,7 +68,6 @@ def plan(s: Session, settings: Settings, checkpoint_id: int) -> list[ShardWork]:
                           sh.src_offset, sh.length, tuple(sh.tensors or ()))
             good_up = 0
             for r in s.scalars(select(Replica).where(Replica.shard_id == sh.id)):
-                w.holders.add(r.worker_id)
                 ws = r.worker.state
                 if r.state in ("verified", "stored") and ws in READABLE:
                     w.sources.append((r.worker_id, r.worker.url))
@@ -101,10 +98,8 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                 fixed += 1
             for _ in range(w.need):
                 with session_scope(settings.db_url) as s:
-                    target = placement.place(w.sha, live_candidates(s), 1, exclude=frozenset(w.holders))[0]
-                    s.add(Replica(shard_id=w.shard_id, worker_id=target, state="pending"))
+                    target = place_replacement(s, s.get(Shard, w.shard_id)).worker_id
                     url = s.get(StorageWorker, target).url
-                w.holders.add(target)
                 _rebuild_on(settings, key, w, target, url, quarantine_first=False)
                 fixed += 1
         except _NoSource:
@@ -221,12 +216,8 @@ def _transfer(settings: Settings, key: bytes, w: ShardWork, source: WorkerClient
             source = _good_source(settings, key, w)
     if w.src_path is None:
         raise _NoSource()
-    header = b""
     try:
-        if w.kind == "safetensors":
-            names = set(w.tensors)
-            header = shard_header([t for t in read_header(w.src_path).tensors if t.name in names])
-        target.put_range(w.sha, header, w.src_path, w.src_offset, w.length)
+        target.put_range(w.sha, shard_prefix(w.src_path, w.kind, w.tensors), w.src_path, w.src_offset, w.length)
     except WorkerError as exc:
         if exc.status != 422:
             raise
@@ -245,5 +236,3 @@ def note_job_for(s: Session, w: ShardWork, worker_id: str) -> None:
     if job is not None:
         note(s, job.id, f"{w.label} rebuilt on {worker_id} and verified")
 
-
-__all__ = ["request_repair", "repair", "plan", "PlacementError"]

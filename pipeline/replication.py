@@ -11,15 +11,15 @@ import logging
 
 from sqlalchemy import func, select, update
 
-from pipeline import placement, states
+from pipeline import states
 from pipeline.catalog import file_path
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
 from pipeline.errors import PlacementError, WorkerError
-from pipeline.header import read_header, shard_header
 from pipeline.settings import Settings
-from pipeline.sharding import live_candidates
+from pipeline.replicas import place_replacement
+from pipeline.sharding import shard_prefix
 from pipeline.steps import AttemptsExhausted, Send
 from pipeline.worker_client import WorkerClient
 
@@ -58,11 +58,7 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
         shard, worker = rep.shard, rep.worker
         f = shard.file
         src = file_path(f.checkpoint, f)
-        header = b""
-        if shard.kind == "safetensors":
-            hdr = read_header(src)
-            names = set(shard.tensors or [])
-            header = shard_header([t for t in hdr.tensors if t.name in names])
+        kind, tensors = shard.kind, tuple(shard.tensors or ())
         job_id, url, sha, size = job.id, worker.url, shard.sha256, shard.size
         src_offset, length, worker_id = shard.src_offset, shard.length, worker.id
 
@@ -70,7 +66,7 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
     try:
         held = client.head(sha)
         if held != size:
-            client.put_range(sha, header, src, src_offset, length)
+            client.put_range(sha, shard_prefix(src, kind, tensors), src, src_offset, length)
     except WorkerError as exc:
         if exc.status == 422:
             # The source no longer hashes to the manifest: it changed under us.
@@ -114,16 +110,11 @@ def _move_off(settings: Settings, replica_id: int, worker_id: str, error: str) -
         if rep.state != "pending":
             return []
         rep.state, rep.last_error = "abandoned", error
-        # Every worker that ever had a replica row for this shard is out (one row per pair).
-        holders = frozenset(r.worker_id for r in rep.shard.replicas)
         try:
-            target = placement.place(rep.shard.sha256, live_candidates(s), 1, exclude=holders)[0]
-        except PlacementError:
-            rep.state = "pending"  # nowhere else to go: keep it here and let the retry wait for a worker
+            moved = place_replacement(s, rep.shard)
+        except PlacementError:  # nowhere else to go: roll back, and let the retry wait for a worker
             raise WorkerError(worker.url, f"{error}; no other live worker to take the replica") from None
-        moved = Replica(shard_id=rep.shard_id, worker_id=target, state="pending")
-        s.add(moved)
-        s.flush()
+        target = moved.worker_id
         job = job_of_replica(s, replica_id)
         note(s, job.id, f"worker {worker_id} unreachable ({error}); shard {rep.shard.sha256[:12]} moves to {target}")
         log.warning("replica %d: %s unreachable, moved to %s", replica_id, worker_id, target)

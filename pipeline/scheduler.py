@@ -27,6 +27,7 @@ from pipeline.db.transitions import now
 from pipeline.discovery import Browser
 from pipeline.membership import probe_all
 from pipeline.repair import request_repair
+from pipeline.replicas import good_copies_per_shard
 from pipeline.scrub import request_scrub
 from pipeline.settings import Settings
 from pipeline.steps import Send
@@ -147,15 +148,7 @@ def under_replicated(settings: Settings) -> list[Send]:
 def short_checkpoints(s, rf: int) -> list[int]:  # noqa: ANN001
     latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
     protected = select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state.in_((S.VERIFIED, S.ROTATED)))
-    per_shard = (
-        select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"),
-               func.count(func.distinct(StorageWorker.id)).label("n"))
-        .join(Shard, Shard.file_id == CheckpointFile.id)
-        .outerjoin(Replica, (Replica.shard_id == Shard.id) & (Replica.state == "verified"))
-        .outerjoin(StorageWorker, (StorageWorker.id == Replica.worker_id) & (StorageWorker.state == "up"))
-        .where(CheckpointFile.checkpoint_id.in_(protected))
-        .group_by(CheckpointFile.checkpoint_id, Shard.id)
-    ).subquery()
+    per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
     return list(s.scalars(select(per_shard.c.cid).where(per_shard.c.n < rf).distinct()))
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.durable import fsync_dir
 from pipeline.errors import ConfigError
 
 MiB = 1024 * 1024
@@ -123,6 +124,7 @@ class Settings:
             except FileExistsError:
                 pass
             os.unlink(tmp)
+            fsync_dir(self.home)  # DESIGN invariant 2: the key survives a crash once used
         return path.read_text().strip().encode()
 
     def child_env(self) -> dict[str, str]:

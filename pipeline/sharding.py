@@ -6,7 +6,9 @@ manifest and the transition together.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 
 from sqlalchemy import select
@@ -14,11 +16,12 @@ from sqlalchemy import select
 from pipeline import placement, states
 from pipeline.catalog import file_path
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, Replica, Shard, StorageWorker
+from pipeline.db.models import Checkpoint, Replica, Shard
 from pipeline.db.transitions import renew_lease, transition
-from pipeline.header import read_header
+from pipeline.header import Header, read_header, shard_header
 from pipeline.hashing import scan
 from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
+from pipeline.replicas import live_candidates
 from pipeline.settings import Settings
 from pipeline.steps import Send, begin_step
 
@@ -26,15 +29,29 @@ log = logging.getLogger("ckpt.shard")
 S = states.StoreState
 
 
+@functools.lru_cache(maxsize=64)
+def _header_of(path: str, size: int, mtime_ns: int) -> Header:
+    return read_header(path)
+
+
+def shard_prefix(path: str, kind: str, tensors: tuple[str, ...] | list[str]) -> bytes:
+    """The bytes a shard has before its payload: its own safetensors header (b"" for raw).
+
+    Rebuilt from the source file's header, parsed once per file version (path, size and
+    mtime) in this process rather than once per replica. Deterministic: the same bytes the
+    planner hashed.
+    """
+    if kind != "safetensors":
+        return b""
+    st = os.stat(path)
+    names = set(tensors)
+    return shard_header([t for t in _header_of(path, st.st_size, st.st_mtime_ns).tensors if t.name in names])
+
+
 def plan_file(path: str, fmt: str, size: int, target: int) -> list[ShardPlan]:
     if fmt == "safetensors":
         return plan_safetensors(read_header(path), target)
     return plan_opaque(size, target)
-
-
-def live_candidates(session) -> list[placement.Candidate]:  # noqa: ANN001
-    rows = session.scalars(select(StorageWorker).where(StorageWorker.state == "up"))
-    return [placement.Candidate(w.id, w.free_bytes, w.zone) for w in rows]
 
 
 def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:

@@ -9,6 +9,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.health import replica_health, shard_health
+from pipeline.replicas import good_copies_per_shard
 from pipeline.settings import Settings
 
 
@@ -16,16 +17,7 @@ def replica_counts(session, checkpoint_ids: list[int]) -> dict[int, int]:  # noq
     """Per checkpoint: the fewest verified replicas on live workers that any of its shards has."""
     if not checkpoint_ids:
         return {}
-    per_shard = (
-        select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"),
-               func.count(StorageWorker.id).label("n"))
-        .join(Shard, Shard.file_id == CheckpointFile.id)
-        .outerjoin(Replica, (Replica.shard_id == Shard.id) & (Replica.state == "verified"))
-        .outerjoin(StorageWorker, (StorageWorker.id == Replica.worker_id) & (StorageWorker.state == "up"))
-        .where(CheckpointFile.checkpoint_id.in_(checkpoint_ids))
-        .group_by(CheckpointFile.checkpoint_id, Shard.id)
-        .subquery()
-    )
+    per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(checkpoint_ids))
     rows = session.execute(select(per_shard.c.cid, func.min(per_shard.c.n)).group_by(per_shard.c.cid))
     return {cid: n for cid, n in rows}
 
@@ -67,37 +59,44 @@ def job_dict(j: Job) -> dict[str, Any]:
     }
 
 
+def latest_store_jobs(session) -> dict[int, Job]:  # noqa: ANN001
+    """checkpoint id -> its newest store job (whose state is the checkpoint's state)."""
+    latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
+    return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))}
+
+
+def checkpoint_rows(session, settings: Settings, ckpts: list[Checkpoint],  # noqa: ANN001
+                    jobs: dict[int, Job] | None = None) -> list[dict[str, Any]]:
+    """What `ckpt status`, the web UI and the API show of each checkpoint."""
+    jobs = latest_store_jobs(session) if jobs is None else jobs
+    counts = replica_counts(session, [c.id for c in ckpts])
+    health = checkpoint_health(session, settings, ckpts)
+    out = []
+    for c in ckpts:
+        job, h = jobs.get(c.id), health.get(c.id, {})
+        out.append({
+            "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
+            "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
+            "state": job.state if job else "unknown", "job_id": job.id if job else None,
+            "blocked_reason": job.blocked_reason if job else None,
+            "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
+            "health": h.get("health", "unprotected"),
+            "shards": {k: v for k, v in h.items() if k != "health"},
+        })
+    return out
+
+
+def worker_dict(w: StorageWorker) -> dict[str, Any]:
+    return {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
+            "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "last_seen": w.last_seen,
+            "last_error": w.last_error}
+
+
 def status(settings: Settings) -> dict[str, Any]:
     with session_scope(settings.db_url) as s:
         ckpts = list(s.scalars(select(Checkpoint).order_by(Checkpoint.id)))
-        jobs = list(s.scalars(select(Job).order_by(Job.id)))
-        latest: dict[int, Job] = {}
-        for j in jobs:
-            if j.kind == "store" and j.checkpoint_id is not None:
-                latest[j.checkpoint_id] = j
-        counts = replica_counts(s, [c.id for c in ckpts])
-        health = checkpoint_health(s, settings, ckpts)
-        workers = list(s.scalars(select(StorageWorker).order_by(StorageWorker.id)))
         return {
-            "checkpoints": [
-                {
-                    "id": c.id, "path": c.path, "run": c.run, "version": c.version, "step": c.step,
-                    "state": latest[c.id].state if c.id in latest else "unknown",
-                    "job_id": latest[c.id].id if c.id in latest else None,
-                    "local_present": c.local_present, "total_bytes": c.total_bytes,
-                    "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
-                    "blocked_reason": latest[c.id].blocked_reason if c.id in latest else None,
-                    "health": health.get(c.id, {}).get("health", "unprotected"),
-                    "shards": {k: v for k, v in health.get(c.id, {}).items() if k != "health"},
-                    "detected_at": c.detected_at,
-                }
-                for c in ckpts
-            ],
-            "jobs": [job_dict(j) for j in jobs],
-            "workers": [
-                {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
-                 "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "last_seen": w.last_seen,
-                 "last_error": w.last_error}
-                for w in workers
-            ],
+            "checkpoints": checkpoint_rows(s, settings, ckpts),
+            "jobs": [job_dict(j) for j in s.scalars(select(Job).order_by(Job.id))],
+            "workers": [worker_dict(w) for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))],
         }

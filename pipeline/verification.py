@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import select
 
-from pipeline import placement, states
+from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
 from pipeline.errors import WorkerError
 from pipeline.settings import Settings
-from pipeline.sharding import live_candidates
+from pipeline.replicas import place_replacement
 from pipeline.steps import Send, begin_step
 from pipeline.worker_client import WorkerClient
 
@@ -57,12 +57,7 @@ def rehash_on_workers(settings: Settings, by_worker: dict[str, tuple[str, list[s
 def replace_replica(session, rep: Replica, state: str, error: str) -> Replica:  # noqa: ANN001
     """Stop counting ``rep`` and place a fresh replica of its shard on another live worker."""
     rep.state, rep.last_error = state, error
-    holders = frozenset(r.worker_id for r in rep.shard.replicas)
-    target = placement.place(rep.shard.sha256, live_candidates(session), 1, exclude=holders)[0]
-    fresh = Replica(shard_id=rep.shard_id, worker_id=target, state="pending")
-    session.add(fresh)
-    session.flush()
-    return fresh
+    return place_replacement(session, rep.shard)
 
 
 def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:

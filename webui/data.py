@@ -16,26 +16,9 @@ from pipeline.db.transitions import now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
 from pipeline.health import replica_health, shard_health
 from pipeline.settings import Settings
-from pipeline.status import checkpoint_health, job_dict, replica_counts
+from pipeline.status import checkpoint_rows, job_dict, latest_store_jobs, worker_dict
 
 PROTECTED = (states.StoreState.VERIFIED.value, states.StoreState.ROTATED.value)
-
-
-def _latest_store_jobs(s) -> dict[int, Job]:  # noqa: ANN001
-    latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
-    return {j.checkpoint_id: j for j in s.scalars(select(Job).where(Job.id.in_(latest)))}
-
-
-def _ckpt_dict(c: Checkpoint, job: Job | None, verified: int, health: dict, rf: int) -> dict[str, Any]:
-    return {
-        "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
-        "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
-        "state": job.state if job else "unknown", "job_id": job.id if job else None,
-        "blocked_reason": job.blocked_reason if job else None,
-        "replicas_verified": verified, "replicas_wanted": rf,
-        "health": health.get("health", "unprotected"),
-        "shards": {k: v for k, v in health.items() if k != "health"},
-    }
 
 
 def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
@@ -44,12 +27,10 @@ def checkpoints(settings: Settings, *, state: str | None = None, run: str | None
         if run:
             q = q.where(Checkpoint.run == run)
         ckpts = list(s.scalars(q))
-        jobs = _latest_store_jobs(s)
+        jobs = latest_store_jobs(s)
         if state:
             ckpts = [c for c in ckpts if c.id in jobs and jobs[c.id].state == state]
-        counts = replica_counts(s, [c.id for c in ckpts])
-        health = checkpoint_health(s, settings, ckpts)
-        return [_ckpt_dict(c, jobs.get(c.id), counts.get(c.id, 0), health.get(c.id, {}), settings.rf) for c in ckpts]
+        return checkpoint_rows(s, settings, ckpts, jobs)
 
 
 def runs(settings: Settings) -> list[str]:
@@ -64,10 +45,7 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
         c = s.get(Checkpoint, checkpoint_id)
         if c is None:
             raise UnknownCheckpoint(str(checkpoint_id))
-        job = _latest_store_jobs(s).get(c.id)
-        counts = replica_counts(s, [c.id])
-        health = checkpoint_health(s, settings, [c])
-        out = _ckpt_dict(c, job, counts.get(c.id, 0), health.get(c.id, {}), settings.rf)
+        (out,) = checkpoint_rows(s, settings, [c])
         files = []
         for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)
                            .order_by(CheckpointFile.relpath)):
@@ -169,12 +147,8 @@ def workers(settings: Settings) -> list[dict[str, Any]]:
                 select(Replica.worker_id, Shard.size).join(Shard).where(Replica.state.in_(("stored", "verified")))
                 .group_by(Replica.worker_id, Shard.sha256, Shard.size)):
             held_bytes[wid] = held_bytes.get(wid, 0) + size
-        return [{
-            "id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
-            "last_seen": w.last_seen, "last_error": w.last_error, "shards": held.get(w.id, 0),
-            "bytes": held_bytes.get(w.id, 0), "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes,
-            "used_bytes": max(0, w.capacity_bytes - w.free_bytes),
-        } for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))]
+        return [worker_dict(w) | {"shards": held.get(w.id, 0), "bytes": held_bytes.get(w.id, 0)}
+                for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))]
 
 
 def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]]:

@@ -1,7 +1,6 @@
 """Web UI fixtures: the Flask app on a temporary control plane and a real embedded Redis."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -106,5 +105,3 @@ def one_job(s, kind: str) -> Job:  # noqa: ANN001
     with session_scope(s.db_url) as session:
         return session.scalars(select(Job).where(Job.kind == kind).order_by(Job.id.desc())).first()
 
-
-__all__ = ["seed", "csrf_of", "one_job", "dataclasses"]
