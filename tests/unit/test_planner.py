@@ -1,6 +1,7 @@
 """The shard planner: balance, determinism, every tensor exactly once, valid shards."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import load, save
 
 from pipeline.header import Header, TensorInfo, parse_header
-from pipeline.planner import group_tensors, plan_opaque, plan_safetensors
+from pipeline.planner import group_tensors, module_key, module_units, plan_opaque, plan_safetensors
 
 
 def layout(sizes: list[int]) -> Header:
@@ -78,3 +79,62 @@ def test_header_shard_holds_the_original_header_bytes():
 @pytest.mark.parametrize("size,target,expected", [(0, 10, [0]), (10, 10, [10]), (25, 10, [10, 10, 5])])
 def test_opaque_files_are_cut_in_fixed_chunks(size, target, expected):
     assert [p.length for p in plan_opaque(size, target)] == expected
+
+
+@pytest.mark.parametrize("name,key", [
+    ("model.layers.7.mlp.up_proj.weight", "model.layers.7"),
+    ("model.layers.7", "model.layers.7"),
+    ("encoder.block.0.layer.1.weight", "encoder.block.0"),
+    ("lm_head.weight", "lm_head"),
+    ("model.embed_tokens.weight", "model.embed_tokens"),
+    ("w0", "w0"),
+])
+def test_module_key(name, key):
+    assert module_key(name) == key
+
+
+def decoder_layout(layers: int, hidden: int) -> Header:
+    """A bf16 decoder's layout in the order safetensors writes it (sorted names)."""
+    shapes = {"lm_head.weight": (32000, hidden), "model.embed_tokens.weight": (32000, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        for n in ("q", "k", "v", "o"):
+            shapes[f"model.layers.{i}.self_attn.{n}_proj.weight"] = (hidden, hidden)
+            shapes[f"model.layers.{i}.self_attn.{n}_proj.bias"] = (hidden,)
+        for n, shape in (("gate", (4 * hidden, hidden)), ("up", (4 * hidden, hidden)), ("down", (hidden, 4 * hidden))):
+            shapes[f"model.layers.{i}.mlp.{n}_proj.weight"] = shape
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+    tensors, pos = [], 0
+    for name in sorted(shapes):
+        n = 2 * math.prod(shapes[name])
+        tensors.append(TensorInfo(name, "BF16", shapes[name], pos, pos + n))
+        pos += n
+    return Header(json_len=0, file_size=8 + pos, tensors=tuple(tensors), metadata=None)
+
+
+@pytest.mark.parametrize("layers,hidden", [(28, 1024), (6, 2048), (40, 512), (5, 512)])
+def test_a_shard_never_mixes_a_large_block_with_another(layers, hidden):
+    target = 64 * 1024 * 1024
+    for group in group_tensors(decoder_layout(layers, hidden).tensors, target):
+        units = module_units(group)
+        sizes = [u[-1].end - u[0].begin for u in units]
+        assert len(units) == 1 or all(4 * s < target for s in sizes), [module_key(u[0].name) for u in units]
+
+
+def test_freezing_half_the_blocks_leaves_their_shards_unchanged():
+    """A fine-tuning step that trains blocks 14-27 and the head of a 28-block decoder: the
+    shards holding any trained tensor are about half of the bytes, not more."""
+    h = decoder_layout(28, 1024)
+    trained = {t.name for t in h.tensors
+               if t.name.startswith("lm_head") or (t.name.startswith("model.layers.")
+                                                   and int(t.name.split(".")[2]) >= 14)}
+    groups = group_tensors(h.tensors, 64 * 1024 * 1024)
+    resent = sum(g[-1].end - g[0].begin for g in groups if any(t.name in trained for t in g))
+    changed = sum(t.nbytes for t in h.tensors if t.name in trained)
+    assert resent == changed
+
+
+def test_small_blocks_are_packed_together():
+    h = decoder_layout(100, 64)  # 100 blocks of ~100 kB
+    groups = group_tensors(h.tensors, 4 * 1024 * 1024)
+    assert len(groups) <= 6
