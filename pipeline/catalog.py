@@ -1,8 +1,9 @@
 """Recording detected checkpoints in the control plane, and finding them again.
 
-Detection (I/O, outside any transaction) produces a :class:`Detected`; :func:`record`
-turns it into a checkpoint row, its file rows and a ``detected`` store job in the
-caller's transaction. The same path and content is recorded once; new content at a
+Detection (I/O, outside any transaction) produces a :class:`Detected`: every file is
+planned into shards and read once, giving its SHA-256 and its shards'. :func:`record`
+turns it into a checkpoint row, its file and shard rows and a ``detected`` store job in
+the caller's transaction. The same path and content is recorded once; new content at a
 known path supersedes the older version's unfinished job.
 """
 from __future__ import annotations
@@ -16,10 +17,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import detect, roots, states
-from pipeline.db.models import Checkpoint, CheckpointFile, Job
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
 from pipeline.db.transitions import create_job, note, transition
 from pipeline.errors import SourceChanged, UnknownCheckpoint
-from pipeline.hashing import sha256_file
+from pipeline.hashing import scan
+from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class Detected:
     path: Path
     entries: tuple[detect.FileEntry, ...]
     shas: tuple[str, ...]
+    #: per file, its shard plans with their SHA-256
+    shards: tuple[tuple[tuple[ShardPlan, str], ...], ...]
 
     @property
     def version(self) -> str:
@@ -46,12 +50,18 @@ def version_of(files) -> str:  # noqa: ANN001 - iterable of (relpath, size, sha2
     return h.hexdigest()
 
 
-def hash_checkpoint(run: Path, path: Path, entries: list[detect.FileEntry]) -> Detected:
-    """Hash every file; raise :class:`SourceChanged` if a file changed meanwhile."""
-    shas = tuple(sha256_file(e.abspath) for e in entries)
+def hash_checkpoint(run: Path, path: Path, entries: list[detect.FileEntry], *, shard_size: int) -> Detected:
+    """Plan every file into shards and hash it and its shards in one read; raise
+    :class:`SourceChanged` if a file changed meanwhile."""
+    shas, shards = [], []
+    for e in entries:
+        plans = plan_safetensors(e.header, shard_size) if e.header is not None else plan_opaque(e.size, shard_size)
+        sha, shard_shas = scan(e.abspath, plans, expected_size=e.size)
+        shas.append(sha)
+        shards.append(tuple(zip(plans, shard_shas)))
     if not detect.unchanged(entries):
         raise SourceChanged(str(path), "a file changed while it was being hashed")
-    return Detected(run=run, path=path, entries=tuple(entries), shas=shas)
+    return Detected(run=run, path=path, entries=tuple(entries), shas=tuple(shas), shards=tuple(shards))
 
 
 def signature(entries) -> tuple:  # noqa: ANN001
@@ -89,9 +99,13 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
     )
     session.add(ckpt)
     session.flush()
-    for e, sha in zip(d.entries, d.shas):
-        session.add(CheckpointFile(checkpoint_id=ckpt.id, relpath=e.relpath, size=e.size, sha256=sha,
-                                   format=e.format, mtime_ns=e.mtime_ns))
+    for e, sha, shards in zip(d.entries, d.shas, d.shards):
+        f = CheckpointFile(checkpoint_id=ckpt.id, relpath=e.relpath, size=e.size, sha256=sha,
+                           format=e.format, mtime_ns=e.mtime_ns)
+        f.shards = [Shard(seq=p.seq, kind=p.kind, sha256=shard_sha, size=p.size, src_offset=p.src_offset,
+                          length=p.length, payload_offset=p.payload_offset, tensors=list(p.tensors) or None)
+                    for p, shard_sha in shards]
+        session.add(f)
     job = create_job(session, "store", checkpoint_id=ckpt.id, lease_seconds=lease_seconds,
                      bytes_total=d.total_bytes, detail=detail)
     return ckpt, job, True

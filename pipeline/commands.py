@@ -31,7 +31,7 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
     """Protect the checkpoint at ``path`` (inside a watched root) now."""
     run, ckpt_path = roots.locate(path, settings.roots)
     entries = detect.inspect(ckpt_path)
-    detected = catalog.hash_checkpoint(run, ckpt_path, entries)
+    detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size)
     with session_scope(settings.db_url) as s:
         ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail)
         result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))

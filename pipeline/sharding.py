@@ -1,8 +1,12 @@
 """The shard step: ``detected -> sharded``.
 
-Plans every file (pure planner), hashes the file and its shards in one read, checks the
-file still matches what was detected, places each shard's replicas, and commits the
-manifest and the transition together.
+Detection already planned every file and hashed it and its shards in one read (the
+shard rows exist). This step places each shard's replicas and commits the placement and
+the transition together. A file that still has the size and mtime it was detected with
+is not read again: each storage worker hashes what it receives and refuses bytes that do
+not match the manifest, which supersedes the job if the source changed anyway. A file
+whose size or mtime moved is re-hashed (a ``touch`` is not a change), and a checkpoint
+recorded without shard rows (by an older version) is planned and hashed here.
 """
 from __future__ import annotations
 
@@ -60,43 +64,50 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         if job is None:
             return []
         ckpt = s.get(Checkpoint, job.checkpoint_id)
-        files = [(f.id, f.relpath, file_path(ckpt, f), f.format, f.size, f.sha256) for f in ckpt.files]
-        ckpt_path = ckpt.path
+        files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256,
+                  bool(f.shards)) for f in ckpt.files]
 
     keep_alive = _LeaseKeeper(settings, job_id)
-    manifest: list[tuple[int, ShardPlan, str]] = []
-    for file_id, rel, path, fmt, size, sha in files:
+    unplanned: dict[int, list[tuple[ShardPlan, str]]] = {}
+    for file_id, name, path, fmt, size, mtime_ns, sha, planned in files:
         try:
+            st = os.stat(path)
+            if planned and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+                continue
+            # Touched since detection, or recorded without shards: read it again.
             plans = plan_file(path, fmt, size, settings.shard_size)
             file_sha, shard_shas = scan(path, plans, expected_size=size, progress=keep_alive)
+            if file_sha != sha:
+                return _supersede(settings, job_id, f"{name}: content changed since detection")
+            if not planned:
+                unplanned[file_id] = list(zip(plans, shard_shas))
         except (OSError, ValueError) as exc:
-            changed = f"{rel or ckpt_path} can no longer be read as detected ({exc})"
-            return _supersede(settings, job_id, changed)
-        if file_sha != sha:
-            return _supersede(settings, job_id, f"{rel or ckpt_path}: content changed since detection")
-        manifest.extend((file_id, p, h) for p, h in zip(plans, shard_shas))
+            return _supersede(settings, job_id, f"{name} can no longer be read as detected ({exc})")
 
-    sends: list[Send] = []
     with session_scope(settings.db_url) as s:
+        for file_id, manifest in unplanned.items():
+            s.add_all(Shard(file_id=file_id, seq=p.seq, kind=p.kind, sha256=sha, size=p.size,
+                            src_offset=p.src_offset, length=p.length, payload_offset=p.payload_offset,
+                            tensors=list(p.tensors) or None) for p, sha in manifest)
+        s.flush()
         workers = live_candidates(s)
-        for file_id, plan, sha in manifest:
-            shard = Shard(file_id=file_id, seq=plan.seq, kind=plan.kind, sha256=sha, size=plan.size,
-                          src_offset=plan.src_offset, length=plan.length, payload_offset=plan.payload_offset,
-                          tensors=list(plan.tensors) or None)
-            s.add(shard)
-            for worker_id in placement.place(sha, workers, settings.rf):
-                shard.replicas.append(Replica(worker_id=worker_id, state="pending"))
+        shards = s.scalars(select(Shard).where(Shard.file_id.in_([f[0] for f in files]))
+                           .order_by(Shard.file_id, Shard.seq)).all()
+        for shard in shards:
+            if not shard.replicas:
+                shard.replicas = [Replica(worker_id=w, state="pending")
+                                  for w in placement.place(shard.sha256, workers, settings.rf)]
         s.flush()
         moved = transition(s, job_id, "store", S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
-                           detail=f"{len(manifest)} shards, RF {settings.rf}", bytes_done=0,
-                           bytes_total=settings.rf * sum(p.size for _f, p, _h in manifest))
+                           detail=f"{len(shards)} shards, RF {settings.rf}", bytes_done=0,
+                           bytes_total=settings.rf * sum(sh.size for sh in shards))
         if not moved:
-            raise RuntimeError("job left 'detected' while sharding; rolling back this manifest")
+            raise RuntimeError("job left 'detected' while sharding; rolling back this placement")
         replica_ids = s.scalars(
             select(Replica.id).join(Shard).where(Shard.file_id.in_([f[0] for f in files]))
         ).all()
         sends = [Send("replicate", (rid,)) for rid in replica_ids]
-    log.info("job %d: %d shards, %d replicas to send", job_id, len(manifest), len(sends))
+    log.info("job %d: %d shards, %d replicas to send", job_id, len(shards), len(sends))
     return sends
 
 

@@ -127,7 +127,7 @@ class Watcher:
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         try:
-            detected = catalog.hash_checkpoint(run, path, entries)
+            detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size)
         except (SourceChanged, OSError):
             return self.settings.settle_seconds
         if detect.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing

@@ -12,10 +12,8 @@ from pipeline import catalog, detect, placement, roots
 from pipeline import settings as settings_mod
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Job, Replica, Shard, StorageWorker
+from pipeline.db.models import Job, Replica, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
-from pipeline.hashing import scan
-from pipeline.sharding import plan_file
 from tests.checkpoints import atomic_save, state_dict
 
 
@@ -75,21 +73,15 @@ def seed(s: settings_mod.Settings) -> dict:
     """A verified checkpoint on two workers, plus a restore job that finished: real files, real rows."""
     path = atomic_save(state_dict(1), Path(s.roots[0].rstrip("*")) / "r1" / "step_1.safetensors")
     run, ckpt_path = roots.locate(path, s.roots)
-    detected = catalog.hash_checkpoint(run, ckpt_path, detect.inspect(ckpt_path))
+    detected = catalog.hash_checkpoint(run, ckpt_path, detect.inspect(ckpt_path), shard_size=s.shard_size)
     with session_scope(s.db_url) as session:
         for i in range(2):
             session.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
                                       free_bytes=10**10, capacity_bytes=2 * 10**10, last_seen=now()))
         ckpt, job, _ = catalog.record(session, detected, lease_seconds=60, detail="seeded")
-        f = ckpt.files[0]
-        plans = plan_file(str(path), f.format, f.size, s.shard_size)
-        _, shas = scan(str(path), plans)
         t = now()
-        for p, sha in zip(plans, shas):
-            sh = Shard(file_id=f.id, seq=p.seq, kind=p.kind, sha256=sha, size=p.size, src_offset=p.src_offset,
-                       length=p.length, payload_offset=p.payload_offset, tensors=list(p.tensors) or None)
-            session.add(sh)
-            for w in placement.place(sha, [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)], 2):
+        for sh in ckpt.files[0].shards:
+            for w in placement.place(sh.sha256, [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)], 2):
                 sh.replicas.append(Replica(worker_id=w, state="verified", stored_at=t, verified_at=t, checked_at=t))
         session.flush()
         for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
