@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard
 from pipeline.errors import HashMismatch, RestoreError, WorkerError
+from pipeline.hashing import side_thread
 from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.gather")
@@ -59,17 +61,35 @@ def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
     return out
 
 
+def read_ahead(shards: Iterable[ShardSource], key: bytes) -> Iterator[ShardSource]:
+    """Yield ``shards`` in order; before each, ask the worker that will serve the next one
+    to start reading it from its disk, so that its read overlaps this shard's transfer."""
+    items = list(shards)
+    for i, shard in enumerate(items):
+        if i + 1 < len(items) and items[i + 1].replicas:
+            _worker_id, url = items[i + 1].replicas[0]
+            try:
+                WorkerClient(url, key).prefetch([items[i + 1].sha256])
+            except WorkerError as exc:  # only a hint: the fetch itself will report the worker
+                log.debug("prefetch hint to %s failed: %s", url, exc)
+        yield shard
+
+
 def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
-          reset: Callable[[], None], buf: bytearray | None = None) -> str:
+          reset: Callable[[], None]) -> str:
     """Stream ``shard`` into ``sink`` from the first replica whose bytes match the manifest.
 
     ``sink`` receives every byte of the shard in order; ``reset`` is called before a
     fallback so the caller can discard what a bad replica gave. Returns the worker id used.
+
+    Two blocks are in flight: while a helper thread runs ``sink`` on one (a write and the
+    caller's own hash, say), this thread receives and hashes the next. Socket reads,
+    hashlib and ``os.pwrite`` release the GIL, so the two run on two cores.
     """
     if not shard.replicas:
         raise RestoreError(f"shard {shard.sha256[:12]} has no stored replica")
-    buf = buf if buf is not None else bytearray(BLOCK)
-    view = memoryview(buf)
+    views = (memoryview(bytearray(BLOCK)), memoryview(bytearray(BLOCK)))
+    side = side_thread()
     errors = []
     for worker_id, url in shard.replicas:
         try:
@@ -78,21 +98,35 @@ def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
             errors.append(f"{worker_id}: {exc.reason}")
             continue
         h = hashlib.sha256()
-        got = 0
+        got, blocks, broke = 0, 0, False
+        pending: Future | None = None
         try:
             while True:
-                n = resp.readinto(view)
+                # This buffer's last sink finished before the one now pending was submitted.
+                view = views[blocks % 2]
+                try:
+                    n = resp.readinto(view)
+                except OSError as exc:
+                    errors.append(f"{worker_id}: transfer broke after {got:,} bytes ({exc})")
+                    broke = True
+                    break
                 if not n:
                     break
-                h.update(view[:n])
-                sink(view[:n])
-                got += n
-        except OSError as exc:
-            errors.append(f"{worker_id}: transfer broke after {got:,} bytes ({exc})")
+                chunk = view[:n]
+                h.update(chunk)
+                if pending is not None:
+                    pending.result()  # in order; the sink's own errors are raised here
+                pending = side.submit(sink, chunk)
+                got, blocks = got + n, blocks + 1
+            if pending is not None:
+                pending.result()
+        finally:
+            if pending is not None:
+                wait([pending])
+            conn.close()
+        if broke:
             reset()
             continue
-        finally:
-            conn.close()
         actual = h.hexdigest()
         if got == shard.size and actual == shard.sha256:
             return worker_id

@@ -19,7 +19,7 @@ BLOCK = 4 * 1024 * 1024
 _SIDE: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _side_thread() -> ThreadPoolExecutor:
+def side_thread() -> ThreadPoolExecutor:
     """One helper thread per process (a forked child starts its own: threads do not fork)."""
     global _SIDE
     if _SIDE is None or _SIDE[0] != os.getpid():
@@ -60,7 +60,7 @@ def scan(
     view = memoryview(buf)
     # hashlib releases the GIL on large buffers: the whole-file hash runs on a second core
     # while this thread hashes the same block into its shard.
-    side = _side_thread()
+    side = side_thread()
     with open(path, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         size = os.fstat(f.fileno()).st_size

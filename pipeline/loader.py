@@ -16,7 +16,7 @@ from pipeline import settings as settings_mod
 from pipeline.catalog import resolve
 from pipeline.db.engine import session_scope
 from pipeline.errors import RestoreError
-from pipeline.gather import FileSource, ShardSource, fetch, manifest
+from pipeline.gather import FileSource, ShardSource, fetch, manifest, read_ahead
 from pipeline.settings import Settings
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -37,9 +37,8 @@ def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> 
     if tensor_files:
         out: dict[str, torch.Tensor] = {}
         for f in tensor_files:
-            for shard in f.shards:
-                if shard.kind == "safetensors":
-                    out.update(_tensors(_fetch_bytes(shard, key)))
+            for shard in read_ahead([sh for sh in f.shards if sh.kind == "safetensors"], key):
+                out.update(_tensors(_fetch_bytes(shard, key)))
         return out
     pickles = [f for f in files if f.relpath.endswith((".pt", ".pth", ".bin")) or not f.relpath]
     if len(pickles) == 1:

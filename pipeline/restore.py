@@ -22,7 +22,7 @@ from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.durable import fsync_dir
 from pipeline.errors import HashMismatch, RestoreError
-from pipeline.gather import BLOCK, FileSource, ShardSource, fetch, manifest
+from pipeline.gather import FileSource, ShardSource, fetch, manifest, read_ahead
 from pipeline.settings import Settings
 from pipeline.steps import Send, start_job
 
@@ -140,13 +140,12 @@ class _Rebuild:
 
 def write_file(f: FileSource, out: Path, key: bytes, progress=None) -> None:  # noqa: ANN001
     """Rebuild one file at ``out`` from its shards; raise unless it matches its SHA-256."""
-    buf = bytearray(BLOCK)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         rebuild = _Rebuild(fd, progress)
-        for shard in f.shards:
+        for shard in read_ahead(f.shards, key):
             rebuild.begin(shard)
-            fetch(shard, key, rebuild.sink, rebuild.reset, buf)
+            fetch(shard, key, rebuild.sink, rebuild.reset)
         os.ftruncate(fd, f.size)
         os.fsync(fd)
     finally:

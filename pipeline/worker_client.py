@@ -135,6 +135,10 @@ class WorkerClient:
             _decode(self.url, "GET", path, resp.status, data, (200,))
         return conn, resp
 
+    def prefetch(self, names: list[str]) -> dict[str, bool]:
+        """Ask the worker to start reading ``names`` from its disk (it answers at once)."""
+        return self._request_json("POST", "/v1/prefetch", {"shards": names})[1]["held"]
+
     def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
         """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled)."""
         return self._request_json("POST", "/v1/verify", {"shards": names, "rate": rate})[1]["results"]

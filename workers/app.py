@@ -7,6 +7,7 @@
     PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
     DELETE /v1/shards/<sha256>     remove a surplus copy
     POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
+    POST   /v1/prefetch            {"shards": [...]} -> start reading them from the disk (a restore's next)
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
     POST   /v1/quarantine          {"shards": [...]} -> move aside (not served, not counted)
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
@@ -115,6 +116,9 @@ class WorkerApp:
         if path == "/v1/quarantine/purge" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"purged": {n: self.store.purge_quarantined(n) for n in names}})
+        if path == "/v1/prefetch" and method == "POST":
+            names = self._names(environ)
+            return _json(start, 200, {"held": {n: self.store.prefetch(n) for n in names}})
         if path == "/v1/stat" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"sizes": {n: self.store.has(n) for n in names}})
@@ -141,6 +145,8 @@ class WorkerApp:
                 return []
             return _error(start, 404, f"shard {name} is not held here")
         size = os.fstat(f.fileno()).st_size
+        if not head:  # the disk reads ahead the whole shard while the first blocks are sent
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         start("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(size))])
         if head:
             f.close()

@@ -114,3 +114,14 @@ def test_verify_refuses_malformed_bodies(worker):
         resp = conn.getresponse()
         assert resp.status == 400, body
         resp.read()
+
+
+def test_prefetch_hints_held_shards_and_refuses_bad_names(client, tmp_path, worker):
+    name, _ = put_bytes(client, tmp_path, os.urandom(2_000_000))
+    assert client.prefetch([name, "ef" * 32]) == {name: True, "ef" * 32: False}
+    with pytest.raises(WorkerError) as info:
+        client.prefetch(["../../etc/passwd"])
+    assert info.value.status == 400
+    with pytest.raises(WorkerError) as info:
+        WorkerClient(worker.url, b"another key").prefetch([name])
+    assert info.value.status == 401
