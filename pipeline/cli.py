@@ -238,7 +238,7 @@ def _wait(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> i
         if time.monotonic() > deadline:
             bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
             return 2
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 class _Progress:

@@ -1,5 +1,9 @@
 """The replicate step: one replica of one shard onto one storage worker, then fan-in.
 
+Once stored, the worker re-hashes the replica from its disk (page cache dropped) and the
+answer is compared to the manifest: a match makes the replica ``verified`` here, so the
+verify step only has to re-hash what was not verified yet.
+
 Fan-in is decided in the database: the replica that completes the set moves the job
 ``sharded -> replicated`` with a compare-and-set, so exactly one delivery enqueues verify.
 A worker that cannot be reached is marked down and the replica moves to another live
@@ -67,6 +71,9 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
         held = client.head(sha)
         if held != size:
             client.put_range(sha, shard_prefix(src, kind, tensors), src, src_offset, length)
+        # Re-hashed from the worker's disk now, while other replicas are still uploading,
+        # rather than all together in the verify step once the last upload is done.
+        rehashed = client.verify([sha])[0]["sha256"]
     except WorkerError as exc:
         if exc.status == 422:
             # The source no longer hashes to the manifest: it changed under us.
@@ -82,8 +89,12 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
         return []
 
     with session_scope(settings.db_url) as s:
+        t = now()
+        # A copy that does not re-hash to its name stays "stored": the verify step finds it
+        # corrupt and replaces it.
+        done = {"state": "verified", "verified_at": t} if rehashed == sha else {"state": "stored"}
         s.execute(update(Replica).where(Replica.id == replica_id, Replica.state == "pending")
-                  .values(state="stored", stored_at=now(), last_error=None))
+                  .values(stored_at=t, checked_at=t, last_error=None, **done))
         s.execute(update(Job).where(Job.id == job_id).values(bytes_done=Job.bytes_done + size))
         return _fan_in(s, settings, job_id)
 

@@ -2,6 +2,9 @@
 
 Each storage worker re-hashes its replicas from its disk; the answers are compared to the
 manifest's SHA-256, never to anything the worker says about itself (DESIGN invariant 4).
+Replicas that the replicate step already re-hashed and matched during this job (most of
+them: each is re-hashed as soon as it is stored) are not read again; their workers only
+confirm that they still hold them, so a worker lost since then is still caught here.
 A missing replica is sent again; a corrupt one is replaced on another worker and the job
 goes back to ``sharded`` until the replacement is stored.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from sqlalchemy import select
 
@@ -34,24 +38,42 @@ def replicas_of(session, checkpoint_id: int, states_: tuple[str, ...]) -> list[R
     ))
 
 
-def rehash_on_workers(settings: Settings, by_worker: dict[str, tuple[str, list[str]]]) -> dict[str, dict[str, str | None] | str]:
-    """Ask each worker (id -> (url, names)) to re-hash its shards.
+@dataclass
+class WorkerAsk:
+    url: str
+    #: shards to re-hash from the disk
+    rehash: list[str] = field(default_factory=list)
+    #: shards re-hashed when they were stored: only confirm they are still there (name -> size)
+    present: dict[str, int] = field(default_factory=dict)
 
-    Returns id -> {name: sha256 or None if absent}, or id -> error text if it could not answer.
+
+def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[str, dict[str, str | None] | str]:
+    """Ask each worker to re-hash some of its shards and to confirm that others are held.
+
+    Returns id -> {name: sha256 from the disk (a confirmed one: its own name, or its wrong
+    size), or None if absent}, or id -> error text if the worker could not answer.
     """
     key = settings.key()
 
-    def ask(item: tuple[str, tuple[str, list[str]]]) -> tuple[str, dict[str, str | None] | str]:
-        worker_id, (url, names) = item
+    def ask(item: tuple[str, WorkerAsk]) -> tuple[str, dict[str, str | None] | str]:
+        worker_id, a = item
+        client = WorkerClient(a.url, key)
         try:
-            results = WorkerClient(url, key).verify(sorted(set(names)))
+            out: dict[str, str | None] = {}
+            if a.present:
+                sizes = client.stat(sorted(a.present))
+                out.update({n: n if sizes.get(n) == size else (None if sizes.get(n) is None
+                                                                else f"{sizes[n]:,} bytes, not {size:,}")
+                            for n, size in a.present.items()})
+            if a.rehash:
+                out.update({r["name"]: r["sha256"] for r in client.verify(sorted(set(a.rehash)))})
         except WorkerError as exc:
             log.warning("verify on %s failed: %s", worker_id, exc)
             return worker_id, exc.reason
-        return worker_id, {r["name"]: r["sha256"] for r in results}
+        return worker_id, out
 
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(by_worker)))) as pool:
-        return dict(pool.map(ask, by_worker.items()))
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(asks)))) as pool:
+        return dict(pool.map(ask, asks.items()))
 
 
 def replace_replica(session, rep: Replica, state: str, error: str) -> Replica:  # noqa: ANN001
@@ -65,13 +87,18 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         job = begin_step(s, settings, job_id, S.REPLICATED)
         if job is None:
             return []
-        checkpoint_id = job.checkpoint_id
-        by_worker: dict[str, tuple[str, list[str]]] = {}
+        checkpoint_id, since = job.checkpoint_id, job.created_at
+        asks: dict[str, WorkerAsk] = {}
+        confirmed: set[int] = set()
         for rep in replicas_of(s, checkpoint_id, ("stored", "verified")):
-            url, names = by_worker.setdefault(rep.worker_id, (rep.worker.url, []))
-            names.append(rep.shard.sha256)
+            a = asks.setdefault(rep.worker_id, WorkerAsk(rep.worker.url))
+            if rep.state == "verified" and rep.verified_at is not None and rep.verified_at >= since:
+                a.present[rep.shard.sha256] = rep.shard.size  # re-hashed when stored, this job
+                confirmed.add(rep.id)
+            else:
+                a.rehash.append(rep.shard.sha256)
 
-    answers = rehash_on_workers(settings, by_worker)
+    answers = rehash_on_workers(settings, asks)
 
     sends: list[Send] = []
     with session_scope(settings.db_url) as s:
@@ -90,13 +117,15 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
                 continue
             actual = answer.get(rep.shard.sha256)
             if actual == rep.shard.sha256:
-                rep.state, rep.verified_at, rep.last_error = "verified", t, None
+                rep.state, rep.last_error = "verified", None
+                if rep.id not in confirmed:
+                    rep.verified_at = t
             elif actual is None:
                 rep.state, rep.last_error = "pending", "missing on the worker at verify"
                 bad.append(f"shard {rep.shard.sha256[:12]} missing on {rep.worker_id}")
                 sends.append(Send("replicate", (rep.id,)))
             else:
-                fresh = replace_replica(s, rep, "corrupt", f"worker re-hash gave {actual}")
+                fresh = replace_replica(s, rep, "corrupt", f"at verify the worker gave {actual}")
                 bad.append(f"shard {rep.shard.sha256[:12]} corrupt on {rep.worker_id}")
                 sends.append(Send("replicate", (fresh.id,)))
         if bad:
@@ -105,8 +134,9 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             return sends
         run = s.get(Checkpoint, checkpoint_id).run
         transition(s, job_id, "store", S.REPLICATED, S.VERIFIED,
-                   detail=f"{sum(len(n) for _, n in by_worker.values())} replicas re-hashed and matched")
-        log.info("job %d verified on %d workers", job_id, len(by_worker))
+                   detail=f"{len(confirmed) + sum(len(a.rehash) for a in asks.values())} replicas re-hashed and"
+                          f" matched ({len(confirmed)} as they were stored)")
+        log.info("job %d verified on %d workers", job_id, len(asks))
     return [Send("rotate_run", (run,))]
 
 

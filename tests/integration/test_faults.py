@@ -28,10 +28,11 @@ def big_checkpoint(path, seed: int = 0):  # noqa: ANN001, ANN201
 
 
 def stored_replicas(cluster, job_id: int) -> int:  # noqa: ANN001
+    """Replicas uploaded so far (each is re-hashed and marked verified as soon as it is stored)."""
     with session_scope(cluster.settings.db_url) as s:
         cid = cluster.job(job_id).checkpoint_id
         return s.scalar(select(func.count(Replica.id)).join(Shard).join(CheckpointFile)
-                        .where(CheckpointFile.checkpoint_id == cid, Replica.state == "stored"))
+                        .where(CheckpointFile.checkpoint_id == cid, Replica.state.in_(("stored", "verified"))))
 
 
 def node_id(worker) -> str:  # noqa: ANN001

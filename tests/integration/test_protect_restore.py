@@ -56,3 +56,24 @@ def test_status_json_lists_the_protected_checkpoints(shared_cluster):
     states = {c["path"]: c for c in doc["checkpoints"]}
     assert states and all({"id", "path", "state", "local_present"} <= set(c) for c in states.values())
     assert any(c["state"] == "verified" and c["replicas_verified"] >= 2 for c in states.values())
+
+
+def test_each_replica_is_rehashed_by_its_worker_as_soon_as_it_is_stored(shared_cluster):
+    from sqlalchemy import select
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import CheckpointFile, Job, JobEvent, Replica, Shard
+
+    run = shared_cluster.runs / "run-early-verify"
+    run.mkdir()
+    path = atomic_save(state_dict(11, layers=8, width=128), run / "step_11.safetensors")
+    job_id = checkpoint_job(shared_cluster, path)
+    shared_cluster.wait_job(job_id, ("verified",))
+    with session_scope(shared_cluster.settings.db_url) as s:
+        job = s.get(Job, job_id)
+        reps = s.scalars(select(Replica).join(Shard).join(CheckpointFile)
+                         .where(CheckpointFile.checkpoint_id == job.checkpoint_id)).all()
+        assert len(reps) >= 2 * 3
+        assert all(r.state == "verified" and r.verified_at >= r.stored_at for r in reps)
+        detail = s.scalar(select(JobEvent.detail).where(JobEvent.job_id == job_id, JobEvent.to_state == "verified"))
+    assert detail == f"{len(reps)} replicas re-hashed and matched ({len(reps)} as they were stored)"
