@@ -20,7 +20,7 @@ from pipeline.catalog import latest_store_job, resolve
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
-from pipeline.durable import fsync_dir
+from pipeline.durable import WriteBehind, fsync_dir
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.gather import FileSource, ShardSource, fetch, manifest, read_ahead
 from pipeline.settings import Settings
@@ -111,6 +111,7 @@ class _Rebuild:
 
     def __init__(self, fd: int, progress=None) -> None:  # noqa: ANN001
         self.fd, self.progress = fd, progress
+        self.behind = WriteBehind(fd)
         self.whole = hashlib.sha256()
         self.pos = 0
         self.skip = 0
@@ -129,6 +130,7 @@ class _Rebuild:
         _pwrite_all(self.fd, chunk, self.pos)
         self.whole.update(chunk)
         self.pos += len(chunk)
+        self.behind.written(self.pos)
         if self.progress:
             self.progress(len(chunk))
 
@@ -148,6 +150,7 @@ def write_file(f: FileSource, out: Path, key: bytes, progress=None) -> None:  # 
             fetch(shard, key, rebuild.sink, rebuild.reset)
         os.ftruncate(fd, f.size)
         os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a restore does not flood the page cache
     finally:
         os.close(fd)
     actual = rebuild.whole.hexdigest()

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from pipeline.durable import fsync_dir
+from pipeline.durable import WriteBehind, fsync_dir
 
 SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
 BLOCK = 4 * 1024 * 1024
@@ -97,6 +97,7 @@ class ShardStore:
             view = memoryview(buf)
             remaining = length
             with os.fdopen(fd, "wb", buffering=0) as out:
+                behind = WriteBehind(out.fileno())
                 while remaining:
                     n = body.readinto(view[: min(len(buf), remaining)]) if hasattr(body, "readinto") else None
                     if n is None:
@@ -108,10 +109,14 @@ class ShardStore:
                     h.update(view[:n])
                     out.write(view[:n])
                     remaining -= n
+                    behind.written(length - remaining)
                 actual = h.hexdigest()
                 if actual != name:
                     raise StoreError(422, f"body hashes to {actual}, not to its name {name}")
                 os.fsync(out.fileno())
+                # Nothing reads a new shard from the cache (verify and scrub drop it first):
+                # leave the memory to the next uploads.
+                os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.rename(tmp, final)
             tmp = ""
