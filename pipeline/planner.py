@@ -6,7 +6,7 @@ then shards of whole tensors, each itself a valid safetensors file.
 
 Cuts follow module boundaries, so that what training leaves unchanged keeps its shards.
 Tensors are grouped into *units*: consecutive tensors of one numbered block
-(``model.layers.7.*``) or of one module (``lm_head.*``). A unit of at least ``target / 4``
+(``model.layers.7.*``) or of one module (``lm_head.*``). A unit of at least ``target / 8``
 bytes never shares a shard with another unit; if it is larger than ``target`` it is split
 into ``ceil(size / target)`` byte-balanced groups of its tensors. Runs of smaller units
 are packed together the same byte-balanced way, cutting only between units. A step that
@@ -82,10 +82,10 @@ def plan_safetensors(header: Header, target: int) -> list[ShardPlan]:
 def group_tensors(tensors: tuple[TensorInfo, ...], target: int) -> list[tuple[TensorInfo, ...]]:
     """Split offset-sorted ``tensors`` into contiguous groups along module boundaries."""
     groups: list[tuple[TensorInfo, ...]] = []
-    small: list[tuple[TensorInfo, ...]] = []  # consecutive units smaller than target / 4
+    small: list[tuple[TensorInfo, ...]] = []  # consecutive units smaller than target / 8
     for unit in module_units(tensors):
         size = unit[-1].end - unit[0].begin
-        if size and 4 * size >= target:
+        if size and 8 * size >= target:
             groups += _balanced(small, target) + _balanced([(t,) for t in unit], target)
             small = []
         else:
