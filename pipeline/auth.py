@@ -1,47 +1,94 @@
 """Request signing with the cluster key (DESIGN invariant 5).
 
-Every request to a storage worker carries ``X-Ckpt-Time`` (Unix seconds) and
-``X-Ckpt-Signature`` = hex HMAC-SHA256(key, "METHOD\\nPATH\\nTIME"). The worker refuses
-a bad signature and a timestamp outside the clock-skew bound. Bodies need no MAC:
-a shard's name is its SHA-256, and the worker checks it before the shard is visible.
+Every request to a storage worker carries ``X-Ckpt-Time`` (Unix seconds), ``X-Ckpt-Request``
+(a random id, never used twice), ``X-Ckpt-Body`` (the SHA-256 of a JSON body, or ``-``) and
+``X-Ckpt-Signature`` = hex HMAC-SHA256(key, "METHOD\nPATH\nTIME\nREQUEST\nBODY"). The
+worker refuses a bad signature, a timestamp outside the clock-skew bound, a request id it
+has already seen within that bound (a replay), and a JSON body that is not the one signed.
+Shard bodies are not hashed here: a shard's name is its SHA-256, and the worker checks it
+before the shard is visible.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
+import threading
 import time
 
 from pipeline.errors import AuthError
 
 TIME_HEADER = "X-Ckpt-Time"
+REQUEST_HEADER = "X-Ckpt-Request"
+BODY_HEADER = "X-Ckpt-Body"
 SIGNATURE_HEADER = "X-Ckpt-Signature"
+NO_BODY = "-"
 
 
-def signature(key: bytes, method: str, path: str, timestamp: str) -> str:
-    msg = f"{method.upper()}\n{path}\n{timestamp}".encode()
+def signature(key: bytes, method: str, path: str, timestamp: str, request_id: str, body: str) -> str:
+    msg = f"{method.upper()}\n{path}\n{timestamp}\n{request_id}\n{body}".encode()
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, method: str, path: str, now: float | None = None) -> dict[str, str]:
-    """Headers that authenticate ``method path`` now."""
+def body_digest(body: bytes | None) -> str:
+    return hashlib.sha256(body).hexdigest() if body is not None else NO_BODY
+
+
+def sign(key: bytes, method: str, path: str, body: bytes | None = None, now: float | None = None,
+         request_id: str | None = None) -> dict[str, str]:
+    """Headers that authenticate ``method path`` (and ``body``, a JSON body) once, now."""
     ts = str(int(time.time() if now is None else now))
-    return {TIME_HEADER: ts, SIGNATURE_HEADER: signature(key, method, path, ts)}
+    rid = request_id or secrets.token_hex(16)
+    digest = body_digest(body)
+    return {TIME_HEADER: ts, REQUEST_HEADER: rid, BODY_HEADER: digest,
+            SIGNATURE_HEADER: signature(key, method, path, ts, rid, digest)}
 
 
-def check(key: bytes, method: str, path: str, timestamp: str | None, sig: str | None,
-          max_skew: float, now: float | None = None) -> None:
-    """Raise :class:`AuthError` unless the signature is valid and fresh."""
-    if not timestamp or not sig:
-        raise AuthError("missing X-Ckpt-Time or X-Ckpt-Signature header")
+class ReplayGuard:
+    """Request ids seen within the clock-skew bound; a second use is a replay."""
+
+    def __init__(self, max_skew: float) -> None:
+        self.max_skew = max_skew
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._next_prune = 0.0
+
+    def first_use(self, request_id: str, now: float) -> bool:
+        with self._lock:
+            if now >= self._next_prune:  # forget ids whose timestamps can no longer pass the check
+                self._seen = {r: t for r, t in self._seen.items() if t > now}
+                self._next_prune = now + 10
+            if request_id in self._seen:
+                return False
+            self._seen[request_id] = now + 2 * self.max_skew
+            return True
+
+
+def check(key: bytes, method: str, path: str, headers: dict[str, str | None], max_skew: float,
+          replay: ReplayGuard | None = None, now: float | None = None) -> str:
+    """Raise :class:`AuthError` unless the request is signed, fresh and not a replay.
+
+    ``headers`` maps the four header names to their values. Returns the signed body digest
+    (:data:`NO_BODY` or the SHA-256 the JSON body must have).
+    """
+    timestamp, rid, digest, sig = (headers.get(h) for h in (TIME_HEADER, REQUEST_HEADER, BODY_HEADER,
+                                                             SIGNATURE_HEADER))
+    if not timestamp or not sig or not rid or not digest:
+        raise AuthError(f"missing {TIME_HEADER}, {REQUEST_HEADER}, {BODY_HEADER} or {SIGNATURE_HEADER} header")
+    if len(rid) > 64 or len(digest) > 64:
+        raise AuthError("malformed request id or body digest")
     try:
         ts = int(timestamp)
     except ValueError:
-        raise AuthError("X-Ckpt-Time is not an integer") from None
+        raise AuthError(f"{TIME_HEADER} is not an integer") from None
     now = time.time() if now is None else now
     if abs(now - ts) > max_skew:
         raise AuthError(f"request time is {now - ts:+.0f} s off this worker's clock (bound {max_skew:.0f} s)")
-    if not hmac.compare_digest(signature(key, method, path, timestamp), sig):
+    if not hmac.compare_digest(signature(key, method, path, timestamp, rid, digest), sig):
         raise AuthError("signature does not match: wrong cluster key?")
+    if replay is not None and not replay.first_use(rid, now):
+        raise AuthError("replayed request: this request id was already used")
+    return digest
 
 
 def proof(key: bytes, node_id: str, nonce: str) -> str:

@@ -37,8 +37,9 @@ class WorkerClient:
         conn.sock.settimeout(self.timeout)
         return conn
 
-    def _headers(self, method: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = auth.sign(self.key, method, path)
+    def _headers(self, method: str, path: str, extra: dict[str, str] | None = None,
+                 body: bytes | None = None) -> dict[str, str]:
+        h = auth.sign(self.key, method, path, body)
         if extra:
             h.update(extra)
         return h
@@ -48,7 +49,7 @@ class WorkerClient:
         """One signed request; the response and its whole body."""
         conn = self._connect()
         try:
-            conn.request(method, path, body=body, headers=self._headers(method, path, extra))
+            conn.request(method, path, body=body, headers=self._headers(method, path, extra, body))
             resp = conn.getresponse()
             return resp, resp.read()
         except OSError as exc:

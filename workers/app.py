@@ -13,7 +13,8 @@
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
     GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}
 
-Every request must be signed with the cluster key (pipeline.auth); answers are JSON.
+Every request must be signed with the cluster key, once (pipeline.auth: a replayed request
+or a JSON body other than the signed one is refused with 401); answers are JSON.
 """
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ class WorkerApp:
     def __init__(self, store: ShardStore, *, key: bytes, node_id: str, zone: str = "",
                  max_skew: float = 300.0) -> None:
         self.store, self.key, self.node_id, self.zone, self.max_skew = store, key, node_id, zone, max_skew
+        self.replay = auth.ReplayGuard(max_skew)
 
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
         path = environ.get("PATH_INFO", "")
         try:
-            auth.check(self.key, method, path, environ.get("HTTP_X_CKPT_TIME"),
-                       environ.get("HTTP_X_CKPT_SIGNATURE"), self.max_skew)
+            headers = {h: environ.get("HTTP_" + h.upper().replace("-", "_"))
+                       for h in (auth.TIME_HEADER, auth.REQUEST_HEADER, auth.BODY_HEADER, auth.SIGNATURE_HEADER)}
+            environ["ckpt.body_digest"] = auth.check(self.key, method, path, headers, self.max_skew, self.replay)
         except AuthError as exc:
             return _error(start, 401, str(exc))
         try:
@@ -163,9 +166,12 @@ class WorkerApp:
         n = int(raw_len)
         if n > MAX_JSON_BODY:
             raise StoreError(413, f"JSON body of {n:,} bytes exceeds {MAX_JSON_BODY:,}")
+        raw = environ["wsgi.input"].read(n)
+        if auth.body_digest(raw) != environ.get("ckpt.body_digest"):
+            raise StoreError(401, "the request body is not the one that was signed")
         try:
-            doc = json.loads(environ["wsgi.input"].read(n))
-        except ValueError:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: hostile nesting
             raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}') from None
         if not isinstance(doc, dict):
             raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}')

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 
 import pytest
@@ -110,7 +111,7 @@ def test_verify_refuses_malformed_bodies(worker):
     path = "/v1/verify"
     for body in (b"not json", b'{"shards": "x"}', b'{"shards": ["zz"]}'):
         conn = http.client.HTTPConnection("127.0.0.1", worker.port)
-        conn.request("POST", path, body=body, headers=auth.sign(KEY.encode(), "POST", path))
+        conn.request("POST", path, body=body, headers=auth.sign(KEY.encode(), "POST", path, body))
         resp = conn.getresponse()
         assert resp.status == 400, body
         resp.read()
@@ -125,3 +126,49 @@ def test_prefetch_hints_held_shards_and_refuses_bad_names(client, tmp_path, work
     with pytest.raises(WorkerError) as info:
         WorkerClient(worker.url, b"another key").prefetch([name])
     assert info.value.status == 401
+
+
+def raw_request(worker, method: str, path: str, headers: dict, body: bytes | None = None):  # noqa: ANN001
+    conn = http.client.HTTPConnection("127.0.0.1", worker.port)
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
+def test_a_replayed_request_is_refused_and_does_nothing(client, tmp_path, worker):
+    name, _ = put_bytes(client, tmp_path, os.urandom(1000))
+    path = f"/v1/shards/{name}"
+    headers = auth.sign(KEY.encode(), "DELETE", path)
+    assert raw_request(worker, "DELETE", path, headers)[0] == 200
+    # The shard is stored again; replaying the captured DELETE must not remove it.
+    client.put_range(name, b"", str(tmp_path / "src"), 0, 1000)
+    status, body = raw_request(worker, "DELETE", path, headers)
+    assert status == 401 and b"replayed" in body
+    assert client.head(name) == 1000
+
+
+def test_a_body_other_than_the_signed_one_is_refused_and_does_nothing(client, tmp_path, worker):
+    keep, _ = put_bytes(client, tmp_path, os.urandom(1000))
+    path = "/v1/quarantine"
+    signed = json.dumps({"shards": ["ab" * 32]}).encode()
+    forged = json.dumps({"shards": [keep]}).encode()
+    status, body = raw_request(worker, "POST", path, auth.sign(KEY.encode(), "POST", path, signed), forged)
+    assert status == 401 and b"not the one that was signed" in body
+    assert client.head(keep) == 1000
+
+
+def test_requests_without_a_request_id_are_refused(worker):
+    path = "/v1/status"
+    headers = auth.sign(KEY.encode(), "GET", path)
+    del headers[auth.REQUEST_HEADER]
+    status, body = raw_request(worker, "GET", path, headers)
+    assert status == 401 and b"missing" in body
+
+
+def test_hostile_json_bodies_are_400(worker):
+    path = "/v1/verify"
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"shards": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        status, reply = raw_request(worker, "POST", path, auth.sign(KEY.encode(), "POST", path, body), body)
+        assert status == 400, reply[:200]
