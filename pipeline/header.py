@@ -89,6 +89,8 @@ def parse_header(head: bytes, file_size: int, path: str = "<bytes>") -> Header:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise HeaderError(path, f"header is not valid UTF-8 JSON ({exc})") from None
+    except RecursionError:  # hostile nesting ([[[[...]]]]): the decoder recurses per level
+        raise HeaderError(path, "header JSON is nested too deeply") from None
     if not isinstance(doc, dict):
         raise HeaderError(path, "header JSON is not an object")
 

@@ -17,8 +17,16 @@ def settings():  # noqa: ANN201
     return current_app.config["CKPT_SETTINGS"]
 
 
+def json_body() -> Any:
+    """The request's JSON, or None if it is not JSON; hostile nesting is a 400, not a crash."""
+    try:
+        return request.get_json(silent=True)
+    except RecursionError:
+        raise ApiError(400, "the body is JSON nested too deeply") from None
+
+
 def body(*required: str) -> dict[str, Any]:
-    doc = request.get_json(silent=True)
+    doc = json_body()
     if not isinstance(doc, dict):
         raise ApiError(400, "the body must be a JSON object")
     missing = [k for k in required if not isinstance(doc.get(k), (str, int)) or doc.get(k) == ""]
@@ -94,8 +102,10 @@ def restore():  # noqa: ANN201
 @bp.post("/scrub")
 @api_admin
 def scrub():  # noqa: ANN201
-    doc = request.get_json(silent=True) or {}
-    workers = doc.get("workers") if isinstance(doc, dict) else None
+    doc = json_body() if request.get_data() else {}  # no body: every live worker
+    if not isinstance(doc, dict):
+        raise ApiError(400, 'the body must be empty or a JSON object {"workers": [...]}')
+    workers = doc.get("workers")
     if workers is not None and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
         raise ApiError(400, '"workers" must be a list of storage worker ids')
     started = commands.scrub_now(settings(), workers or None, reason="requested over HTTP")

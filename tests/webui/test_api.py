@@ -166,3 +166,11 @@ def test_metrics_are_prometheus_text_from_real_rows(client, web_settings):
     assert 'ckpt_shards{health="healthy"}' in text and 'ckpt_shards{health="lost"} 0.0' in text
     assert 'ckpt_worker_up{state="up",worker="w-0"} 1.0' in text
     assert "ckpt_transfer_seconds_bucket" in text and "ckpt_bytes_stored" in text
+
+
+@pytest.mark.parametrize("endpoint", ["/api/store", "/api/restore", "/api/scrub"])
+def test_hostile_json_is_a_400_not_a_crash(client, token, endpoint):
+    nested = "[" * 100_000 + "]" * 100_000
+    for data in (nested, '{"path": ' + nested + "}", "\xff\xfe", "{" * 10):
+        r = client.post(endpoint, data=data, content_type="application/json", headers=bearer(token))
+        assert r.status_code == 400, (endpoint, data[:20], r.status_code)
