@@ -27,21 +27,6 @@ def side_thread() -> ThreadPoolExecutor:
     return _SIDE[1]
 
 
-def sha256_file(path: str | os.PathLike[str], *, drop_cache: bool = False) -> str:
-    """SHA-256 of a file; ``drop_cache`` reads from the disk rather than the page cache."""
-    h = hashlib.sha256()
-    buf = bytearray(BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        if drop_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def scan(
     path: str | os.PathLike[str],
     plans: Sequence[ShardPlan],
