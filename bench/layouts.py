@@ -59,6 +59,7 @@ def decoder(target_bytes: int, seed: int = 0, changed_from_layer: int | None = N
 
 
 def write_file(sd: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write like a careful trainer: a temporary name, then a rename into place."""
     tmp = path.parent / f".{path.name}.tmp"
     save_file(sd, str(tmp))
     os.rename(tmp, path)

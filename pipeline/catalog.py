@@ -21,7 +21,7 @@ from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
 from pipeline.db.transitions import create_job, note, transition
 from pipeline.errors import SourceChanged, UnknownCheckpoint
 from pipeline.hashing import scan
-from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
+from pipeline.planner import ShardPlan, plan
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def hash_checkpoint(run: Path, path: Path, entries: list[detect.FileEntry], *, s
     :class:`SourceChanged` if a file changed meanwhile."""
     shas, shards = [], []
     for e in entries:
-        plans = plan_safetensors(e.header, shard_size) if e.header is not None else plan_opaque(e.size, shard_size)
+        plans = plan(e.header, e.size, shard_size)
         sha, shard_shas = scan(e.abspath, plans, expected_size=e.size)
         shas.append(sha)
         shards.append(tuple(zip(plans, shard_shas)))

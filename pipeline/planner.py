@@ -48,6 +48,12 @@ class ShardPlan:
         return len(self.header)
 
 
+def plan(header: Header | None, size: int, target: int) -> list[ShardPlan]:
+    """The shards of a file of ``size`` bytes: by tensors if it is safetensors (``header``),
+    in fixed chunks otherwise."""
+    return plan_safetensors(header, target) if header is not None else plan_opaque(size, target)
+
+
 def plan_opaque(size: int, target: int) -> list[ShardPlan]:
     """Fixed-size chunks of an opaque file of ``size`` bytes."""
     if target <= 0:

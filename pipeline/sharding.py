@@ -24,7 +24,7 @@ from pipeline.db.models import Checkpoint, Replica, Shard
 from pipeline.db.transitions import renew_lease, transition
 from pipeline.header import Header, read_header, shard_header
 from pipeline.hashing import scan
-from pipeline.planner import ShardPlan, plan_opaque, plan_safetensors
+from pipeline.planner import ShardPlan, plan
 from pipeline.replicas import live_candidates
 from pipeline.settings import Settings
 from pipeline.steps import Send, begin_step
@@ -52,12 +52,6 @@ def shard_prefix(path: str, kind: str, tensors: tuple[str, ...] | list[str]) -> 
     return shard_header([t for t in _header_of(path, st.st_size, st.st_mtime_ns).tensors if t.name in names])
 
 
-def plan_file(path: str, fmt: str, size: int, target: int) -> list[ShardPlan]:
-    if fmt == "safetensors":
-        return plan_safetensors(read_header(path), target)
-    return plan_opaque(size, target)
-
-
 def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
         job = begin_step(s, settings, job_id, S.DETECTED)
@@ -75,7 +69,7 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             if planned and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
                 continue
             # Touched since detection, or recorded without shards: read it again.
-            plans = plan_file(path, fmt, size, settings.shard_size)
+            plans = plan(read_header(path) if fmt == "safetensors" else None, size, settings.shard_size)
             file_sha, shard_shas = scan(path, plans, expected_size=size, progress=keep_alive)
             if file_sha != sha:
                 return _supersede(settings, job_id, f"{name}: content changed since detection")

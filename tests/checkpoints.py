@@ -1,11 +1,9 @@
 """Realistic checkpoints written for tests: safetensors files, HF folders, torch DCP."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from bench import layouts
 
@@ -28,10 +26,7 @@ def state_dict(seed: int = 0, layers: int = 4, width: int = 64, dtype=torch.floa
 
 def atomic_save(sd: dict[str, torch.Tensor], path: Path) -> Path:
     """Write like a careful trainer: temporary name, then rename into place."""
-    tmp = path.parent / f".{path.name}.tmp"
-    save_file(sd, str(tmp))
-    os.rename(tmp, path)
-    return path
+    return layouts.write_file(sd, path)
 
 
 def hf_folder(path: Path, seed: int = 0, parts: int = 3) -> Path:
