@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import failpoints, states
 from pipeline.catalog import latest_store_job, resolve
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
@@ -56,10 +56,30 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
         ckpt = s.get(Checkpoint, job.checkpoint_id)
         files = manifest(s, ckpt)
         is_dir, dest, overwrite = ckpt.is_dir, Path(job.params["dest"]), bool(job.params.get("overwrite"))
+        resumed = job.state == R.VERIFIED  # a crash came after the files were verified
 
     staging = dest.parent / f".{dest.name}.ckpt-restore-{job_id}"
+    old = dest.parent / f".{dest.name}.ckpt-old-{job_id}"
+    done = sum(f.size for f in files)
+    if resumed and (staging.exists() or (not old.exists() and _holds(dest, files, is_dir))):
+        log.info("job %d: resuming after the files were verified", job_id)
+    else:
+        done = _gather(settings, job_id, files, staging, is_dir)
+    # From here the verified result stays at ``staging`` until it is in place.
     if staging.exists():
-        shutil.rmtree(staging) if staging.is_dir() else staging.unlink()
+        _put_in_place(staging, dest, old, overwrite)
+    if old.exists():  # the crash came between the two renames of an overwrite
+        _remove(old)
+    with session_scope(settings.db_url) as s:
+        transition(s, job_id, "restore", R.VERIFIED, R.DONE, detail=f"restored to {dest}")
+    log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
+    return []
+
+
+def _gather(settings: Settings, job_id: int, files: list[FileSource], staging: Path, is_dir: bool) -> int:
+    """Rebuild every file under ``staging``, verified and fsynced; the job goes ``verified``."""
+    if staging.exists():
+        _remove(staging)
     key = settings.key()
     done = 0
     progress_every = 64 * 1024 * 1024
@@ -83,27 +103,43 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
             _fsync_tree(staging)
         else:
             write_file(files[0], staging, key, progress)
-        with session_scope(settings.db_url) as s:
-            transition(s, job_id, "restore", R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
-                       detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done)
-        if dest.exists():
-            if not overwrite:
-                raise RestoreError(f"{dest} appeared while restoring; left the result at {staging}")
-            old = dest.parent / f".{dest.name}.ckpt-old-{job_id}"
-            os.rename(dest, old)
-            os.rename(staging, dest)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            os.rename(staging, dest)
-        fsync_dir(dest.parent)
     except BaseException:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink()
+        _remove(staging)
         raise
     with session_scope(settings.db_url) as s:
-        transition(s, job_id, "restore", R.VERIFIED, R.DONE, detail=f"restored to {dest}")
-    log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
-    return []
+        if s.get(Job, job_id).state != R.VERIFIED:
+            transition(s, job_id, "restore", R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
+                       detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done)
+    return done
+
+
+def _put_in_place(staging: Path, dest: Path, old: Path, overwrite: bool) -> None:
+    """Rename the verified ``staging`` to ``dest`` (the old ``dest`` set aside first)."""
+    if dest.exists():
+        if not overwrite:
+            raise RestoreError(f"{dest} appeared while restoring; left the result at {staging}")
+        os.rename(dest, old)
+    os.rename(staging, dest)
+    fsync_dir(dest.parent)
+
+
+def _holds(dest: Path, files: list[FileSource], is_dir: bool) -> bool:
+    """Whether ``dest`` already is the restored checkpoint (its files hash as recorded)."""
+    for f in files:
+        path = dest / f.relpath if is_dir else dest
+        try:
+            if os.path.getsize(path) != f.size:
+                return False
+            with open(path, "rb") as fh:
+                if hashlib.file_digest(fh, "sha256").hexdigest() != f.sha256:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 class _Rebuild:
@@ -127,6 +163,7 @@ class _Rebuild:
                 self.skip -= len(chunk)
                 return
             chunk, self.skip = chunk[self.skip:], 0
+        failpoints.hit("restore.write")
         _pwrite_all(self.fd, chunk, self.pos)
         self.whole.update(chunk)
         self.pos += len(chunk)
@@ -149,6 +186,7 @@ def write_file(f: FileSource, out: Path, key: bytes, progress=None) -> None:  # 
             rebuild.begin(shard)
             fetch(shard, key, rebuild.sink, rebuild.reset)
         os.ftruncate(fd, f.size)
+        failpoints.hit("restore.fsync")
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a restore does not flood the page cache
     finally:

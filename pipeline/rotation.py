@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import uuid
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -24,10 +22,11 @@ from pipeline.catalog import latest_store_job
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard
 from pipeline.db.transitions import note, now, transition
-from pipeline.durable import fsync_dir
 from pipeline.errors import WorkerError
 from pipeline.retention import LocalCheckpoint, to_rotate
 from pipeline.settings import Settings
+from pipeline import trash
+from pipeline.trash import move_to_trash, put_back
 from pipeline.steps import Send
 from pipeline.worker_client import WorkerClient
 
@@ -45,6 +44,7 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
     """Messages that rotate every checkpoint of ``run`` the policy wants gone and that is verified."""
     sends = []
     with session_scope(settings.db_url) as s:
+        _empty_trash(s, run)
         for cid in rotation_candidates(s, run, settings.keep_last):
             job = latest_store_job(s, cid)
             if job is None:
@@ -56,6 +56,19 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
                 if job.blocked_reason != reason:
                     job.blocked_reason = reason
     return sends
+
+
+def _empty_trash(session: Session, run: str) -> None:
+    """Delete what rotations that committed left in the run's trash (a crash came before
+    their delete); an entry whose rotation did not commit is left for it to put back."""
+    for entry, was in trash.entries(run):
+        rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
+        undecided = any(c.local_present and not os.path.lexists(was) for c in rows)
+        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None) == S.ROTATED
+                      for c in rows)
+        if rotated and not undecided:
+            trash.remove(entry)
+            log.info("removed %s, left by a rotation that committed", entry)
 
 
 def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_id: int) -> str | None:
@@ -77,6 +90,9 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
     ).all()
     if not rows:
         return "the checkpoint has no shard manifest"
+    changed = changed_since_detection(session.get(Checkpoint, checkpoint_id))
+    if changed:
+        return f"{changed}; its new content is not protected yet"
     good: dict[int, set[str]] = defaultdict(set)
     label: dict[int, str] = {}
     for relpath, shard_id, seq, rep in rows:
@@ -96,6 +112,31 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
         if n < settings.rf:
             pinned = "; the local copy is pinned while the shard has no good replica" if n == 0 else ""
             return f"{what} has {n}/{settings.rf} fresh verified replicas on live workers{pinned}"
+    return None
+
+
+def changed_since_detection(ckpt: Checkpoint) -> str | None:
+    """What on the local copy differs from what was detected (and stored), or None.
+
+    A file rewritten in place, or a file added to a checkpoint folder since, holds bytes
+    that no replica has: deleting the local copy would lose them.
+    """
+    recorded = {f.relpath: f for f in ckpt.files}
+    root = Path(ckpt.path)
+    if ckpt.is_dir and root.is_dir():
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                if rel not in recorded:
+                    return f"{rel} was added to {root} after it was stored"
+    for rel, f in recorded.items():
+        path = root / rel if rel else root
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue  # gone already: nothing of it left to lose
+        if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+            return f"{path} changed after it was stored ({st.st_size:,} bytes, modified {st.st_mtime_ns})"
     return None
 
 
@@ -153,35 +194,35 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         _block(settings, job_id, reason)
         return []
 
-    trash = None
+    trashed = None
     try:
         with session_scope(settings.db_url) as s:
-            # The deciding transaction (BEGIN IMMEDIATE on SQLite): nothing changes under it.
+            # The deciding transaction (BEGIN IMMEDIATE on SQLite, the job row locked on
+            # PostgreSQL): nothing changes under it, and a duplicate delivery waits, then
+            # finds the job rotated.
+            job = s.scalar(select(Job).where(Job.id == job_id).with_for_update())
+            ckpt = s.scalar(select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update())
+            if job.state != S.VERIFIED or not ckpt.local_present:
+                return []
+            if put_back(path):  # a rotation crashed after its rename, before its commit
+                log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
-                trash = _move_to_trash(Path(path)) if os.path.lexists(path) else None
+                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
                 s.get(Checkpoint, checkpoint_id).local_present = False
                 transition(s, job_id, "store", S.VERIFIED, S.ROTATED, blocked_reason=None,
                            detail=f"local copy removed; {settings.rf}+ verified replicas remain")
     except BaseException:
-        if trash is not None:
-            os.rename(trash, path)  # undo: the transaction that allowed it did not commit
+        if trashed is not None:
+            os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
         raise
     if reason:
         _block(settings, job_id, reason)
         return []
-    if trash is not None:
-        shutil.rmtree(trash) if os.path.isdir(trash) else os.unlink(trash)
+    if trashed is not None:
+        trash.remove(Path(trashed))
     log.info("rotated %s (job %d)", path, job_id)
     return []
-
-
-def _move_to_trash(path: Path) -> str:
-    """Rename the checkpoint to a hidden name in its run (atomic; the watcher ignores it)."""
-    trash = str(path.parent / f".ckpt-trash-{uuid.uuid4().hex[:8]}-{path.name}")
-    os.rename(path, trash)
-    fsync_dir(path.parent)
-    return trash
 
 
 def _block(settings: Settings, job_id: int, reason: str) -> None:

@@ -29,6 +29,8 @@ from pipeline.worker_client import free_port
 log = logging.getLogger("ckpt.up")
 PR_SET_PDEATHSIG = 1
 WORKER_POLL_MS = 100
+#: A child that exits sooner than this after its start is crash-looping: restart it with backoff.
+STABLE_SECONDS = 2.0
 
 
 def _die_with_parent() -> None:
@@ -44,7 +46,9 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    quick_exits: int = 0  # exits in a row, each soon after its start
     started: float = 0.0
+    stopped_at: float | None = None
     stop_timeout: float = 15.0
     extra: dict = field(default_factory=dict)
 
@@ -55,7 +59,7 @@ class Child:
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         out.close()
-        self.started = time.monotonic()
+        self.started, self.stopped_at = time.monotonic(), None
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def alive(self) -> bool:
@@ -178,8 +182,13 @@ class Supervisor:
             for child in self.children:
                 if not self.stopping and not child.alive():
                     code = child.proc.returncode if child.proc else None
-                    delay = min(30.0, 0.5 * 2 ** min(child.restarts, 6))
-                    if time.monotonic() - child.started < delay:
+                    if child.stopped_at is None:
+                        child.stopped_at = time.monotonic()
+                        # Back off only from a crash loop: a child that had run a while
+                        # (and then crashed) comes back at once.
+                        child.quick_exits = child.quick_exits + 1 if child.stopped_at - child.started < STABLE_SECONDS else 0
+                    delay = min(30.0, 0.5 * 2 ** min(child.quick_exits, 6)) if child.quick_exits else 0.0
+                    if time.monotonic() - child.stopped_at < delay:
                         continue
                     child.restarts += 1
                     log.warning("%s exited (code %s); restarting (restart %d)", child.name, code, child.restarts)

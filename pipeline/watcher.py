@@ -18,7 +18,7 @@ from sqlalchemy import select
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from pipeline import catalog, detect, roots
+from pipeline import catalog, detect, failpoints, roots, trash
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.errors import HeaderError, IncompleteCheckpoint, SourceChanged
@@ -70,8 +70,9 @@ class Watcher:
     def reconcile(self) -> None:
         """Startup sweep: remember what is recorded; mark vanished local copies."""
         with session_scope(self.settings.db_url) as s:
-            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True))):
-                if not os.path.lexists(ckpt.path):
+            # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
+            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True)).with_for_update()):
+                if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
                     continue
@@ -102,7 +103,11 @@ class Watcher:
             for path in gone:
                 self.known.pop(path, None)
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
-                                                               Checkpoint.local_present.is_(True))):
+                                                               Checkpoint.local_present.is_(True))
+                                      .with_for_update()):
+                    if trash.put_back(path):  # a rotation crashed before it committed
+                        log.warning("%s was in the trash of a rotation that did not commit; put back", path)
+                        continue
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, path)
 
@@ -141,6 +146,7 @@ class Watcher:
         self.reported.pop(key, None)
         if created and job_id is not None:
             log.info("detected %s as checkpoint %d (job %d)", path, ckpt.id, job_id)
+            failpoints.hit("watch.recorded")  # committed, not yet enqueued
             self.send([Send("shard", (job_id,))])
         return None
 

@@ -11,6 +11,11 @@ from pipeline import settings as settings_mod
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
 
+def pytest_addoption(parser):  # noqa: ANN001
+    parser.addoption("--soak", type=int, default=1, metavar="N",
+                     help="fault tests (tests/faults): trials per fault (default 1)")
+
+
 POSTGRES_ADMIN_URL = os.environ.get("CKPT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 

@@ -23,7 +23,7 @@ import logging
 import os
 from typing import Any, Callable, Iterable
 
-from pipeline import auth
+from pipeline import auth, failpoints
 from pipeline.errors import AuthError
 from workers.shardstore import ShardStore, StoreError, Throttle, valid_name
 
@@ -110,6 +110,7 @@ class WorkerApp:
             throttle = Throttle(float(rate))
             results = []
             for name in names:
+                failpoints.hit("worker.verify.rehash")
                 sha, size = self.store.rehash(name, throttle)
                 results.append({"name": name, "sha256": sha, "size": size})
             return _json(start, 200, {"results": results})

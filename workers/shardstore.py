@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
+from pipeline import failpoints
 from pipeline.durable import WriteBehind, fsync_dir
 
 SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -107,12 +108,14 @@ class ShardStore:
                     if not n:
                         raise StoreError(400, f"body ended after {length - remaining:,} of {length:,} bytes")
                     h.update(view[:n])
+                    failpoints.hit("worker.put.write")
                     out.write(view[:n])
                     remaining -= n
                     behind.written(length - remaining)
                 actual = h.hexdigest()
                 if actual != name:
                     raise StoreError(422, f"body hashes to {actual}, not to its name {name}")
+                failpoints.hit("worker.put.fsync")
                 os.fsync(out.fileno())
                 # Nothing reads a new shard from the cache (verify and scrub drop it first):
                 # leave the memory to the next uploads.
@@ -120,6 +123,7 @@ class ShardStore:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.rename(tmp, final)
             tmp = ""
+            failpoints.hit("worker.put.renamed")  # visible, not yet answered
             fsync_dir(os.path.dirname(final))
             return PutResult(created=True, size=length)
         finally:

@@ -16,6 +16,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from pipeline import failpoints
+
 BUSY_TIMEOUT_MS = 30_000
 
 _lock = threading.Lock()
@@ -79,5 +81,7 @@ def session_scope(url: str) -> Iterator[Session]:
     try:
         with session.begin():
             yield session
+            failpoints.commit_point("before")
+        failpoints.commit_point("after")
     finally:
         session.close()

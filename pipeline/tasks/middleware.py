@@ -25,3 +25,20 @@ class JobFailures(Middleware):
                            final=bool(getattr(message, "failed", False)))
         except Exception:  # never let bookkeeping break the worker
             log.exception("could not record the failure of %s%r", message.actor_name, message.args)
+
+
+class Failpoints(Middleware):
+    """Names the commit failpoints of each message after its actor (tests only:
+    installed when ``CKPT_FAILPOINTS`` is set, see :mod:`pipeline.failpoints`)."""
+
+    def before_process_message(self, broker, message):  # noqa: ANN001
+        from pipeline import failpoints
+
+        failpoints.begin_message(message.actor_name)
+
+    def after_process_message(self, broker, message, *, result=None, exception=None):  # noqa: ANN001
+        from pipeline import failpoints
+
+        failpoints.end_message()
+
+    after_skip_message = after_process_message

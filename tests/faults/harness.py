@@ -1,0 +1,331 @@
+"""The fault harness: a real cluster with failpoints, the invariants it must keep, the table.
+
+Every process of a :class:`FaultCluster` runs with ``CKPT_FAILPOINTS`` (pipeline.failpoints):
+the Dramatiq worker, the scheduler and the watcher share one directory, each storage worker
+has its own, so a test can break one worker and not the others. After each fault the
+harness waits until the cluster is quiet again and checks, from the disks and not from what
+the database believes:
+
+- no data lost: every shard of every protected checkpoint has a copy somewhere that hashes
+  to its name, or the checkpoint's local file is still there and whole;
+- no unsafe deletion: a checkpoint whose local copy is gone has RF such copies of every shard
+  on distinct workers;
+- no torn file: every file under a worker's ``shards/`` hashes to its name;
+- ``PRAGMA integrity_check`` is ok.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import select
+
+from pipeline import states
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
+from pipeline.supervisor import STABLE_SECONDS
+from tests.checkpoints import atomic_save, state_dict
+from tests.processes import Cluster, StorageWorker, base_env, wait_for
+
+S = states.StoreState
+
+#: Settings of a fault cluster: short leases, so a killed step is re-driven in seconds.
+FAULT_ENV = {
+    "CKPT_LEASE_SECONDS": "1.5",
+    "CKPT_KEEP_LAST": "1",
+    "CKPT_TICK_SECONDS": "0.3",
+    "CKPT_MIN_BACKOFF_MS": "100",
+    "CKPT_MAX_BACKOFF_MS": "1000",
+}
+
+
+@dataclass
+class Row:
+    fault: str
+    trials: int = 0
+    lost: int = 0
+    unsafe: int = 0
+    torn: int = 0
+    integrity_ok: bool = True
+    recover_s: list[float] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, verdict: "Verdict", recover: float, outcome: str) -> None:
+        self.trials += 1
+        self.lost += verdict.lost
+        self.unsafe += verdict.unsafe
+        self.torn += verdict.torn
+        self.integrity_ok &= verdict.integrity == "ok"
+        self.recover_s.append(recover)
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        self.problems.extend(verdict.problems)
+
+    @property
+    def ok(self) -> bool:
+        return self.trials > 0 and not (self.lost or self.unsafe or self.torn or self.problems) and self.integrity_ok
+
+
+class Table:
+    """The rows of this test session; printed at its end and saved as JSON."""
+
+    rows: list[Row] = []
+
+    @classmethod
+    def row(cls, fault: str) -> Row:
+        r = Row(fault)
+        cls.rows.append(r)
+        return r
+
+    @classmethod
+    def render(cls) -> str:
+        head = f"{'fault':<58} {'trials':>6} {'lost':>5} {'unsafe':>6} {'torn':>5} {'integ':>5} {'recover s':>16}  outcome"
+        lines = [head, "-" * len(head)]
+        for r in cls.rows:
+            rec = (f"{sorted(r.recover_s)[len(r.recover_s) // 2]:.1f} (max {max(r.recover_s):.1f})"
+                   if r.recover_s else "-")
+            out = ", ".join(f"{k} {v}" if r.trials > 1 else k for k, v in sorted(r.outcomes.items()))
+            lines.append(f"{r.fault[:58]:<58} {r.trials:>6} {r.lost:>5} {r.unsafe:>6} {r.torn:>5} "
+                         f"{'ok' if r.integrity_ok else 'BAD':>5} {rec:>16}  {out}")
+        return "\n".join(lines)
+
+    @classmethod
+    def save(cls, path: Path) -> None:
+        path.write_text(json.dumps([r.__dict__ for r in cls.rows], indent=1, default=str))
+
+
+@dataclass
+class Verdict:
+    lost: int = 0
+    unsafe: int = 0
+    torn: int = 0
+    integrity: str = "ok"
+    problems: list[str] = field(default_factory=list)
+
+
+class FaultCluster(Cluster):
+    def __init__(self, tmp: Path, *, env: dict[str, str] | None = None, **kwargs) -> None:  # noqa: ANN003
+        self.points = tmp / "failpoints"
+        self.points.mkdir(parents=True, exist_ok=True)
+        super().__init__(tmp, env={**FAULT_ENV, "CKPT_FAILPOINTS": str(self.points), **(env or {})},
+                         **{"processes": 1, **kwargs})
+        self.step = 0
+        self.expecting: list[Path] = []  # checkpoints written and not yet seen detected
+        self.run = self.runs / "run"
+        self.run.mkdir(exist_ok=True)
+
+    def start(self) -> "FaultCluster":
+        # Each storage worker gets its own failpoint directory.
+        for i in range(self.n_workers):
+            d = self.points / f"worker{i}"
+            d.mkdir(exist_ok=True)
+            w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home, **{**self.extra_env,
+                                                                            "CKPT_FAILPOINTS": str(d)}),
+                              self.tmp / "logs" / f"worker{i}.log")
+            self.workers.append(w.start())
+        self.n_workers, spare = 0, self.n_workers  # Cluster.start: no more workers to start
+        try:
+            super().start()
+        finally:
+            self.n_workers = spare
+        return self
+
+    # -- failpoints --------------------------------------------------------------------
+
+    def _dir(self, where: str | None) -> Path:
+        return self.points / where if where else self.points
+
+    def arm(self, name: str, action: str = "kill", where: str | None = None) -> None:
+        d = self._dir(where)
+        for stale in (d / f"{name}.fired",):
+            stale.unlink(missing_ok=True)
+        tmp = d / f".{name}.tmp"
+        tmp.write_text(action + "\n")
+        os.rename(tmp, d / name)
+
+    def disarm(self, name: str, where: str | None = None) -> None:
+        (self._dir(where) / name).unlink(missing_ok=True)
+
+    def fired(self, name: str, where: str | None = None) -> float | None:
+        """When the failpoint fired (wall clock), or None."""
+        try:
+            text = (self._dir(where) / f"{name}.fired").read_text()
+        except FileNotFoundError:
+            return None
+        return float(text.split(" at ")[1].split()[0]) if " at " in text else time.time()
+
+    def trace(self, where: str | None = None) -> "Trace":
+        return Trace(self._dir(where))
+
+    # -- workload ----------------------------------------------------------------------
+
+    def new_checkpoint(self, layers: int = 2) -> Path:
+        """The run's next step: ~0.5 MiB in a few 256 KiB shards."""
+        self.step += 1
+        self.expecting.append(self.run / f"step_{self.step}.safetensors")
+        return atomic_save(state_dict(self.step, layers=layers, width=64), self.run / f"step_{self.step}.safetensors")
+
+    def wait_stable(self) -> None:
+        """Wait until every child of ``ckpt up`` has run long enough that another crash is
+        restarted at once (pipeline.supervisor.STABLE_SECONDS), not after a back-off."""
+        def stable() -> bool:
+            restarted = (self.home / "up.json").stat().st_mtime  # rewritten at each restart
+            return time.time() - restarted >= STABLE_SECONDS + 0.2
+        wait_for(stable, 10, "ckpt up's children to run stably", interval=0.1)
+
+    def restart_dead_workers(self) -> None:
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is not None:
+                w.start()
+                self._remember_pids()
+
+    def quiet(self, timeout: float = 90) -> None:
+        """Wait until no job is active, every store job is verified or final, and rotation
+        has run (every checkpoint but the newest of a run is rotated, or blocked)."""
+        def settled() -> bool:
+            with session_scope(self.settings.db_url) as s:
+                if any(self.runs.rglob(".ckpt-trash-*")):
+                    return False  # a crashed rotation's trash: put back or emptied by the next sweep
+                known = set(s.scalars(select(Checkpoint.path)))
+                self.expecting = [p for p in self.expecting if str(p.resolve()) not in known]
+                if self.expecting:
+                    return False
+                jobs = s.scalars(select(Job)).all()
+                active = [j for j in jobs if j.state in states.ACTIVE[j.kind]]
+                if active:
+                    return False
+                ckpts = s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True))).all()
+                newest = max((c.step or 0 for c in ckpts), default=0)
+                latest = {}
+                for j in jobs:
+                    if j.kind == "store" and j.id > latest.get(j.checkpoint_id, (0, None))[0]:
+                        latest[j.checkpoint_id] = (j.id, j)
+                for c in ckpts:
+                    job = latest.get(c.id, (0, None))[1]
+                    if job is None:
+                        return False
+                    if job.state == S.VERIFIED and (c.step or 0) < newest and not job.blocked_reason:
+                        return False  # rotation not done yet
+                return True
+
+        wait_for(settled, timeout, "the cluster to settle", interval=0.2)
+
+    # -- invariants --------------------------------------------------------------------
+
+    def check(self) -> Verdict:
+        v = Verdict()
+        good: dict[str, set[str]] = {}  # sha -> worker ids holding a copy that hashes to it
+        for w in self.workers:
+            shards = w.data / "shards"
+            if not shards.exists():
+                continue
+            for p in shards.rglob("*"):
+                if p.is_file():
+                    if sha256_of(p) == p.name:
+                        good.setdefault(p.name, set()).add(w.node_id)
+                    else:
+                        v.torn += 1
+                        v.problems.append(f"{p} does not hash to its name")
+        with session_scope(self.settings.db_url) as s:
+            for c in s.scalars(select(Checkpoint)):
+                latest = s.scalar(select(Job).where(Job.kind == "store", Job.checkpoint_id == c.id)
+                                  .order_by(Job.id.desc()).limit(1))
+                if latest is not None and latest.state == S.SUPERSEDED:
+                    continue  # its bytes were replaced by the user: a newer checkpoint holds them
+                for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)):
+                    local = Path(c.path) / f.relpath if f.relpath else Path(c.path)
+                    local_whole = local.is_file() and sha256_of(local) == f.sha256
+                    for sh in s.scalars(select(Shard).where(Shard.file_id == f.id)):
+                        n = len(good.get(sh.sha256, ()))
+                        if not local_whole and n == 0:
+                            v.lost += 1
+                            v.problems.append(f"checkpoint {c.id} shard {sh.seq}: no copy anywhere")
+                        elif not local.exists() and n < self.settings.rf:
+                            v.unsafe += 1
+                            v.problems.append(f"checkpoint {c.id} deleted with {n}/{self.settings.rf} copies"
+                                              f" of shard {sh.seq}")
+        for p in self.runs.rglob(".ckpt-trash-*"):
+            v.problems.append(f"{p} left in the trash")
+        db = self.settings.db_url.split("///", 1)[1]
+        with sqlite3.connect(db, timeout=30) as conn:
+            v.integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+        if v.integrity != "ok":
+            v.problems.append(f"integrity_check: {v.integrity}")
+        return v
+
+    def outcome(self, since_job: int) -> str:
+        """The end states of the jobs created since ``since_job`` (e.g. 'store rotated')."""
+        with session_scope(self.settings.db_url) as s:
+            jobs = s.scalars(select(Job).where(Job.id > since_job).order_by(Job.id)).all()
+            parts = sorted({f"{j.kind} {j.state}" + (f" ({j.last_error[:40]})" if j.state == "failed" else "")
+                            for j in jobs})
+        return "; ".join(parts) or "no new job"
+
+    def last_job_id(self) -> int:
+        with session_scope(self.settings.db_url) as s:
+            return s.scalar(select(Job.id).order_by(Job.id.desc()).limit(1)) or 0
+
+
+class Trace:
+    """The failpoints reached while the ``with`` block ran (names, in first-reached order)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "trace"
+        self.names: list[str] = []
+        self.where: dict[str, str] = {}  # name -> module:line of its first hit
+
+    def __enter__(self) -> "Trace":
+        self.path.write_text("")
+        return self
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        text = self.path.read_text()
+        self.path.unlink()
+        for line in text.splitlines():
+            name, _pid, where = line.split()
+            if name not in self.names:
+                self.names.append(name)
+                self.where[name] = where
+
+    def distinct(self, names: list[str]) -> list[str]:
+        """``names`` less those at a place in the code already listed (``.before`` and
+        ``.after`` count apart): the commits of a loop's later rounds are the same boundary."""
+        seen, out = set(), []
+        for n in names:
+            key = (self.where.get(n), n.rsplit(".", 1)[-1])
+            if key not in seen:
+                seen.add(key)
+                out.append(n)
+        return out
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def trial(cluster: FaultCluster, row: Row, fire, name: str | None, where: str | None = None,  # noqa: ANN001
+          timeout: float = 30) -> None:
+    """Run ``fire()`` (which starts the work the fault hits), wait for the failpoint ``name``
+    to fire and the cluster to settle, check the invariants and add the trial to ``row``."""
+    cluster.wait_stable()
+    before = cluster.last_job_id()
+    start = time.time()
+    fire()
+    if name is not None:
+        wait_for(lambda: cluster.fired(name, where), timeout, f"failpoint {name} to fire")
+        fired = cluster.fired(name, where)
+    else:
+        fired = start
+    cluster.restart_dead_workers()
+    cluster.quiet()
+    recover = time.time() - fired
+    row.add(cluster.check(), recover, cluster.outcome(before))
