@@ -14,7 +14,7 @@ is a test of one module global, nothing more. When on, ``hit(name)`` looks for t
 A trigger fires once: the first process to reach it claims it by renaming the file to
 ``<name>.fired`` (atomic, so two racing processes never both fire), and writes its pid
 there. Prefix the action with ``always`` (``always enospc``) for a fault that lasts until
-the test removes the file.
+the test removes the file; each time it acts, a line is appended to ``<name>.hits``.
 
 Commit points are named after the Dramatiq actor whose message is being processed and
 the ordinal of the commit within that message: ``replicate.commit2.before`` fires just
@@ -87,6 +87,8 @@ def _act(name: str) -> None:
         return
     if words[0] == "always":
         words = words[1:]
+        with open(path + ".hits", "a") as f:
+            f.write(f"pid {os.getpid()} at {time.time():.3f}\n")
     else:
         try:
             os.rename(path, path + ".fired")  # claim it: exactly one process fires a trigger

@@ -6,8 +6,9 @@ verify step only has to re-hash what was not verified yet.
 
 Fan-in is decided in the database: the replica that completes the set moves the job
 ``sharded -> replicated`` with a compare-and-set, so exactly one delivery enqueues verify.
-A worker that cannot be reached is marked down and the replica moves to another live
-worker (a down worker never blocks a store while RF distinct live workers remain).
+A worker that cannot be reached, or whose disk is full, is marked down and the replica
+moves to another live worker (a down worker never blocks a store while RF distinct live
+workers remain).
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
             with session_scope(settings.db_url) as s:
                 transition(s, job_id, "store", S.SHARDED, S.SUPERSEDED, detail=str(exc), last_error=str(exc))
             return []
-        if exc.status is None:  # unreachable: mark it down and place this replica elsewhere
+        if exc.status is None or exc.status == 507:  # unreachable or full: place this replica elsewhere
             return _move_off(settings, replica_id, worker_id, str(exc))
         raise
     except OSError as exc:

@@ -7,6 +7,7 @@ fsynced (DESIGN invariant 2).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -126,6 +127,10 @@ class ShardStore:
             failpoints.hit("worker.put.renamed")  # visible, not yet answered
             fsync_dir(os.path.dirname(final))
             return PutResult(created=True, size=length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreError(507, f"no space left on this worker's disk ({exc.strerror})") from None
+            raise
         finally:
             if tmp:
                 try:

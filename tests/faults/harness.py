@@ -27,7 +27,7 @@ from sqlalchemy import select
 
 from pipeline import states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
 from pipeline.supervisor import STABLE_SECONDS
 from tests.checkpoints import atomic_save, state_dict
 from tests.processes import Cluster, StorageWorker, base_env, wait_for
@@ -142,7 +142,7 @@ class FaultCluster(Cluster):
 
     def arm(self, name: str, action: str = "kill", where: str | None = None) -> None:
         d = self._dir(where)
-        for stale in (d / f"{name}.fired",):
+        for stale in (d / f"{name}.fired", d / f"{name}.hits"):
             stale.unlink(missing_ok=True)
         tmp = d / f".{name}.tmp"
         tmp.write_text(action + "\n")
@@ -158,6 +158,13 @@ class FaultCluster(Cluster):
         except FileNotFoundError:
             return None
         return float(text.split(" at ")[1].split()[0]) if " at " in text else time.time()
+
+    def hits(self, name: str, where: str | None = None) -> int:
+        """How many times an ``always`` failpoint acted."""
+        try:
+            return len((self._dir(where) / f"{name}.hits").read_text().splitlines())
+        except FileNotFoundError:
+            return 0
 
     def trace(self, where: str | None = None) -> "Trace":
         return Trace(self._dir(where))
@@ -265,6 +272,11 @@ class FaultCluster(Cluster):
             parts = sorted({f"{j.kind} {j.state}" + (f" ({j.last_error[:40]})" if j.state == "failed" else "")
                             for j in jobs})
         return "; ".join(parts) or "no new job"
+
+    def notes_containing(self, text: str) -> list[str]:
+        """Timeline entries (job events) whose detail contains ``text``."""
+        with session_scope(self.settings.db_url) as s:
+            return list(s.scalars(select(JobEvent.detail).where(JobEvent.detail.contains(text))))
 
     def last_job_id(self) -> int:
         with session_scope(self.settings.db_url) as s:

@@ -1,0 +1,133 @@
+"""Storage workers crashed, hung or full; the local disk full; the source changed under the pipeline."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.faults.harness import FaultCluster, Table, trial
+from tests.processes import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def check_rows(*rows) -> None:  # noqa: ANN002
+    bad = [f"{r.fault}: {r.problems[:3]} outcomes {r.outcomes}" for r in rows if not r.ok]
+    assert not bad
+
+
+def test_storage_worker_killed_mid_upload_and_after_rename(fault_cluster: FaultCluster, trials: int):
+    c = fault_cluster
+    rows = []
+    for name, what in (("worker.put.write", "mid-upload"), ("worker.put.renamed", "after rename, before answering")):
+        row = rows.append(Table.row(f"SIGKILL storage worker {what}")) or rows[-1]
+        for _ in range(trials):
+            c.arm(name, "kill", where="worker0")
+            trial(c, row, c.new_checkpoint, name, where="worker0")
+    check_rows(*rows)
+
+
+def test_storage_worker_stopped_then_continued(fault_cluster: FaultCluster, trials: int):
+    """SIGSTOP mid-upload (slow, not dead), SIGCONT 5 s later: the store completes."""
+    c = fault_cluster
+    row = Table.row("SIGSTOP storage worker mid-upload, SIGCONT after 5 s")
+    for _ in range(trials):
+        c.arm("worker.put.write", "stop", where="worker1")
+
+        def fire() -> None:
+            c.new_checkpoint()
+            wait_for(lambda: c.fired("worker.put.write", "worker1"), 30, "the worker to stop itself")
+            time.sleep(5)
+            for pid in c.workers[1].pids():
+                os.kill(pid, signal.SIGCONT)
+
+        trial(c, row, fire, "worker.put.write", where="worker1")
+    check_rows(row)
+
+
+def test_storage_worker_disk_full(fault_cluster: FaultCluster, trials: int):
+    """ENOSPC on one worker at write, then at fsync: its replicas go to the other workers."""
+    c = fault_cluster
+    rows = []
+    for name in ("worker.put.write", "worker.put.fsync"):
+        row = rows.append(Table.row(f"ENOSPC on one storage worker at {name.rsplit('.', 1)[1]}")) or rows[-1]
+        for _ in range(trials):
+            c.arm(name, "always enospc", where="worker2")
+            try:
+                trial(c, row, c.new_checkpoint, None)
+                assert c.hits(name, "worker2"), "the full disk was never hit"
+            finally:
+                c.disarm(name, where="worker2")
+    check_rows(*rows)
+
+
+def test_local_disk_full_during_restore(fault_cluster: FaultCluster, tmp_path):
+    """ENOSPC on every write of a restore: it fails with the reason, leaves nothing behind,
+    and succeeds once there is space again."""
+    c = fault_cluster
+    src = c.new_checkpoint()
+    c.quiet()
+    row = Table.row("ENOSPC on the local disk while restoring")
+    dest = tmp_path / "restored.safetensors"
+    c.arm("restore.write", "always enospc")
+    try:
+        start = time.time()
+        r = c.cli("restore", str(src), "--to", str(dest), "--wait", timeout=120)
+        assert r.returncode == 1 and "No space left on device" in r.stderr, r.stderr
+        assert c.hits("restore.write") >= 2  # retried before giving up
+    finally:
+        c.disarm("restore.write")
+    assert not dest.exists() and not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+    r = c.cli("restore", str(src), "--to", str(dest), "--wait", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert dest.read_bytes() == src.read_bytes()
+    row.add(c.check(), time.time() - start, "restore failed, then done")
+    check_rows(row)
+
+
+def rewrite_in_place(path) -> None:  # noqa: ANN001
+    """The trainer writes new bytes into the same file (same size, new mtime)."""
+    data = bytearray(path.read_bytes())
+    data[-1000:] = bytes(1000)
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(time.time_ns(), time.time_ns()))
+
+
+def test_source_rewritten_before_replication_and_before_rotation(fault_cluster: FaultCluster, trials: int):
+    c = fault_cluster
+    early = Table.row("source rewritten between detection and replication")
+    late = Table.row("source rewritten after verify, before rotation")
+    for _ in range(trials):
+        c.arm("shard.commit1.after", "sleep 2")
+
+        def rewrite_while_sharding() -> None:
+            path = c.new_checkpoint()
+            wait_for(lambda: c.fired("shard.commit1.after"), 30, "the shard step to start")
+            rewrite_in_place(path)
+
+        trial(c, early, rewrite_while_sharding, "shard.commit1.after")
+        assert "store superseded" in "; ".join(early.outcomes), early.outcomes
+
+        # The rotation of the older checkpoint is held for 2 s after its first check; the
+        # file is rewritten then, with the watcher paused so that only rotation can notice.
+        c.arm("rotate.commit1.after", "sleep 2")
+        older = c.run / f"step_{c.step}.safetensors"
+
+        def rewrite_while_rotating() -> None:
+            c.new_checkpoint()
+            wait_for(lambda: c.fired("rotate.commit1.after"), 30, "the rotation to start")
+            watcher = c.up_info()["children"]["watcher"]
+            os.kill(watcher, signal.SIGSTOP)
+            try:
+                rewrite_in_place(older)
+                time.sleep(2.5)
+            finally:
+                os.kill(watcher, signal.SIGCONT)
+
+        trial(c, late, rewrite_while_rotating, "rotate.commit1.after")
+        assert older.exists()
+        assert c.notes_containing("changed after it was stored"), "rotation did not notice the rewrite"
+    check_rows(early, late)
