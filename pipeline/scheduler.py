@@ -37,12 +37,34 @@ S, R = states.StoreState, states.RestoreState
 LEADER = "scheduler"
 
 
+def holder_is_dead(holder: str) -> bool:
+    """Whether ``holder`` (``host:pid``) is a process of this host that no longer runs.
+
+    A scheduler restarted by ``ckpt up`` takes over at once instead of waiting out the
+    lease of the one that crashed. Another host's holder is never presumed dead.
+    """
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def acquire_lock(settings: Settings, name: str, holder: str, ttl: float) -> bool:
     """Take or renew the named lease; True while ``holder`` has it."""
     t = now()
     with session_scope(settings.db_url) as s:
+        current = s.scalar(select(Lock.holder).where(Lock.name == name))
+        takeable = (Lock.holder == holder) | (Lock.expires_at < t)
+        if current is not None and holder_is_dead(current):
+            takeable = takeable | (Lock.holder == current)
         took = s.execute(
-            update(Lock).where(Lock.name == name, (Lock.holder == holder) | (Lock.expires_at < t))
+            update(Lock).where(Lock.name == name, takeable)
             .values(holder=holder, expires_at=t + timedelta(seconds=ttl))
         ).rowcount
         if took:
@@ -180,7 +202,7 @@ class Scheduler:
         self.settings, self.send, self.clock = settings, send, clock
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.stopping = threading.Event()
-        self.leader = False
+        self.leader: bool | None = None  # unknown until the first tick, which logs it
         self._last_sweep = float("-inf")
 
     def tick(self) -> None:

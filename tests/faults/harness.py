@@ -273,6 +273,13 @@ class FaultCluster(Cluster):
                             for j in jobs})
         return "; ".join(parts) or "no new job"
 
+    def detected(self, path: Path) -> int | None:
+        """The store job of the checkpoint at ``path`` once it is recorded."""
+        with session_scope(self.settings.db_url) as s:
+            return s.scalar(select(Job.id).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
+                            .where(Checkpoint.path == str(path.resolve()), Job.kind == "store")
+                            .order_by(Job.id.desc()).limit(1))
+
     def notes_containing(self, text: str) -> list[str]:
         """Timeline entries (job events) whose detail contains ``text``."""
         with session_scope(self.settings.db_url) as s:

@@ -1,12 +1,16 @@
 """The scheduler's leader lock and lease re-drive."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from datetime import timedelta
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.db.transitions import create_job, now
-from pipeline.scheduler import acquire_lock, expired_work, release_lock
+from pipeline.scheduler import acquire_lock, expired_work, holder_is_dead, release_lock
 from pipeline.steps import Send
 
 
@@ -29,6 +33,25 @@ def _job(s, kind: str, state: str, expired: bool) -> int:  # noqa: ANN001
     job.lease_until = now() + timedelta(seconds=-5 if expired else 60)
     s.flush()
     return job.id
+
+
+def test_a_dead_local_holder_is_taken_over_at_once(any_db):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    assert acquire_lock(any_db, "scheduler", f"{host}:{gone.pid}", ttl=30)
+    assert holder_is_dead(f"{host}:{gone.pid}")
+    assert acquire_lock(any_db, "scheduler", "b", ttl=30)  # no need to wait 30 s
+
+
+def test_a_live_or_remote_holder_is_not_presumed_dead(any_db):
+    host = socket.gethostname()
+    parent = f"{host}:{os.getppid()}"
+    assert not holder_is_dead(parent)
+    assert not holder_is_dead("another-host:1")
+    assert not holder_is_dead("garbage")
+    assert acquire_lock(any_db, "scheduler", parent, ttl=30)
+    assert not acquire_lock(any_db, "scheduler", "b", ttl=30)
 
 
 def test_expired_leases_are_re_driven_by_state_and_kind(any_db):
