@@ -21,6 +21,9 @@ from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.gather")
 BLOCK = 4 * 1024 * 1024
+#: A worker sends a shard without pause: this long without a byte, the copy is given up
+#: for the next replica (a peer that vanished without a reset would hang a restore).
+FETCH_TIMEOUT = 30.0
 _PREFERENCE = {"verified": 0, "stored": 1}
 
 
@@ -93,7 +96,7 @@ def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
     errors = []
     for worker_id, url in shard.replicas:
         try:
-            conn, resp = WorkerClient(url, key).open_shard(shard.sha256)
+            conn, resp = WorkerClient(url, key, timeout=FETCH_TIMEOUT).open_shard(shard.sha256)
         except WorkerError as exc:
             errors.append(f"{worker_id}: {exc.reason}")
             continue

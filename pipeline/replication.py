@@ -12,6 +12,7 @@ workers remain).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 
 from sqlalchemy import func, select, update
@@ -77,7 +78,11 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
         rehashed = client.verify([sha])[0]["sha256"]
     except WorkerError as exc:
         if exc.status == 422:
-            # The source no longer hashes to the manifest: it changed under us.
+            # What the worker received does not hash to the manifest. Either the source
+            # changed under us, or the bytes were damaged on the way: read it again here.
+            if source_matches(src, kind, tensors, src_offset, length, sha):
+                raise WorkerError(url, f"shard {sha[:12]} arrived damaged (the source is intact); "
+                                       "sending it again") from exc
             with session_scope(settings.db_url) as s:
                 transition(s, job_id, "store", S.SHARDED, S.SUPERSEDED, detail=str(exc), last_error=str(exc))
             return []
@@ -98,6 +103,21 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
                   .values(stored_at=t, checked_at=t, last_error=None, **done))
         s.execute(update(Job).where(Job.id == job_id).values(bytes_done=Job.bytes_done + size))
         return _fan_in(s, settings, job_id)
+
+
+def source_matches(src: str, kind: str, tensors: tuple[str, ...], offset: int, length: int, sha: str) -> bool:
+    """Whether the shard's bytes in the source file still hash to ``sha``."""
+    try:
+        h = hashlib.sha256(shard_prefix(src, kind, tensors))
+        with open(src, "rb") as f:
+            f.seek(offset)
+            remaining = length
+            while remaining and (chunk := f.read(min(remaining, 4 << 20))):
+                h.update(chunk)
+                remaining -= len(chunk)
+        return not remaining and h.hexdigest() == sha
+    except (OSError, ValueError):
+        return False
 
 
 def _fan_in(s, settings: Settings, job_id: int) -> list[Send]:  # noqa: ANN001

@@ -7,12 +7,15 @@ invariants 2 and 4).
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import failpoints, states
@@ -56,40 +59,58 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
         ckpt = s.get(Checkpoint, job.checkpoint_id)
         files = manifest(s, ckpt)
         is_dir, dest, overwrite = ckpt.is_dir, Path(job.params["dest"]), bool(job.params.get("overwrite"))
+        # Each attempt (a redelivery, or a re-drive while a stalled attempt still runs)
+        # rebuilds in its own staging path and may put it in place only while it is the
+        # job's latest attempt: two attempts never write the same file.
+        attempt, verified = job.attempts, job.params.get("staging")
         resumed = job.state == R.VERIFIED  # a crash came after the files were verified
 
-    staging = dest.parent / f".{dest.name}.ckpt-restore-{job_id}"
     old = dest.parent / f".{dest.name}.ckpt-old-{job_id}"
     done = sum(f.size for f in files)
-    if resumed and (staging.exists() or (not old.exists() and _holds(dest, files, is_dir))):
-        log.info("job %d: resuming after the files were verified", job_id)
+    if resumed and verified and Path(verified).exists():
+        staging: Path | None = Path(verified)
+    elif resumed and not old.exists() and _holds(dest, files, is_dir):
+        staging = None  # already in place: only the record of it was lost
     else:
-        done = _gather(settings, job_id, files, staging, is_dir)
-    # From here the verified result stays at ``staging`` until it is in place.
-    if staging.exists():
-        _put_in_place(staging, dest, old, overwrite)
-    if old.exists():  # the crash came between the two renames of an overwrite
-        _remove(old)
+        staging = dest.parent / f".{dest.name}.ckpt-restore-{job_id}.{attempt}"
+        done = _gather(settings, job_id, attempt, files, staging, is_dir)
+        if done is None:
+            return []
     with session_scope(settings.db_url) as s:
+        # The deciding transaction: only the latest attempt puts its result in place.
+        job = s.scalar(select(Job).where(Job.id == job_id).with_for_update())
+        if job.state != R.VERIFIED or job.attempts != attempt:
+            if staging is not None and str(staging) != job.params.get("staging"):
+                _remove(staging)
+            log.info("job %d: attempt %d superseded by attempt %d; leaving it", job_id, attempt, job.attempts)
+            return []
+        if staging is not None and staging.exists():
+            _put_in_place(staging, dest, old, overwrite)
+        if old.exists():  # the crash came between the two renames of an overwrite
+            _remove(old)
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.ckpt-restore-{job_id}.*"):
+            _remove(stale)  # of attempts that crashed (or stalled and lost the job)
         transition(s, job_id, "restore", R.VERIFIED, R.DONE, detail=f"restored to {dest}")
     log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
     return []
 
 
-def _gather(settings: Settings, job_id: int, files: list[FileSource], staging: Path, is_dir: bool) -> int:
-    """Rebuild every file under ``staging``, verified and fsynced; the job goes ``verified``."""
+def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSource], staging: Path,
+            is_dir: bool) -> int | None:
+    """Rebuild every file under ``staging``, verified and fsynced, and move the job to
+    ``verified``; None if a later attempt took the job over meanwhile."""
     if staging.exists():
         _remove(staging)
     key = settings.key()
     done = 0
-    progress_every = 64 * 1024 * 1024
-    last_report = 0
+    renew_every = max(0.5, settings.lease_seconds / 4)
+    last_renewal = time.monotonic()
 
     def progress(n: int) -> None:
-        nonlocal done, last_report
+        nonlocal done, last_renewal
         done += n
-        if done - last_report >= progress_every:
-            last_report = done
+        if time.monotonic() - last_renewal >= renew_every:
+            last_renewal = time.monotonic()
             with session_scope(settings.db_url) as s2:
                 renew_lease(s2, job_id, settings.lease_seconds, bytes_done=done)
 
@@ -107,9 +128,13 @@ def _gather(settings: Settings, job_id: int, files: list[FileSource], staging: P
         _remove(staging)
         raise
     with session_scope(settings.db_url) as s:
-        if s.get(Job, job_id).state != R.VERIFIED:
-            transition(s, job_id, "restore", R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
-                       detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done)
+        job = s.scalar(select(Job).where(Job.id == job_id).with_for_update())
+        if job.attempts != attempt or job.state != R.GATHERING:
+            _remove(staging)
+            return None
+        transition(s, job_id, "restore", R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
+                   detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done,
+                   attempts=attempt, params={**job.params, "staging": str(staging)})
     return done
 
 

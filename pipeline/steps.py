@@ -42,7 +42,7 @@ def begin_step(session: Session, settings: Settings, job_id: int, expected: str)
     attempt = start_attempt(session, job_id, expected, settings.lease_seconds)
     if attempt is None:
         return None
-    job = session.get(Job, job_id)
+    job = session.get(Job, job_id, populate_existing=True)  # the row as the UPDATE left it
     if attempt > settings.max_attempts:
         raise AttemptsExhausted(f"{job.kind} job {job_id} step {expected!r}", attempt - 1, job.last_error)
     return job

@@ -76,8 +76,14 @@ class Child:
         try:
             self.proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0f s; killing pid %d", self.name, self.stop_timeout, self.proc.pid)
-            self.proc.kill()
+            log.warning("%s did not stop within %.0f s; killing pid %d and its process group", self.name,
+                        self.stop_timeout, self.proc.pid)
+            # Its own session (start_new_session): the group holds what it forked too, such
+            # as dramatiq's worker processes, which would outlive a killed master.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
 
 

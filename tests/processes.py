@@ -61,6 +61,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except FileNotFoundError:
+        return "?"
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -241,7 +249,7 @@ class Cluster:
                 self.up_proc.kill()
         for w in self.workers:
             w.stop()
-        leftover = [p for p in self.known_pids if alive(p)]
+        leftover = {p: cmdline(p) for p in self.known_pids if alive(p)}
         for pid in leftover:
             os.kill(pid, signal.SIGKILL)
         assert not leftover, f"processes outlived the cluster: {leftover}"

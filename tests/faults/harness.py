@@ -30,6 +30,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
 from pipeline.supervisor import STABLE_SECONDS
 from tests.checkpoints import atomic_save, state_dict
+from tests.faults.proxy import Proxy
 from tests.processes import Cluster, StorageWorker, base_env, wait_for
 
 S = states.StoreState
@@ -109,7 +110,12 @@ class Verdict:
 
 
 class FaultCluster(Cluster):
-    def __init__(self, tmp: Path, *, env: dict[str, str] | None = None, **kwargs) -> None:  # noqa: ANN003
+    def __init__(self, tmp: Path, *, env: dict[str, str] | None = None, proxy: bool = False,
+                 **kwargs) -> None:  # noqa: ANN003
+        #: With ``proxy``, the cluster reaches the first storage worker through a
+        #: :class:`~tests.faults.proxy.Proxy` that can corrupt or cut what it carries.
+        self.proxy: Proxy | None = None
+        self.use_proxy = proxy
         self.points = tmp / "failpoints"
         self.points.mkdir(parents=True, exist_ok=True)
         super().__init__(tmp, env={**FAULT_ENV, "CKPT_FAILPOINTS": str(self.points), **(env or {})},
@@ -128,12 +134,20 @@ class FaultCluster(Cluster):
                                                                             "CKPT_FAILPOINTS": str(d)}),
                               self.tmp / "logs" / f"worker{i}.log")
             self.workers.append(w.start())
+        if self.use_proxy:
+            self.proxy = Proxy(self.workers[0].port)
+            self.workers[0].url = self.proxy.url
         self.n_workers, spare = 0, self.n_workers  # Cluster.start: no more workers to start
         try:
             super().start()
         finally:
             self.n_workers = spare
         return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()  # its open connections would hold up the worker's graceful stop
+        super().stop()
 
     # -- failpoints --------------------------------------------------------------------
 

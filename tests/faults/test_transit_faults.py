@@ -1,0 +1,75 @@
+"""Bytes broken in transit between the actors and a storage worker: a flipped bit, a reset
+connection, a body cut short. Every byte is checked against the manifest on receipt, so
+each is caught, retried or taken from another copy, and nothing wrong is stored or restored."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.catalog import resolve
+from pipeline.db.engine import session_scope
+from pipeline.gather import manifest
+
+from tests.faults.harness import FaultCluster, Table, trial
+from tests.processes import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+#: Far enough into a connection to land in a shard's body, not its request line.
+INTO_BODY = 2000
+
+
+@pytest.fixture(scope="module")
+def proxied(tmp_path_factory):
+    c = FaultCluster(tmp_path_factory.mktemp("transit"), proxy=True)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("kind", ["flip", "reset", "truncate"])
+def test_upload_broken_in_transit(proxied: FaultCluster, trials: int, kind: str):
+    c = proxied
+    row = Table.row(f"upload to a worker: {kind} in transit")
+    for _ in range(trials):
+        applied = c.proxy.applied
+        c.proxy.arm(kind, "up", INTO_BODY)
+        trial(c, row, c.new_checkpoint, None)
+        assert c.proxy.applied == applied + 1, "the fault never hit an upload"
+        assert row.outcomes.get("store verified"), row.outcomes
+    assert row.ok, row.problems
+
+
+def checkpoint_read_through_proxy(c: FaultCluster) -> Path:
+    """A new checkpoint of which a restore reads some shard from the proxied worker first."""
+    proxied_id = c.workers[0].node_id
+    for _ in range(10):
+        path = c.new_checkpoint()
+        c.quiet()
+        with session_scope(c.settings.db_url) as s:
+            files = manifest(s, resolve(s, str(path)))
+        if any(sh.replicas[0][0] == proxied_id for f in files for sh in f.shards):
+            return path
+    raise AssertionError("no checkpoint had a shard read from the proxied worker first")
+
+
+@pytest.mark.parametrize("kind", ["flip", "reset", "truncate"])
+def test_restore_download_broken_in_transit(proxied: FaultCluster, trials: int, kind: str, tmp_path):
+    c = proxied
+    src = checkpoint_read_through_proxy(c)
+    row = Table.row(f"restore from a worker: {kind} in transit")
+    for i in range(trials):
+        dest = tmp_path / f"r{i}.safetensors"
+        applied = c.proxy.applied
+
+        def restore() -> None:
+            c.proxy.arm(kind, "down", INTO_BODY)
+            r = c.cli("restore", str(src), "--to", str(dest), "--wait", timeout=120)
+            assert r.returncode == 0, r.stderr
+
+        trial(c, row, restore, None)
+        wait_for(lambda: c.proxy.applied == applied + 1, 5, "the fault to hit a download")
+        assert dest.read_bytes() == src.read_bytes()
+    assert row.ok, row.problems
