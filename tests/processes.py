@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from bench.system import cmdline
 from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
@@ -59,14 +60,6 @@ def descendants(pid: int) -> list[int]:
         out.append(c)
         out.extend(descendants(c))
     return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except FileNotFoundError:
-        return "?"
 
 
 def alive(pid: int) -> bool:
