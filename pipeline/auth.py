@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 
+from pipeline import failpoints
 from pipeline.errors import AuthError
 
 TIME_HEADER = "X-Ckpt-Time"
@@ -23,6 +24,11 @@ REQUEST_HEADER = "X-Ckpt-Request"
 BODY_HEADER = "X-Ckpt-Body"
 SIGNATURE_HEADER = "X-Ckpt-Signature"
 NO_BODY = "-"
+
+
+def wall() -> float:
+    """This process's wall clock, as signatures use it (skewed only by fault tests)."""
+    return time.time() + failpoints.clock_offset()
 
 
 def signature(key: bytes, method: str, path: str, timestamp: str, request_id: str, body: str) -> str:
@@ -37,7 +43,7 @@ def body_digest(body: bytes | None) -> str:
 def sign(key: bytes, method: str, path: str, body: bytes | None = None, now: float | None = None,
          request_id: str | None = None) -> dict[str, str]:
     """Headers that authenticate ``method path`` (and ``body``, a JSON body) once, now."""
-    ts = str(int(time.time() if now is None else now))
+    ts = str(int(wall() if now is None else now))
     rid = request_id or secrets.token_hex(16)
     digest = body_digest(body)
     return {TIME_HEADER: ts, REQUEST_HEADER: rid, BODY_HEADER: digest,
@@ -81,7 +87,7 @@ def check(key: bytes, method: str, path: str, headers: dict[str, str | None], ma
         ts = int(timestamp)
     except ValueError:
         raise AuthError(f"{TIME_HEADER} is not an integer") from None
-    now = time.time() if now is None else now
+    now = wall() if now is None else now
     if abs(now - ts) > max_skew:
         raise AuthError(f"request time is {now - ts:+.0f} s off this worker's clock (bound {max_skew:.0f} s)")
     if not hmac.compare_digest(signature(key, method, path, timestamp, rid, digest), sig):
@@ -98,3 +104,29 @@ def proof(key: bytes, node_id: str, nonce: str) -> str:
 
 def check_proof(key: bytes, node_id: str, nonce: str, answer: str | None) -> bool:
     return bool(answer) and hmac.compare_digest(proof(key, node_id, nonce), str(answer))
+
+
+#: On a 401, the worker tells its clock, signed, so that a client whose clock is off can
+#: sign its next requests with the worker's time (requests stay single-use and bound).
+SERVER_TIME_HEADER = "X-Ckpt-Server-Time"
+SERVER_TIME_SIGNATURE = "X-Ckpt-Server-Time-Signature"
+
+
+def clock_hint(key: bytes) -> list[tuple[str, str]]:
+    ts = f"{wall():.3f}"
+    return [(SERVER_TIME_HEADER, ts),
+            (SERVER_TIME_SIGNATURE, hmac.new(key, f"time\n{ts}".encode(), hashlib.sha256).hexdigest())]
+
+
+def read_clock_hint(key: bytes, header) -> float | None:  # noqa: ANN001
+    """The worker's clock from a 401's headers (``header(name)``), if signed with the key."""
+    ts, sig = header(SERVER_TIME_HEADER), header(SERVER_TIME_SIGNATURE)
+    if not ts or not sig:
+        return None
+    good = hmac.new(key, f"time\n{ts}".encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(good, sig):
+        return None
+    try:
+        return float(ts)
+    except ValueError:
+        return None

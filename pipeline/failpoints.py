@@ -60,6 +60,22 @@ def end_message() -> None:
         _local.actor = None
 
 
+def clock_offset() -> float:
+    """Seconds to add to this process's wall clock: 0, unless a test skewed it.
+
+    ``<dir>/clock.<pid>`` holds the offset for process ``pid`` (a clock jumped forward two
+    days is ``172800``, back one hour ``-3600``). Every timestamp the control plane writes or
+    compares (:func:`pipeline.db.transitions.now`) and every request signature goes through it.
+    """
+    if not ENABLED:
+        return 0.0
+    try:
+        with open(os.path.join(_DIR, f"clock.{os.getpid()}")) as f:
+            return float(f.read().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0.0
+
+
 def commit_point(when: str) -> None:
     """``before`` or ``after`` a transaction commits, inside an actor's message."""
     if not ENABLED:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,6 +17,11 @@ from pipeline.errors import WorkerError
 
 CONNECT_TIMEOUT = 5.0
 IO_TIMEOUT = 600.0
+#: Clock differences up to this are left to the worker's skew bound.
+CLOCK_TOLERANCE = 30.0
+#: Per worker URL: what to add to this process's clock to sign (learned from 401s).
+_CLOCK_OFFSETS: dict[str, float] = {}
+log = logging.getLogger("ckpt.client")
 
 
 class WorkerClient:
@@ -39,23 +45,50 @@ class WorkerClient:
 
     def _headers(self, method: str, path: str, extra: dict[str, str] | None = None,
                  body: bytes | None = None) -> dict[str, str]:
-        h = auth.sign(self.key, method, path, body)
+        h = auth.sign(self.key, method, path, body, now=auth.wall() + _CLOCK_OFFSETS.get(self.url, 0.0))
         if extra:
             h.update(extra)
         return h
 
+    def _learn_clock(self, resp: http.client.HTTPResponse) -> bool:
+        """After a 401, sign with the worker's clock from now on if ours is off from it;
+        True if that changed how this client signs."""
+        if resp.status != 401:
+            return False
+        theirs = auth.read_clock_hint(self.key, resp.getheader)
+        if theirs is None:
+            return False
+        offset = theirs - auth.wall()
+        if abs(offset - _CLOCK_OFFSETS.get(self.url, 0.0)) <= CLOCK_TOLERANCE:
+            return False  # refused for another reason
+        if abs(offset) <= CLOCK_TOLERANCE:  # our clock was fixed
+            _CLOCK_OFFSETS.pop(self.url, None)
+            return True
+        _CLOCK_OFFSETS[self.url] = offset
+        log.warning("this process's clock is %+.0f s off storage worker %s; signing with the worker's time"
+                    " (fix the clock: NTP)", -offset, self.url)
+        return True
+
     def _exchange(self, method: str, path: str, body: bytes | None = None,
                   extra: dict[str, str] | None = None) -> tuple[http.client.HTTPResponse, bytes]:
-        """One signed request; the response and its whole body."""
-        conn = self._connect()
-        try:
-            conn.request(method, path, body=body, headers=self._headers(method, path, extra, body))
-            resp = conn.getresponse()
-            return resp, resp.read()
-        except OSError as exc:
-            raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
-        finally:
-            conn.close()
+        """One signed request; the response and its whole body.
+
+        Refused because this process's clock is off the worker's, it is signed again once,
+        with the worker's time.
+        """
+        for _ in range(2):
+            conn = self._connect()
+            try:
+                conn.request(method, path, body=body, headers=self._headers(method, path, extra, body))
+                resp = conn.getresponse()
+                data = resp.read()
+            except OSError as exc:
+                raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
+            finally:
+                conn.close()
+            if not self._learn_clock(resp):
+                break
+        return resp, data
 
     def _request_json(self, method: str, path: str, doc: Any = None, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
         body = json.dumps(doc).encode() if doc is not None else None
@@ -109,6 +142,7 @@ class WorkerClient:
                 sent_ok = False  # the worker refused early; its answer says why
             try:
                 resp = conn.getresponse()
+                self._learn_clock(resp)
                 data = resp.read()
             except OSError:
                 if not sent_ok:
@@ -131,6 +165,7 @@ class WorkerClient:
             conn.close()
             raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
         if resp.status != 200:
+            self._learn_clock(resp)
             data = resp.read()
             conn.close()
             _decode(self.url, "GET", path, resp.status, data, (200,))
@@ -176,6 +211,7 @@ class WorkerClient:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused early: the answer says why
             resp = conn.getresponse()
+            self._learn_clock(resp)
             data = resp.read()
         except OSError as exc:
             raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None

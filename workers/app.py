@@ -47,11 +47,12 @@ def _json(start: StartResponse, status: int, doc: Any) -> list[bytes]:
     return [body]
 
 
-def _error(start: StartResponse, status: int, reason: str) -> list[bytes]:
+def _error(start: StartResponse, status: int, reason: str, headers: list[tuple[str, str]] = ()) -> list[bytes]:
     # The request body may be unread (a refused upload): close rather than drain it.
     body = json.dumps({"error": reason}).encode()
     start(f"{status} {_REASONS.get(status, 'Error')}",
-          [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close")])
+          [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close"),
+           *headers])
     return [body]
 
 
@@ -69,7 +70,7 @@ class WorkerApp:
                        for h in (auth.TIME_HEADER, auth.REQUEST_HEADER, auth.BODY_HEADER, auth.SIGNATURE_HEADER)}
             environ["ckpt.body_digest"] = auth.check(self.key, method, path, headers, self.max_skew, self.replay)
         except AuthError as exc:
-            return _error(start, 401, str(exc))
+            return _error(start, 401, str(exc), auth.clock_hint(self.key))
         try:
             return self.route(method, path, environ, start)
         except StoreError as exc:

@@ -14,13 +14,14 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import failpoints, states
 from pipeline.db.models import Job, JobEvent
 from pipeline.errors import InvalidTransition, UnknownJob
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    """The wall clock, in UTC (skewed by a fault test only: pipeline.failpoints.clock_offset)."""
+    return datetime.now(timezone.utc) + timedelta(seconds=failpoints.clock_offset())
 
 
 def transition(

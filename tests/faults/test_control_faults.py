@@ -182,3 +182,44 @@ def test_sqlite_contention(fault_cluster: FaultCluster, trials: int):
                     p.kill()
                     p.wait()
     check_rows(row)
+
+
+def skew(c: FaultCluster, pid: int, seconds: float) -> None:
+    (c.points / f"clock.{pid}").write_text(str(seconds))
+
+
+def unskew(c: FaultCluster, pid: int) -> None:
+    (c.points / f"clock.{pid}").unlink(missing_ok=True)
+
+
+def test_clock_jumps(fault_cluster: FaultCluster, trials: int):
+    """One process's wall clock jumps two days forward, or one hour back."""
+    c = fault_cluster
+    rows = []
+    for seconds, label in ((2 * 86400, "forward two days"), (-3600, "back one hour")):
+        row = Table.row(f"scheduler clock {label} (and a dramatiq kill)")
+        rows.append(row)
+        for _ in range(trials):
+            c.wait_stable()
+            sched = child(c, "scheduler")
+            skew(c, sched, seconds)
+            c.arm("replicate.commit1.after", "kill")  # needs the skewed scheduler to re-drive it
+            try:
+                trial(c, row, c.new_checkpoint, "replicate.commit1.after")
+            finally:
+                unskew(c, sched)
+
+    # A dramatiq worker whose clock is two days ahead: the storage workers refuse its first
+    # requests, telling their time; it signs with their time from then on.
+    row = Table.row("dramatiq worker clock forward two days")
+    rows.append(row)
+    for _ in range(trials):
+        c.wait_stable()
+        worker = c.dramatiq_workers()[0]
+        skew(c, worker, 2 * 86400)
+        try:
+            trial(c, row, c.new_checkpoint, None)
+        finally:
+            unskew(c, worker)
+        assert any(k.startswith("store verified") for k in row.outcomes), row.outcomes
+    check_rows(*rows)

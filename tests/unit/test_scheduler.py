@@ -68,3 +68,20 @@ def test_expired_leases_are_re_driven_by_state_and_kind(any_db):
         assert s.get(Job, detected).lease_until > now()
         assert store_verified not in {a for x in sends for a in x.args} and fresh
     assert expired_work(any_db) == []  # the renewed leases hold
+
+
+def test_a_lease_written_by_a_fast_clock_is_not_trusted(any_db):
+    with session_scope(any_db.db_url) as s:
+        ahead = _job(s, "store", "detected", expired=False)
+        s.get(Job, ahead).lease_until = now() + timedelta(days=2)
+    assert expired_work(any_db) == [Send("shard", (ahead,))]
+    assert expired_work(any_db) == []  # re-leased from this clock
+
+
+def test_a_leader_lock_written_by_a_fast_clock_is_taken_over(any_db):
+    assert acquire_lock(any_db, "scheduler", "fast", ttl=30)
+    from pipeline.db.models import Lock
+
+    with session_scope(any_db.db_url) as s:
+        s.get(Lock, "scheduler").expires_at = now() + timedelta(days=2)
+    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
