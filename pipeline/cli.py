@@ -103,7 +103,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
     serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
-          threads=args.threads, max_skew=s.clock_skew_seconds, advertise_on=advertise)
+          threads=args.threads, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
+          advertise_on=advertise)
     return 0
 
 

@@ -59,6 +59,8 @@ class Settings:
     cluster_key: str = ""
     #: Largest accepted difference between a request's timestamp and the worker's clock.
     clock_skew_seconds: float = 300.0
+    #: A storage worker refuses (413) an upload declared larger than this.
+    worker_max_upload: int = 64 * 1024 * MiB
     #: Dramatiq time limit for one shard transfer, in seconds.
     transfer_time_limit: float = 3600.0
     #: Retries of a failing actor message before it is dead-lettered.

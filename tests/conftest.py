@@ -43,21 +43,14 @@ def settings(tmp_path: Path) -> settings_mod.Settings:
     return settings_mod.configure(s)
 
 
-@pytest.fixture
-def db(settings: settings_mod.Settings):
-    """The SQLite control plane at head, built by the migrations."""
-    upgrade(settings.db_url)
-    yield settings
-    dispose_all()
-
-
 POSTGRES = pytest.param("postgresql", marks=pytest.mark.skipif(
     not _postgres_available(), reason=f"requires PostgreSQL at {POSTGRES_ADMIN_URL} (set CKPT_TEST_POSTGRES_URL)"))
 
 
 @pytest.fixture(params=["sqlite", POSTGRES])
-def any_db(request, settings: settings_mod.Settings):
-    """The control plane at head on SQLite, and on a fresh PostgreSQL database."""
+def db(request, settings: settings_mod.Settings):
+    """The control plane at head, built by the migrations: every test that takes it runs
+    twice, on SQLite and on a fresh PostgreSQL database."""
     if request.param == "sqlite":
         upgrade(settings.db_url)
         yield settings

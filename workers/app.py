@@ -58,8 +58,9 @@ def _error(start: StartResponse, status: int, reason: str, headers: list[tuple[s
 
 class WorkerApp:
     def __init__(self, store: ShardStore, *, key: bytes, node_id: str, zone: str = "",
-                 max_skew: float = 300.0) -> None:
+                 max_skew: float = 300.0, max_upload: int = 0) -> None:
         self.store, self.key, self.node_id, self.zone, self.max_skew = store, key, node_id, zone, max_skew
+        self.max_upload = max_upload  # 0: only the free space bounds an upload
         self.replay = auth.ReplayGuard(max_skew)
 
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
@@ -136,6 +137,9 @@ class WorkerApp:
         raw_len = environ.get("CONTENT_LENGTH") or ""
         if not raw_len.isdigit():
             return _error(start, 411, "Content-Length is required")
+        if self.max_upload and int(raw_len) > self.max_upload:
+            return _error(start, 413, f"upload of {int(raw_len):,} bytes exceeds this worker's limit of "
+                                      f"{self.max_upload:,} (CKPT_WORKER_MAX_UPLOAD)")
         result = self.store.put(name, environ["wsgi.input"], int(raw_len))
         status = 201 if result.created else 200
         return _json(start, status, {"name": name, "size": result.size, "created": result.created,

@@ -1,11 +1,7 @@
 """Crashes delay work but never lose it, and never lose data."""
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
-import redis
 import torch
 from safetensors.torch import load_file
 from sqlalchemy import func, select
@@ -73,36 +69,3 @@ def test_storage_worker_killed_during_store_then_restore_falls_back(make_cluster
     r = cluster.cli("restore", str(path), "--to", str(dest), "--wait", timeout=180)
     assert r.returncode == 0, r.stderr + cluster.logs()
     assert files_of(dest) == original
-
-
-def test_dramatiq_worker_sigkilled_mid_replication(make_cluster, tmp_path):
-    cluster = make_cluster()
-    run = cluster.runs / "run"
-    run.mkdir()
-    path = big_checkpoint(run / "step_1.safetensors", seed=5)
-    job_id = checkpoint_job(cluster, path)
-    wait_for(lambda: cluster.job(job_id).state == "sharded" and stored_replicas(cluster, job_id) >= 2, 60,
-             "replication under way")
-    victims = cluster.dramatiq_workers()
-    assert victims, "no dramatiq worker process found"
-    os.kill(victims[0], signal.SIGKILL)
-
-    cluster.wait_job(job_id, ("verified",), timeout=180)
-    dest = tmp_path / "restored.safetensors"
-    r = cluster.cli("restore", str(path), "--to", str(dest), "--wait", timeout=180)
-    assert r.returncode == 0, r.stderr
-    assert dest.read_bytes() == path.read_bytes()
-
-
-def test_redis_flushed_mid_pipeline(make_cluster):
-    cluster = make_cluster()
-    run = cluster.runs / "run"
-    run.mkdir()
-    path = big_checkpoint(run / "step_1.safetensors", seed=9)
-    job_id = checkpoint_job(cluster, path)
-    wait_for(lambda: cluster.job(job_id).state == "sharded", 60, "replication under way")
-    client = redis.Redis(unix_socket_path=str(cluster.settings.redis_socket))
-    client.flushall()
-    client.close()
-    cluster.wait_job(job_id, ("verified",), timeout=180)
-    assert "lease expired" in (cluster.home / "logs" / "scheduler.log").read_text()

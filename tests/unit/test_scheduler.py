@@ -14,17 +14,17 @@ from pipeline.scheduler import acquire_lock, expired_work, holder_is_dead, relea
 from pipeline.steps import Send
 
 
-def test_only_one_scheduler_holds_the_leader_lock(any_db):
-    assert acquire_lock(any_db, "scheduler", "a", ttl=30)
-    assert not acquire_lock(any_db, "scheduler", "b", ttl=30)
-    assert acquire_lock(any_db, "scheduler", "a", ttl=30)  # renewal
-    release_lock(any_db, "scheduler", "a")
-    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
+def test_only_one_scheduler_holds_the_leader_lock(db):
+    assert acquire_lock(db, "scheduler", "a", ttl=30)
+    assert not acquire_lock(db, "scheduler", "b", ttl=30)
+    assert acquire_lock(db, "scheduler", "a", ttl=30)  # renewal
+    release_lock(db, "scheduler", "a")
+    assert acquire_lock(db, "scheduler", "b", ttl=30)
 
 
-def test_an_expired_lock_is_taken_over(any_db):
-    assert acquire_lock(any_db, "scheduler", "a", ttl=-1)
-    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
+def test_an_expired_lock_is_taken_over(db):
+    assert acquire_lock(db, "scheduler", "a", ttl=-1)
+    assert acquire_lock(db, "scheduler", "b", ttl=30)
 
 
 def _job(s, kind: str, state: str, expired: bool) -> int:  # noqa: ANN001
@@ -35,53 +35,53 @@ def _job(s, kind: str, state: str, expired: bool) -> int:  # noqa: ANN001
     return job.id
 
 
-def test_a_dead_local_holder_is_taken_over_at_once(any_db):
+def test_a_dead_local_holder_is_taken_over_at_once(db):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     host = socket.gethostname()
-    assert acquire_lock(any_db, "scheduler", f"{host}:{gone.pid}", ttl=30)
+    assert acquire_lock(db, "scheduler", f"{host}:{gone.pid}", ttl=30)
     assert holder_is_dead(f"{host}:{gone.pid}")
-    assert acquire_lock(any_db, "scheduler", "b", ttl=30)  # no need to wait 30 s
+    assert acquire_lock(db, "scheduler", "b", ttl=30)  # no need to wait 30 s
 
 
-def test_a_live_or_remote_holder_is_not_presumed_dead(any_db):
+def test_a_live_or_remote_holder_is_not_presumed_dead(db):
     host = socket.gethostname()
     parent = f"{host}:{os.getppid()}"
     assert not holder_is_dead(parent)
     assert not holder_is_dead("another-host:1")
     assert not holder_is_dead("garbage")
-    assert acquire_lock(any_db, "scheduler", parent, ttl=30)
-    assert not acquire_lock(any_db, "scheduler", "b", ttl=30)
+    assert acquire_lock(db, "scheduler", parent, ttl=30)
+    assert not acquire_lock(db, "scheduler", "b", ttl=30)
 
 
-def test_expired_leases_are_re_driven_by_state_and_kind(any_db):
-    with session_scope(any_db.db_url) as s:
+def test_expired_leases_are_re_driven_by_state_and_kind(db):
+    with session_scope(db.db_url) as s:
         detected = _job(s, "store", "detected", expired=True)
         replicated = _job(s, "store", "replicated", expired=True)
         store_verified = _job(s, "store", "verified", expired=True)  # waiting for rotation: not active
         restore_verified = _job(s, "restore", "verified", expired=True)  # renaming into place: active
         fresh = _job(s, "store", "detected", expired=False)
-    sends = expired_work(any_db)
+    sends = expired_work(db)
     assert set(sends) == {Send("shard", (detected,)), Send("verify", (replicated,)),
                           Send("restore", (restore_verified,))}
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         assert s.get(Job, detected).lease_until > now()
         assert store_verified not in {a for x in sends for a in x.args} and fresh
-    assert expired_work(any_db) == []  # the renewed leases hold
+    assert expired_work(db) == []  # the renewed leases hold
 
 
-def test_a_lease_written_by_a_fast_clock_is_not_trusted(any_db):
-    with session_scope(any_db.db_url) as s:
+def test_a_lease_written_by_a_fast_clock_is_not_trusted(db):
+    with session_scope(db.db_url) as s:
         ahead = _job(s, "store", "detected", expired=False)
         s.get(Job, ahead).lease_until = now() + timedelta(days=2)
-    assert expired_work(any_db) == [Send("shard", (ahead,))]
-    assert expired_work(any_db) == []  # re-leased from this clock
+    assert expired_work(db) == [Send("shard", (ahead,))]
+    assert expired_work(db) == []  # re-leased from this clock
 
 
-def test_a_leader_lock_written_by_a_fast_clock_is_taken_over(any_db):
-    assert acquire_lock(any_db, "scheduler", "fast", ttl=30)
+def test_a_leader_lock_written_by_a_fast_clock_is_taken_over(db):
+    assert acquire_lock(db, "scheduler", "fast", ttl=30)
     from pipeline.db.models import Lock
 
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         s.get(Lock, "scheduler").expires_at = now() + timedelta(days=2)
-    assert acquire_lock(any_db, "scheduler", "b", ttl=30)
+    assert acquire_lock(db, "scheduler", "b", ttl=30)

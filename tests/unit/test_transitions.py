@@ -53,35 +53,35 @@ def test_every_illegal_transition_raises(db, kind, current, target):
 
 
 @pytest.mark.parametrize("kind,current,target", LEGAL)
-def test_every_legal_transition_moves_and_writes_the_timeline(any_db, kind, current, target):
-    with session_scope(any_db.db_url) as s:
+def test_every_legal_transition_moves_and_writes_the_timeline(db, kind, current, target):
+    with session_scope(db.db_url) as s:
         job_id = _job_in(s, kind, current)
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         assert transition(s, job_id, kind, current, target, detail="why") is True
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         assert s.get(Job, job_id).state == target
         last = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc())).first()
         assert (last.from_state, last.to_state, last.detail) == (current, target, "why")
 
 
-def test_a_repeated_transition_is_a_no_op(any_db):
-    with session_scope(any_db.db_url) as s:
+def test_a_repeated_transition_is_a_no_op(db):
+    with session_scope(db.db_url) as s:
         job_id = create_job(s, "store", checkpoint_id=None).id
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         assert transition(s, job_id, "store", "detected", "sharded")
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         assert transition(s, job_id, "store", "detected", "sharded") is False
         events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)).all()
         assert [e.to_state for e in events] == ["detected", "sharded"]
 
 
-def test_compare_and_set_refuses_a_stale_expectation(any_db):
-    with session_scope(any_db.db_url) as s:
+def test_compare_and_set_refuses_a_stale_expectation(db):
+    with session_scope(db.db_url) as s:
         job_id = create_job(s, "store", checkpoint_id=None).id
-    with session_scope(any_db.db_url) as s:
+    with session_scope(db.db_url) as s:
         transition(s, job_id, "store", "detected", "sharded")
         transition(s, job_id, "store", "sharded", "replicated")
     # A late delivery still believing the job is 'detected' cannot move it.
     with pytest.raises(InvalidTransition, match="cannot go from 'replicated' to 'sharded'"):
-        with session_scope(any_db.db_url) as s:
+        with session_scope(db.db_url) as s:
             transition(s, job_id, "store", "detected", "sharded")
