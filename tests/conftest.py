@@ -1,6 +1,7 @@
 """Shared fixtures: settings on a temporary home, a control plane built by Alembic."""
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -56,6 +57,17 @@ def db(request, settings: settings_mod.Settings):
         yield settings
         dispose_all()
         return
+    import dataclasses
+
+    with fresh_postgres_database() as (_name, url):
+        s = settings_mod.configure(dataclasses.replace(settings, database_url=url))
+        upgrade(url)
+        yield s
+
+
+@contextlib.contextmanager
+def fresh_postgres_database():
+    """A new, empty PostgreSQL database: (name, URL); dropped afterwards."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
@@ -63,13 +75,8 @@ def db(request, settings: settings_mod.Settings):
     admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    import dataclasses
-
-    s = settings_mod.configure(dataclasses.replace(settings, database_url=url))
     try:
-        upgrade(url)
-        yield s
+        yield name, make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
     finally:
         dispose_all()
         with admin.connect() as c:

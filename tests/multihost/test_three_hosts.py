@@ -17,14 +17,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from pipeline.db.engine import dispose_all, session_scope
+from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
 from tests.checkpoints import atomic_save, state_dict
-from tests.conftest import POSTGRES_ADMIN_URL, _postgres_available
+from tests.conftest import POSTGRES_ADMIN_URL, _postgres_available, fresh_postgres_database
 from tests.processes import FAST, KEY, wait_for
 
 PG_SOCKET = "/var/run/postgresql/.s.PGSQL.5432"
@@ -92,21 +92,12 @@ class Lan:
 
 @pytest.fixture
 def pg_database():
-    name = f"ckpt_mh_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield name
-    finally:
-        dispose_all()
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database() as (name, url):
+        yield name, url
 
 
 def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
-    local_url = make_url(POSTGRES_ADMIN_URL).set(database=pg_database).render_as_string(hide_password=False)
+    pg_database, local_url = pg_database
     upgrade(local_url)
     lan = Lan()
     runs = tmp_path / "runs"
