@@ -173,7 +173,9 @@ def cmd_web(args: argparse.Namespace) -> int:
     s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
     app = create_app(settings=s)
     print(f"web UI on http://{s.web_host}:{s.web_port}/", flush=True)
-    run(app, host=s.web_host, port=s.web_port, threads=args.threads, name="ckpt-web")
+    # Open event streams (the pages' live updates) never finish by themselves: a stop
+    # should not wait the default 10 s for them.
+    run(app, host=s.web_host, port=s.web_port, threads=args.threads, name="ckpt-web", graceful_timeout=2)
     return 0
 
 

@@ -59,10 +59,23 @@ def db(request, settings: settings_mod.Settings):
         return
     import dataclasses
 
+    from sqlalchemy import text
+
+    url = request.getfixturevalue("postgres_control_plane")
+    with session_scope(url) as s:  # every table emptied: each test starts from a clean control plane
+        tables = s.scalars(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+                                " AND tablename <> 'alembic_version'")).all()
+        if tables:
+            s.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
+    yield settings_mod.configure(dataclasses.replace(settings, database_url=url))
+
+
+@pytest.fixture(scope="session")
+def postgres_control_plane():
+    """One PostgreSQL database for the session, built by the migrations once."""
     with fresh_postgres_database() as (_name, url):
-        s = settings_mod.configure(dataclasses.replace(settings, database_url=url))
         upgrade(url)
-        yield s
+        yield url
 
 
 @contextlib.contextmanager

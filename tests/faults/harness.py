@@ -37,9 +37,10 @@ S = states.StoreState
 
 #: Settings of a fault cluster: short leases, so a killed step is re-driven in seconds.
 FAULT_ENV = {
-    "CKPT_LEASE_SECONDS": "1.5",
+    "CKPT_LEASE_SECONDS": "1",
     "CKPT_KEEP_LAST": "1",
-    "CKPT_TICK_SECONDS": "0.3",
+    "CKPT_TICK_SECONDS": "0.2",
+    "CKPT_SETTLE_SECONDS": "0.1",
     "CKPT_MIN_BACKOFF_MS": "100",
     "CKPT_MAX_BACKOFF_MS": "1000",
 }
