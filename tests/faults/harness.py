@@ -23,11 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dramatiq import Message
+from dramatiq.brokers.redis import RedisBroker
 from sqlalchemy import select
 
 from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
+from pipeline.restore import request as restore_request
+from pipeline.scrub import request_scrub
 from pipeline.supervisor import STABLE_SECONDS
 from tests.checkpoints import atomic_save, state_dict
 from tests.faults.proxy import Proxy
@@ -122,6 +126,7 @@ class FaultCluster(Cluster):
         super().__init__(tmp, env={**FAULT_ENV, "CKPT_FAILPOINTS": str(self.points), **(env or {})},
                          **{"processes": 1, **kwargs})
         self.step = 0
+        self._broker: RedisBroker | None = None
         self.expecting: list[Path] = []  # checkpoints written and not yet seen detected
         self.run = self.runs / "run"
         self.run.mkdir(exist_ok=True)
@@ -146,6 +151,8 @@ class FaultCluster(Cluster):
         return self
 
     def stop(self) -> None:
+        if self._broker is not None:
+            self._broker.close()
         if self.proxy is not None:
             self.proxy.close()  # its open connections would hold up the worker's graceful stop
         super().stop()
@@ -199,6 +206,28 @@ class FaultCluster(Cluster):
             restarted = (self.home / "up.json").stat().st_mtime  # rewritten at each restart
             return time.time() - restarted >= STABLE_SECONDS + 0.2
         wait_for(stable, 10, "ckpt up's children to run stably", interval=0.1)
+
+    def send(self, actor: str, *args: object) -> None:
+        """Enqueue a message as the CLI would (without paying for a CLI process per trial)."""
+        if self._broker is None:
+            self._broker = RedisBroker(url=f"unix://{self.settings.redis_socket}")
+        self._broker.enqueue(Message(queue_name="ckpt", actor_name=actor, args=args, kwargs={}, options={}))
+
+    def scrub_now(self) -> list[int]:
+        """`ckpt scrub`: one scrub job per live storage worker."""
+        with session_scope(self.settings.db_url) as s:
+            ids = [j.id for j in request_scrub(s, self.settings, reason="fault test")]
+        for job_id in ids:
+            self.send("scrub", job_id)
+        return ids
+
+    def restore(self, src: Path, dest: Path, timeout: float = 90) -> Job:
+        """`ckpt restore SRC --to DEST --wait`: the job once it ended."""
+        with session_scope(self.settings.db_url) as s:
+            job_id = restore_request(s, self.settings, str(src), str(dest)).id
+        self.send("restore", job_id)
+        return wait_for(lambda: (j := self.job(job_id)).state in ("done", "failed") and j, timeout,
+                        f"restore job {job_id}")
 
     def restart_dead_workers(self) -> None:
         for w in self.workers:

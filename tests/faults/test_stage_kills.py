@@ -61,9 +61,9 @@ def test_restore(fault_cluster: FaultCluster, trials: int, tmp_path):
         nonlocal n
         n += 1
         dest = tmp_path / f"restored_{n}.safetensors"
-        r = c.cli("restore", str(src), "--to", str(dest), "--wait", timeout=120)
-        if r.returncode != 0 or dest.read_bytes() != src.read_bytes():
-            problems.append(f"restore {n}: exit {r.returncode}, {r.stderr[-300:]}")
+        job = c.restore(src, dest)
+        if job.state != "done" or dest.read_bytes() != src.read_bytes():
+            problems.append(f"restore {n}: {job.state}, {job.last_error}")
         leftovers = [p.name for p in tmp_path.iterdir() if ".ckpt-restore-" in p.name]
         if leftovers:
             problems.append(f"restore {n}: staging left behind: {leftovers}")
@@ -92,8 +92,7 @@ def test_scrub_and_repair(fault_cluster: FaultCluster, trials: int):
     c.quiet()
 
     def scrub() -> None:
-        r = c.cli("scrub", timeout=60)
-        assert r.returncode == 0, r.stderr
+        assert c.scrub_now()
 
     def rot_then_scrub() -> None:
         corrupt_one_replica(c)

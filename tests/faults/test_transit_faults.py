@@ -77,8 +77,8 @@ def test_restore_download_broken_in_transit(proxied: FaultCluster, trials: int, 
             # it last. The scheduler's next probe finds it up again.
             wait_for(lambda: worker_state(c, c.workers[0].node_id) == "up", 30, "the proxied worker up")
             c.proxy.arm(kind, "down", INTO_BODY)
-            r = c.cli("restore", str(src), "--to", str(dest), "--wait", timeout=120)
-            assert r.returncode == 0, r.stderr
+            job = c.restore(src, dest)
+            assert job.state == "done", job.last_error
 
         trial(c, row, restore, None)
         wait_for(lambda: c.proxy.applied == applied + 1, 5, "the fault to hit a download")
