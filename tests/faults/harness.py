@@ -30,6 +30,7 @@ from sqlalchemy import select
 from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
+from pipeline.db.models import StorageWorker as WorkerRow
 from pipeline.restore import request as restore_request
 from pipeline.scrub import request_scrub
 from pipeline.supervisor import STABLE_SECONDS
@@ -236,12 +237,15 @@ class FaultCluster(Cluster):
                 self._remember_pids()
 
     def quiet(self, timeout: float = 90) -> None:
-        """Wait until no job is active, every store job is verified or final, and rotation
-        has run (every checkpoint but the newest of a run is rotated, or blocked)."""
+        """Wait until every storage worker is up, no job is active, every store job is verified
+        or final, and rotation has run (every checkpoint but the newest of a run is rotated,
+        or blocked)."""
         def settled() -> bool:
             with session_scope(self.settings.db_url) as s:
                 if any(self.runs.rglob(".ckpt-trash-*")):
                     return False  # a crashed rotation's trash: put back or emptied by the next sweep
+                if any(w.state != "up" for w in s.scalars(select(WorkerRow))):
+                    return False  # a worker taken for down (killed, stopped, full) is not back yet
                 known = set(s.scalars(select(Checkpoint.path)))
                 self.expecting = [p for p in self.expecting if str(p.resolve()) not in known]
                 if self.expecting:

@@ -18,6 +18,17 @@ def check_rows(*rows) -> None:  # noqa: ANN002
     assert not bad
 
 
+def store_until_fired(c: FaultCluster, name: str, where: str) -> None:
+    """New checkpoints until one sends a shard to ``where`` (placement may pass it by)."""
+    for _ in range(4):
+        c.new_checkpoint()
+        try:
+            wait_for(lambda: c.fired(name, where), 8, f"failpoint {name}")
+            return
+        except AssertionError:
+            continue
+
+
 def test_storage_worker_killed_mid_upload_and_after_rename(fault_cluster: FaultCluster, trials: int):
     c = fault_cluster
     rows = []
@@ -25,7 +36,7 @@ def test_storage_worker_killed_mid_upload_and_after_rename(fault_cluster: FaultC
         row = rows.append(Table.row(f"SIGKILL storage worker {what}")) or rows[-1]
         for _ in range(trials):
             c.arm(name, "kill", where="worker0")
-            trial(c, row, c.new_checkpoint, name, where="worker0")
+            trial(c, row, lambda: store_until_fired(c, name, "worker0"), name, where="worker0")
     check_rows(*rows)
 
 
@@ -111,23 +122,23 @@ def test_source_rewritten_before_replication_and_before_rotation(fault_cluster: 
         trial(c, early, rewrite_while_sharding, "shard.commit1.after")
         assert "store superseded" in "; ".join(early.outcomes), early.outcomes
 
-        # The rotation of the older checkpoint is held for 2 s after its first check; the
-        # file is rewritten then, with the watcher paused so that only rotation can notice.
-        c.arm("rotate.commit1.after", "sleep 2")
+        # The newest checkpoint is rewritten in place while the watcher is paused, and the
+        # next one is stored with `ckpt store`: only rotation can notice the rewrite.
         older = c.run / f"step_{c.step}.safetensors"
+        refusals = len(c.notes_containing("changed after it was stored"))
 
-        def rewrite_while_rotating() -> None:
-            c.new_checkpoint()
-            wait_for(lambda: c.fired("rotate.commit1.after"), 30, "the rotation to start")
+        def rewrite_then_store_next() -> None:
             watcher = c.up_info()["children"]["watcher"]
             os.kill(watcher, signal.SIGSTOP)
             try:
                 rewrite_in_place(older)
-                time.sleep(2.5)
+                r = c.cli("store", str(c.new_checkpoint()), "--wait", timeout=60)
+                assert r.returncode == 0, r.stderr
+                wait_for(lambda: len(c.notes_containing("changed after it was stored")) > refusals, 30,
+                         "rotation to refuse the rewritten checkpoint")
             finally:
                 os.kill(watcher, signal.SIGCONT)
 
-        trial(c, late, rewrite_while_rotating, "rotate.commit1.after")
+        trial(c, late, rewrite_then_store_next, None)
         assert older.exists()
-        assert c.notes_containing("changed after it was stored"), "rotation did not notice the rewrite"
     check_rows(early, late)
