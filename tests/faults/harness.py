@@ -371,6 +371,12 @@ class Trace:
         return out
 
 
+def check_rows(*rows: Row) -> None:
+    """Fail with what went wrong in any of ``rows``."""
+    bad = [f"{r.fault}: {r.problems[:3]} outcomes {r.outcomes}" for r in rows if not r.ok]
+    assert not bad
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

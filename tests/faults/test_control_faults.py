@@ -15,15 +15,10 @@ from sqlalchemy import select
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.scheduler import resume
-from tests.faults.harness import FaultCluster, Table, trial
+from tests.faults.harness import FaultCluster, Table, check_rows, trial
 from tests.processes import alive, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def check_rows(*rows) -> None:  # noqa: ANN002
-    bad = [f"{r.fault}: {r.problems[:3]} outcomes {r.outcomes}" for r in rows if not r.ok]
-    assert not bad
 
 
 def child(c: FaultCluster, name: str) -> int:

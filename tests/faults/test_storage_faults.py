@@ -7,15 +7,10 @@ import time
 
 import pytest
 
-from tests.faults.harness import FaultCluster, Table, trial
+from tests.faults.harness import FaultCluster, Table, check_rows, trial
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def check_rows(*rows) -> None:  # noqa: ANN002
-    bad = [f"{r.fault}: {r.problems[:3]} outcomes {r.outcomes}" for r in rows if not r.ok]
-    assert not bad
 
 
 def store_until_fired(c: FaultCluster, name: str, where: str) -> None:
