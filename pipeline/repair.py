@@ -22,7 +22,7 @@ from pipeline.db.transitions import create_job, note, now, renew_lease, transiti
 from pipeline.errors import CkptError, WorkerError
 from pipeline.health import READABLE
 from pipeline.replicas import mark, place_replacement
-from pipeline.sharding import shard_prefix
+from pipeline.sharding import shard_prefix, source_matches
 from pipeline.settings import Settings
 from pipeline.steps import Send, start_job
 from pipeline.worker_client import WorkerClient
@@ -221,6 +221,8 @@ def _transfer(settings: Settings, key: bytes, w: ShardWork, source: WorkerClient
     except WorkerError as exc:
         if exc.status != 422:
             raise
+        if source_matches(w.src_path, w.kind, w.tensors, w.src_offset, w.length, w.sha):
+            raise  # damaged on the way, the local copy is fine: the retry sends it again
         w.src_path = None  # the local copy no longer matches the manifest
         raise _NoSource() from None
     except (OSError, CkptError):

@@ -12,7 +12,6 @@ workers remain).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 
 from sqlalchemy import func, select, update
@@ -25,7 +24,7 @@ from pipeline.db.transitions import note, now, renew_lease, transition
 from pipeline.errors import PlacementError, WorkerError
 from pipeline.settings import Settings
 from pipeline.replicas import place_replacement
-from pipeline.sharding import shard_prefix
+from pipeline.sharding import shard_prefix, source_matches
 from pipeline.steps import AttemptsExhausted, Send
 from pipeline.worker_client import WorkerClient
 
@@ -103,21 +102,6 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
                   .values(stored_at=t, checked_at=t, last_error=None, **done))
         s.execute(update(Job).where(Job.id == job_id).values(bytes_done=Job.bytes_done + size))
         return _fan_in(s, settings, job_id)
-
-
-def source_matches(src: str, kind: str, tensors: tuple[str, ...], offset: int, length: int, sha: str) -> bool:
-    """Whether the shard's bytes in the source file still hash to ``sha``."""
-    try:
-        h = hashlib.sha256(shard_prefix(src, kind, tensors))
-        with open(src, "rb") as f:
-            f.seek(offset)
-            remaining = length
-            while remaining and (chunk := f.read(min(remaining, 4 << 20))):
-                h.update(chunk)
-                remaining -= len(chunk)
-        return not remaining and h.hexdigest() == sha
-    except (OSError, ValueError):
-        return False
 
 
 def _fan_in(s, settings: Settings, job_id: int) -> list[Send]:  # noqa: ANN001

@@ -11,6 +11,7 @@ recorded without shard rows (by an older version) is planned and hashed here.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -50,6 +51,22 @@ def shard_prefix(path: str, kind: str, tensors: tuple[str, ...] | list[str]) -> 
     st = os.stat(path)
     names = set(tensors)
     return shard_header([t for t in _header_of(path, st.st_size, st.st_mtime_ns).tensors if t.name in names])
+
+
+def source_matches(src: str, kind: str, tensors: tuple[str, ...], offset: int, length: int, sha: str) -> bool:
+    """Whether the shard's bytes in the source file still hash to ``sha`` (a worker that
+    refused them got them damaged on the way, or the source changed: this tells which)."""
+    try:
+        h = hashlib.sha256(shard_prefix(src, kind, tensors))
+        with open(src, "rb") as f:
+            f.seek(offset)
+            remaining = length
+            while remaining and (chunk := f.read(min(remaining, 4 << 20))):
+                h.update(chunk)
+                remaining -= len(chunk)
+        return not remaining and h.hexdigest() == sha
+    except (OSError, ValueError):
+        return False
 
 
 def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
