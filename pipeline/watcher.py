@@ -15,7 +15,19 @@ from pathlib import Path
 from typing import Callable
 
 from sqlalchemy import select
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirModifiedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from pipeline import catalog, detect, failpoints, roots, trash
@@ -30,13 +42,20 @@ log = logging.getLogger("ckpt.watcher")
 #: An incomplete checkpoint is reported after it stayed incomplete this many settle windows.
 REPORT_AFTER_SETTLES = 10
 
+#: Events that can change what a run holds. Not opens and closes without a write: the
+#: watcher opens every checkpoint it looks at, and its own reads woke it up again at once,
+#: in a loop that kept one core busy for as long as a checkpoint was in a run.
+CHANGES = [FileCreatedEvent, FileDeletedEvent, FileModifiedEvent, FileMovedEvent, FileClosedEvent,
+           DirCreatedEvent, DirDeletedEvent, DirModifiedEvent, DirMovedEvent]
+
 
 class _Events(FileSystemEventHandler):
     def __init__(self, watcher: "Watcher", run: Path) -> None:
         self.watcher, self.run = watcher, run
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        self.watcher.poke(self.run)
+        if type(event) in CHANGES:
+            self.watcher.poke(self.run)
 
 
 class Watcher:
@@ -62,7 +81,7 @@ class Watcher:
             return
         for run in runs:
             if run not in self.watched:
-                self.observer.schedule(_Events(self, run), str(run), recursive=True)
+                self.observer.schedule(_Events(self, run), str(run), recursive=True, event_filter=CHANGES)
                 self.watched.add(run)
 
     # -- reconciliation ----------------------------------------------------------------

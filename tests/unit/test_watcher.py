@@ -110,3 +110,31 @@ def test_a_directory_losing_files_is_not_taken_for_a_new_version(db, tmp_path):
     (d / "optimizer.pt").unlink()  # rmtree under way: the rest still parses, with old mtimes
     w.scan()
     assert [x.actor for x in sent] == ["shard"]  # the directory just changed: not settled
+
+
+def test_idle_watcher_is_not_woken_by_its_own_reads(db, tmp_path):
+    """With events on, looking at a checkpoint (opening it) must not wake the watcher again:
+    it did, and rescanned in a loop that kept a core busy."""
+    import threading
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    atomic_save(state_dict(0), run / "step_1.safetensors")
+    w = Watcher(db, [].extend, use_events=True)
+    scans = []
+    real = w.scan
+    w.scan = lambda only=None: scans.append(only) or real(only)  # noqa: E731
+    t = threading.Thread(target=w.run)
+    t.start()
+    try:
+        time.sleep(1.5)
+        idle = len(scans)
+        (run / "step_2.safetensors.tmp").write_bytes(b"x")  # a real change still wakes it
+        deadline = time.monotonic() + 5
+        while len(scans) == idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        w.stop()
+        t.join(timeout=10)
+    assert idle <= 3, f"{idle} scans in 1.5 s of an idle run"
+    assert len(scans) > idle, "a file written into the run did not wake the watcher"
