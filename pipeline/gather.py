@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -21,6 +22,8 @@ from pipeline.worker_client import WorkerClient
 
 log = logging.getLogger("ckpt.gather")
 BLOCK = 4 * 1024 * 1024
+#: Blocks received ahead of the slowest sink (absorbs a sink's stalls on the disk).
+IN_FLIGHT = 4
 #: A worker sends a shard without pause: this long without a byte, the copy is given up
 #: for the next replica (a peer that vanished without a reset would hang a restore).
 FETCH_TIMEOUT = 30.0
@@ -78,21 +81,27 @@ def read_ahead(shards: Iterable[ShardSource], key: bytes) -> Iterator[ShardSourc
         yield shard
 
 
-def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
-          reset: Callable[[], None]) -> str:
-    """Stream ``shard`` into ``sink`` from the first replica whose bytes match the manifest.
+def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview], None]],
+          reset: Callable[[], None], *, check: bool = True,
+          inline: Callable[[memoryview], memoryview] | None = None) -> str:
+    """Stream ``shard`` into ``sinks`` from the first replica whose bytes match the manifest.
 
-    ``sink`` receives every byte of the shard in order; ``reset`` is called before a
+    Every sink receives every byte of the shard in order, each in a helper thread of its
+    own (a write in one, the caller's hash in another), while this thread receives and
+    checks the next blocks: socket reads, hashlib and ``os.pwrite`` release the GIL, so
+    they run on all cores. ``inline``, if given, runs on each block in this thread, in
+    order, and returns what is passed on to the sinks. ``reset`` is called before a
     fallback so the caller can discard what a bad replica gave. Returns the worker id used.
 
-    Two blocks are in flight: while a helper thread runs ``sink`` on one (a write and the
-    caller's own hash, say), this thread receives and hashes the next. Socket reads,
-    hashlib and ``os.pwrite`` release the GIL, so the two run on two cores.
+    ``check=False`` skips the shard's own SHA-256: for a caller that verifies every byte it
+    keeps against a hash of its own (a restored file's), and comes back with ``check=True``
+    to find the bad replica when that hash does not match. A replica that sends a wrong
+    number of bytes is skipped either way.
     """
     if not shard.replicas:
         raise RestoreError(f"shard {shard.sha256[:12]} has no stored replica")
-    views = (memoryview(bytearray(BLOCK)), memoryview(bytearray(BLOCK)))
-    side = side_thread()
+    views = [memoryview(bytearray(BLOCK)) for _ in range(IN_FLIGHT)]
+    threads = [side_thread(f"ckpt-sink{i}") for i in range(len(sinks))]
     errors = []
     for worker_id, url in shard.replicas:
         try:
@@ -100,13 +109,15 @@ def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
         except WorkerError as exc:
             errors.append(f"{worker_id}: {exc.reason}")
             continue
-        h = hashlib.sha256()
+        h = hashlib.sha256() if check else None
         got, blocks, broke = 0, 0, False
-        pending: Future | None = None
+        pending: deque[list[Future]] = deque()  # per block in flight, its sinks' futures
         try:
             while True:
-                # This buffer's last sink finished before the one now pending was submitted.
-                view = views[blocks % 2]
+                if len(pending) == IN_FLIGHT:  # the block that used this buffer must be done
+                    for fut in pending.popleft():
+                        fut.result()  # in order; the sinks' own errors are raised here
+                view = views[blocks % IN_FLIGHT]
                 try:
                     n = resp.readinto(view)
                 except OSError as exc:
@@ -115,25 +126,33 @@ def fetch(shard: ShardSource, key: bytes, sink: Callable[[memoryview], None],
                     break
                 if not n:
                     break
+                if got + n > shard.size:
+                    errors.append(f"shard {shard.sha256[:12]} from {worker_id}: more than its {shard.size:,} bytes")
+                    broke = True
+                    break
                 chunk = view[:n]
-                h.update(chunk)
-                if pending is not None:
-                    pending.result()  # in order; the sink's own errors are raised here
-                pending = side.submit(sink, chunk)
+                if h is not None:
+                    h.update(chunk)
+                if inline is not None:
+                    chunk = inline(chunk)
+                pending.append([t.submit(sink, chunk) for t, sink in zip(threads, sinks)] if chunk else [])
                 got, blocks = got + n, blocks + 1
-            if pending is not None:
-                pending.result()
+            while pending:
+                for fut in pending.popleft():
+                    fut.result()
         finally:
-            if pending is not None:
-                wait([pending])
+            wait([fut for futs in pending for fut in futs])
             conn.close()
         if broke:
             reset()
             continue
-        actual = h.hexdigest()
-        if got == shard.size and actual == shard.sha256:
+        actual = h.hexdigest() if h is not None else None
+        if got == shard.size and actual in (None, shard.sha256):
             return worker_id
-        errors.append(str(HashMismatch(f"shard {shard.sha256[:12]} from {worker_id}", shard.sha256, actual)))
+        if got != shard.size:
+            errors.append(f"shard {shard.sha256[:12]} from {worker_id}: {got:,} bytes of {shard.size:,}")
+        else:
+            errors.append(str(HashMismatch(f"shard {shard.sha256[:12]} from {worker_id}", shard.sha256, actual)))
         log.warning("falling back: %s", errors[-1])
         reset()
     raise RestoreError(f"no healthy replica of shard {shard.sha256[:12]}: " + "; ".join(errors))

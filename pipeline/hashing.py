@@ -16,15 +16,16 @@ from pipeline.planner import ShardPlan
 BLOCK = 4 * 1024 * 1024
 
 
-_SIDE: tuple[int, ThreadPoolExecutor] | None = None
+_SIDE: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
 
-def side_thread() -> ThreadPoolExecutor:
-    """One helper thread per process (a forked child starts its own: threads do not fork)."""
-    global _SIDE
-    if _SIDE is None or _SIDE[0] != os.getpid():
-        _SIDE = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash"))
-    return _SIDE[1]
+def side_thread(name: str = "ckpt-hash") -> ThreadPoolExecutor:
+    """One helper thread of that name per process (a forked child starts its own: threads
+    do not fork)."""
+    held = _SIDE.get(name)
+    if held is None or held[0] != os.getpid():
+        held = _SIDE[name] = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+    return held[1]
 
 
 def scan(

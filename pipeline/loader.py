@@ -64,7 +64,7 @@ def _fetch_bytes(shard: ShardSource, key: bytes) -> bytearray:
         nonlocal pos
         pos = 0
 
-    fetch(shard, key, sink, reset)
+    fetch(shard, key, (sink,), reset)
     return buf
 
 
