@@ -83,15 +83,16 @@ def read_ahead(shards: Iterable[ShardSource], key: bytes) -> Iterator[ShardSourc
 
 def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview], None]],
           reset: Callable[[], None], *, check: bool = True,
-          inline: Callable[[memoryview], memoryview] | None = None) -> str:
+          inline: Callable[[memoryview], memoryview] | None = None, into: memoryview | None = None) -> str:
     """Stream ``shard`` into ``sinks`` from the first replica whose bytes match the manifest.
 
     Every sink receives every byte of the shard in order, each in a helper thread of its
-    own (a write in one, the caller's hash in another), while this thread receives and
-    checks the next blocks: socket reads, hashlib and ``os.pwrite`` release the GIL, so
-    they run on all cores. ``inline``, if given, runs on each block in this thread, in
-    order, and returns what is passed on to the sinks. ``reset`` is called before a
-    fallback so the caller can discard what a bad replica gave. Returns the worker id used.
+    own (a write in one, the caller's hash in another; the shard's own SHA-256 in a third),
+    while this thread receives the next blocks: socket reads, hashlib and ``os.pwrite``
+    release the GIL, so they run on all cores. ``inline``, if given, runs on each block in
+    this thread, in order, and returns what is passed on to the sinks. ``reset`` is called
+    before a fallback so the caller can discard what a bad replica gave. ``into``, a buffer
+    of the shard's size, receives the shard itself (no copy). Returns the worker id used.
 
     ``check=False`` skips the shard's own SHA-256: for a caller that verifies every byte it
     keeps against a hash of its own (a restored file's), and comes back with ``check=True``
@@ -100,8 +101,11 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
     """
     if not shard.replicas:
         raise RestoreError(f"shard {shard.sha256[:12]} has no stored replica")
-    views = [memoryview(bytearray(BLOCK)) for _ in range(IN_FLIGHT)]
+    if into is not None and len(into) != shard.size:
+        raise ValueError(f"buffer of {len(into):,} bytes for a shard of {shard.size:,}")
+    views = [memoryview(bytearray(BLOCK)) for _ in range(IN_FLIGHT)] if into is None else []
     threads = [side_thread(f"ckpt-sink{i}") for i in range(len(sinks))]
+    checker = side_thread("ckpt-check")
     errors = []
     for worker_id, url in shard.replicas:
         try:
@@ -117,9 +121,9 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
                 if len(pending) == IN_FLIGHT:  # the block that used this buffer must be done
                     for fut in pending.popleft():
                         fut.result()  # in order; the sinks' own errors are raised here
-                view = views[blocks % IN_FLIGHT]
+                view = views[blocks % IN_FLIGHT] if into is None else into[got:got + BLOCK]
                 try:
-                    n = resp.readinto(view)
+                    n = resp.readinto(view) if view else len(resp.read(1))
                 except OSError as exc:
                     errors.append(f"{worker_id}: transfer broke after {got:,} bytes ({exc})")
                     broke = True
@@ -131,11 +135,12 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
                     broke = True
                     break
                 chunk = view[:n]
-                if h is not None:
-                    h.update(chunk)
+                futures = [checker.submit(h.update, chunk)] if h is not None else []
                 if inline is not None:
                     chunk = inline(chunk)
-                pending.append([t.submit(sink, chunk) for t, sink in zip(threads, sinks)] if chunk else [])
+                if chunk:
+                    futures += [t.submit(sink, chunk) for t, sink in zip(threads, sinks)]
+                pending.append(futures)
                 got, blocks = got + n, blocks + 1
             while pending:
                 for fut in pending.popleft():
