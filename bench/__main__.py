@@ -18,7 +18,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import layouts, limits, transitions
+from bench import layouts, limits, loading, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -103,24 +103,12 @@ def measure_size(work: Path, gib: float) -> dict:
         res["limit_restore_runs_s"] = restore_limits
         res["limit_restore_s"] = statistics.mean(restore_limits)
 
-        from safetensors.torch import load_file
-
-        from pipeline.loader import load_state_dict
-
-        t = time.perf_counter()
-        loaded = load_state_dict(s["checkpoint_id"], system.settings)
-        res["load_state_dict_s"] = time.perf_counter() - t
-        del loaded
-        t = time.perf_counter()
-        ref = load_file(str(path))
-        res["load_file_lazy_s"] = time.perf_counter() - t
-        del ref
-        # load_file maps the file and hands out lazy tensors; load_state_dict hands out
-        # tensors in memory: compare with load_file whose tensors are brought into memory.
-        t = time.perf_counter()
-        ref = {k: v.clone() for k, v in load_file(str(path)).items()}
-        res["load_file_s"] = time.perf_counter() - t
-        del ref
+        # Both loads in a fresh process, from the disk (page cache dropped): the replicas
+        # for load_state_dict, the original file for load_file.
+        every_copy = sorted(system.home.glob("workers/*/shards/*/*/*"))
+        res["load_state_dict_s"] = loading.best_of(2, "state_dict", str(s["checkpoint_id"]), system.env, every_copy)
+        res["load_file_lazy_s"] = loading.best_of(2, "file", str(path), system.env, [path], "--lazy")
+        res["load_file_s"] = loading.best_of(2, "file", str(path), system.env, [path])
 
         # A second step of the same run in which half the tensors did not change.
         hidden, layers, _ = layouts.shape_for(target)
@@ -247,9 +235,9 @@ def table(sizes: list[dict], dirs: dict, cp: dict) -> str:
     row("  limit before / after the restore", lambda r: "{:.2f} / {:.2f}".format(*r["limit_restore_runs_s"]), "{}")
     row("restore / limit", lambda r: r["restore_s"] / r["limit_restore_s"], target="<= 1.5")
     row("restore byte-identical", lambda r: r["restore_identical"], "{}")
-    row("load_state_dict s", lambda r: r["load_state_dict_s"])
-    row("load_file s (tensors in memory)", lambda r: r["load_file_s"])
-    row("load_file s (lazy, mmap)", lambda r: r["load_file_lazy_s"], "{:.3f}")
+    row("load_state_dict s (cold cache, fresh process)", lambda r: r["load_state_dict_s"])
+    row("load_file s (cold, tensors in memory)", lambda r: r["load_file_s"])
+    row("load_file s (cold, lazy: mmap)", lambda r: r["load_file_lazy_s"], "{:.3f}")
     row("load_state_dict / load_file in memory", lambda r: r["load_state_dict_s"] / r["load_file_s"], target="<= 2")
     row("max peak RSS MiB (any process)", lambda r: max(r["peak_rss_kib"].values()) / 1024, "{:.0f}", "<= 256")
     row("  storage worker MiB", lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith("storage")) / 1024, "{:.0f}")
