@@ -8,7 +8,10 @@ Engines are never carried across ``fork``: :func:`get_engine` keys its cache by 
 from __future__ import annotations
 
 import os
+import random
+import sqlite3
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -19,6 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from pipeline import failpoints
 
 BUSY_TIMEOUT_MS = 30_000
+#: Longest pause between two tries of BEGIN IMMEDIATE (seconds).
+MAX_PAUSE = 0.002
 
 _lock = threading.Lock()
 _engines: dict[tuple[int, str], Engine] = {}
@@ -38,7 +43,31 @@ def _sqlite_setup(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):  # noqa: ANN001
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        begin_immediate(conn.connection.dbapi_connection)
+
+
+def begin_immediate(dbapi_conn, timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:  # noqa: ANN001
+    """``BEGIN IMMEDIATE``, retried every millisecond or so while another writer holds the lock.
+
+    SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms between tries and is
+    not woken when the lock frees: with 4 writers, one transaction in a hundred slept
+    through five of them and waited 35-60 ms for a lock held for well under 1 ms.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    dbapi_conn.execute("PRAGMA busy_timeout=0")
+    try:
+        while True:
+            try:
+                dbapi_conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(2 * pause, MAX_PAUSE)
+    finally:
+        dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def make_engine(url: str) -> Engine:
