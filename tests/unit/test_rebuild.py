@@ -106,3 +106,34 @@ def test_no_intact_replica_fails_without_leaving_a_wrong_file_claimed(stored, wo
     finally:
         for w, b in zip(workers, backups):
             os.replace(b, w.shard(bad))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_load_state_dict_fetch_checks_each_shard_and_skips_a_bad_replica(stored, workers, how):
+    """load_state_dict keeps what it receives as tensors, with no file hash behind it: each
+    shard's own SHA-256 must be checked (DESIGN invariant 4)."""
+    from pipeline.loader import _fetch_bytes
+
+    f, data = stored
+    shard = f.shards[0]  # the one with its own header
+    backup = damage(workers[0], shard.sha256, how)
+    try:
+        got = _fetch_bytes(shard, KEY.encode())
+    finally:
+        os.replace(backup, workers[0].shard(shard.sha256))
+    assert bytes(got[shard.payload_offset:]) == data[:shard.length]
+    assert hashlib.sha256(got).hexdigest() == shard.sha256
+
+
+def test_load_state_dict_fetch_with_no_intact_replica_fails(stored, workers):
+    from pipeline.loader import _fetch_bytes
+
+    f, _ = stored
+    shard = f.shards[3]
+    backups = [damage(w, shard.sha256, "flip") for w in workers]
+    try:
+        with pytest.raises(RestoreError, match=f"no healthy replica of shard {shard.sha256[:12]}"):
+            _fetch_bytes(shard, KEY.encode())
+    finally:
+        for w, b in zip(workers, backups):
+            os.replace(b, w.shard(shard.sha256))
