@@ -15,7 +15,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import layouts, limits, loading, transitions
@@ -38,7 +38,7 @@ def restore(system: System, ckpt_id: int, dest: Path) -> dict:
 
 
 def used_bytes(system: System) -> int:
-    from pipeline.worker_client import WorkerClient
+    from pipeline.cluster.client import WorkerClient
 
     info = json.loads((system.home / "up.json").read_text())
     return sum(WorkerClient(u, system.settings.key()).status()["used"] for u in info["workers"])
@@ -214,7 +214,7 @@ def measure_control_plane(work: Path) -> dict:
 def table(sizes: list[dict], dirs: dict, cp: dict) -> str:
     rows = []
 
-    def row(name: str, fn, fmt: str = "{:.2f}", target: str = "") -> None:  # noqa: ANN001
+    def row(name: str, fn, fmt: str = "{:.2f}", target: str = "") -> None:
         vals = []
         for r in sizes:
             try:
@@ -240,8 +240,11 @@ def table(sizes: list[dict], dirs: dict, cp: dict) -> str:
     row("load_file s (cold, lazy: mmap)", lambda r: r["load_file_lazy_s"], "{:.3f}")
     row("load_state_dict / load_file in memory", lambda r: r["load_state_dict_s"] / r["load_file_s"], target="<= 2")
     row("max peak RSS MiB (any process)", lambda r: max(r["peak_rss_kib"].values()) / 1024, "{:.0f}", "<= 256")
-    row("  storage worker MiB", lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith("storage")) / 1024, "{:.0f}")
-    row("  dramatiq worker MiB", lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith("dramatiq")) / 1024, "{:.0f}")
+    def peak_of(prefix: str):
+        return lambda r: max(v for k, v in r["peak_rss_kib"].items() if k.startswith(prefix)) / 1024
+
+    row("  storage worker MiB", peak_of("storage"), "{:.0f}")
+    row("  dramatiq worker MiB", peak_of("dramatiq"), "{:.0f}")
     row("  ckpt store CLI MiB", lambda r: r["peak_rss_kib"]["ckpt store (CLI)"] / 1024, "{:.0f}")
     row("  ckpt restore CLI MiB", lambda r: r["peak_rss_kib"]["ckpt restore (CLI)"] / 1024, "{:.0f}")
     row("half-changed step: bytes sent vs first", lambda r: r["sent_second_fraction"], "{:.0%}", "<= 55%")
@@ -252,15 +255,16 @@ def table(sizes: list[dict], dirs: dict, cp: dict) -> str:
     lines += [n.ljust(width) + "".join(f"{v:>14}" for v in vals) + (f"   {t}" if t else "") for n, vals, t in rows]
     lines.append("")
     for kind, d in dirs.items():
-        lines.append(f"{kind} folder {d['bytes'] / GiB:.2f} GiB: store {d['store_s']:.2f} s, restore {d['restore_s']:.2f} s,"
-                     f" identical {d['identical']}")
+        lines.append(f"{kind} folder {d['bytes'] / GiB:.2f} GiB: store {d['store_s']:.2f} s, "
+                     f"restore {d['restore_s']:.2f} s, identical {d['identical']}")
     if not cp:
         return "\n".join(lines)
     lines.append(f"detection latency (file renamed into place -> detected): p50 {cp['detect_p50_s']:.2f} s, "
                  f"max {cp['detect_max_s']:.2f} s   target p50 <= 0.5 s")
     cps = cp["cp_checkpoints_per_s"]
     lines.append(f"control plane: 200 x 1 MiB checkpoints to verified in {cp['cp_200_seconds']:.1f} s = "
-                 f"{cps:.1f} checkpoints/s   target >= 10" if cps else "control plane: 200 checkpoints did not all verify")
+                 f"{cps:.1f} checkpoints/s   target >= 10" if cps
+                 else "control plane: 200 checkpoints did not all verify")
     lines.append(f"state transition with 4 processes: p50 {cp['transition_p50_ms']:.1f} ms, "
                  f"p99 {cp['transition_p99_ms']:.1f} ms   target p99 <= 50 ms")
     return "\n".join(lines)
@@ -295,7 +299,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     text = table(sizes, dirs, cp)
     print(text)
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "table": text}, indent=2,
                               default=str))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 import warnings
+import zlib
 from pathlib import Path
 
 import torch

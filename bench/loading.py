@@ -25,14 +25,14 @@ def measure(what: str, arg: str, env: dict[str, str], cold: list[Path], *extra: 
     return json.loads(out.strip().splitlines()[-1])["seconds"]
 
 
-def best_of(n: int, *args, **kw) -> float:  # noqa: ANN002, ANN003
+def best_of(n: int, *args, **kw) -> float:
     return min(measure(*args, **kw) for _ in range(n))
 
 
 def main(argv: list[str]) -> None:
     what, arg, *rest = argv
     if what == "state_dict":
-        from pipeline.loader import load_state_dict
+        from pipeline.restore.loader import load_state_dict
 
         t = time.perf_counter()
         tensors = load_state_dict(int(arg))

@@ -59,7 +59,7 @@ class System:
                          "CKPT_TICK_SECONDS": "0.5", **env})
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "System":
+    def __enter__(self) -> System:
         log = open(self.root / "up.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", "3"], env=self.env,
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -22,7 +22,7 @@ def run_migrations_online() -> None:
         _run(connection)
 
 
-def _run(connection) -> None:  # noqa: ANN001
+def _run(connection) -> None:
     is_sqlite = connection.dialect.name == "sqlite"
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=is_sqlite)
     with context.begin_transaction():

@@ -1,4 +1,4 @@
-"""ckpt-pipeline: protects training checkpoints (see README.md and ../shared/DESIGN.md).
+"""ckpt-pipeline: protects training checkpoints (see README.md and docs/design.md).
 
 Importing this package starts nothing. ``load_state_dict`` is the public Python API.
 """
@@ -12,9 +12,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipeline.settings import Settings
 
 
-def load_state_dict(checkpoint: str | int, settings: "Settings | None" = None) -> "dict[str, torch.Tensor]":
+def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a protected checkpoint (id or path), built from its shards."""
-    from pipeline.loader import load_state_dict as _load
+    from pipeline.restore.loader import load_state_dict as _load
 
     return _load(checkpoint, settings)
 

@@ -1,7 +1,8 @@
-"""Durable writes (DESIGN invariant 2): fsync a directory after renaming into it."""
+"""Durable writes (docs/design.md, invariant 2): fsync a directory after renaming into it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -16,7 +17,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
-def _sync_file_range():  # noqa: ANN202
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         import ctypes
 

@@ -105,5 +105,41 @@ class RestoreError(CkptError):
     """Raised when a checkpoint cannot be given back (no healthy replica, bad destination)."""
 
 
+class DestinationExists(RestoreError):
+    """Raised when a restore's destination already exists and overwriting was not asked for."""
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        super().__init__(f"{dest} already exists; choose another destination or pass --overwrite")
+
+
+class AttemptsExhausted(CkptError):
+    """Raised when a step has run ``max_attempts`` times without finishing; never retried."""
+
+    def __init__(self, what: str, attempts: int, last_error: str | None) -> None:
+        self.what, self.attempts, self.last_error = what, attempts, last_error
+        super().__init__(f"{what}: gave up after {attempts} attempts; last error: {last_error or 'none recorded'}")
+
+
+class ShardRefused(CkptError):
+    """Raised by a storage worker that refuses a request; ``status`` is the HTTP status it answers.
+
+    400 a malformed request, 401 a body other than the signed one, 411 no length, 413 too
+    large, 422 bytes that do not hash to the shard's name, 507 no space left.
+    """
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status, self.reason = status, reason
+        super().__init__(reason)
+
+
 class AuthError(CkptError):
     """Raised when a request does not carry a valid cluster-key signature."""
+
+
+class MissingRow(CkptError):
+    """Raised when a row that a step relies on is gone from the control plane (deleted under it)."""
+
+    def __init__(self, table: str, key: object) -> None:
+        self.table, self.key = table, key
+        super().__init__(f"no {table} row {key!r} in the control plane; was it deleted while a step ran?")

@@ -31,10 +31,11 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
 
 ENV = "CKPT_FAILPOINTS"
-_DIR = os.environ.get(ENV) or None
-ENABLED = _DIR is not None
+_DIR: str = os.environ.get(ENV) or ""
+ENABLED = bool(_DIR)
 _local = threading.local()
 
 
@@ -130,7 +131,7 @@ def _act(name: str) -> None:
 
 def _caller() -> str:
     """``module:line`` of the code that reached the failpoint (outside this plumbing)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and os.path.basename(frame.f_code.co_filename) in _PLUMBING:
         frame = frame.f_back
     if frame is None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
-from pipeline.planner import ShardPlan
+from pipeline.core.planner import ShardPlan
 
 BLOCK = 4 * 1024 * 1024
 

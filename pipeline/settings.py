@@ -11,9 +11,10 @@ import json
 import os
 import secrets
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pipeline.durable import fsync_dir
 from pipeline.errors import ConfigError
@@ -38,7 +39,7 @@ class Settings:
     #: Target shard size; safetensors files are cut at tensor boundaries near it.
     shard_size: int = 64 * MiB
     #: A checkpoint must not change for this long before it is detected. Structure proves
-    #: completeness (DESIGN section 2); this only absorbs writers that pause mid-file. A
+    #: completeness (docs/design.md, section 2); this only absorbs writers that pause mid-file. A
     #: change after detection is still caught (the shard step re-hashes; workers check).
     settle_seconds: float = 0.3
     #: The watcher rescans every root this often even without file events.
@@ -126,7 +127,7 @@ class Settings:
             except FileExistsError:
                 pass
             os.unlink(tmp)
-            fsync_dir(self.home)  # DESIGN invariant 2: the key survives a crash once used
+            fsync_dir(self.home)  # docs/design.md, invariant 2: the key survives a crash once used
         return path.read_text().strip().encode()
 
     def child_env(self) -> dict[str, str]:

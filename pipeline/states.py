@@ -1,7 +1,10 @@
-"""Job states and the transitions between them, declared once as data.
+"""States as data: jobs and their transitions, replicas, storage workers, and their groups.
 
-Who sets each state is written beside it; :func:`pipeline.db.transitions.transition`
-is the only code that moves a job, and it consults :data:`TRANSITIONS`.
+Who sets each state is written beside it. :func:`pipeline.db.transitions.transition` is
+the only code that moves a job, and it consults :data:`TRANSITIONS`. Replica and worker
+states are set by the steps named beside them; the groups below are the only place that
+says which states count toward the replication factor, which can be read, and so on
+(docs/design.md, "States").
 """
 from __future__ import annotations
 
@@ -91,24 +94,29 @@ TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
     }),
 }
 
-INITIAL: dict[str, str] = {"store": _S.DETECTED.value, "restore": _R.QUEUED.value,
-                           "scrub": _C.QUEUED.value, "repair": _P.QUEUED.value}
+INITIAL: dict[str, str] = {JobKind.STORE.value: _S.DETECTED.value, JobKind.RESTORE.value: _R.QUEUED.value,
+                           JobKind.SCRUB.value: _C.QUEUED.value, JobKind.REPAIR.value: _P.QUEUED.value}
 
 #: States in which nothing more happens without a person (or a new checkpoint) asking.
 TERMINAL: dict[str, frozenset[str]] = {
-    "store": frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value}),
-    "restore": frozenset({_R.DONE.value, _R.FAILED.value}),
-    "scrub": frozenset({_C.DONE.value, _C.FAILED.value}),
-    "repair": frozenset({_P.DONE.value, _P.LOST.value, _P.FAILED.value}),
+    JobKind.STORE.value: frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value}),
+    JobKind.RESTORE.value: frozenset({_R.DONE.value, _R.FAILED.value}),
+    JobKind.SCRUB.value: frozenset({_C.DONE.value, _C.FAILED.value}),
+    JobKind.REPAIR.value: frozenset({_P.DONE.value, _P.LOST.value, _P.FAILED.value}),
 }
 
 #: States in which an actor is expected to be working, so an expired lease means lost work.
 ACTIVE: dict[str, frozenset[str]] = {
-    "store": frozenset({_S.DETECTED.value, _S.SHARDED.value, _S.REPLICATED.value}),
-    "restore": frozenset({_R.QUEUED.value, _R.GATHERING.value, _R.VERIFIED.value}),
-    "scrub": frozenset({_C.QUEUED.value, _C.SCRUBBING.value}),
-    "repair": frozenset({_P.QUEUED.value, _P.REPAIRING.value}),
+    JobKind.STORE.value: frozenset({_S.DETECTED.value, _S.SHARDED.value, _S.REPLICATED.value}),
+    JobKind.RESTORE.value: frozenset({_R.QUEUED.value, _R.GATHERING.value, _R.VERIFIED.value}),
+    JobKind.SCRUB.value: frozenset({_C.QUEUED.value, _C.SCRUBBING.value}),
+    JobKind.REPAIR.value: frozenset({_P.QUEUED.value, _P.REPAIRING.value}),
 }
+
+#: Store states of a checkpoint whose remote copies are complete and verified.
+PROTECTED: frozenset[str] = frozenset({_S.VERIFIED.value, _S.ROTATED.value})
+#: Store states from which a checkpoint can be given back.
+RESTORABLE: frozenset[str] = frozenset({_S.REPLICATED.value, _S.VERIFIED.value, _S.ROTATED.value})
 
 
 def allowed(kind: str, current: str, target: str) -> bool:
@@ -119,3 +127,55 @@ def allowed(kind: str, current: str, target: str) -> bool:
 def all_states(kind: str) -> frozenset[str]:
     """Every state a job of ``kind`` can be in."""
     return frozenset(TRANSITIONS[str(kind)])
+
+
+class ReplicaState(StrEnum):
+    """One shard's copy on one storage worker (a row of ``replicas``)."""
+
+    PENDING = "pending"      # shard step, repair, verify (a replacement): placed, not stored yet
+    STORED = "stored"        # replicate: stored, but its re-hash did not match yet (verify replaces it)
+    VERIFIED = "verified"    # replicate, verify, scrub, repair: the worker's re-hash matched the manifest
+    CORRUPT = "corrupt"      # verify, scrub, repair: the re-hash did not match (quarantined by repair)
+    MISSING = "missing"      # scrub, reconcile, repair: the worker does not hold it
+    ABANDONED = "abandoned"  # replicate, verify: given up for a copy on another worker
+    TRIMMED = "trimmed"      # reconcile: a surplus copy, deleted from its worker
+
+
+_Rep = ReplicaState
+
+#: Copies the worker should hold a file for: scrub and reconcile check them.
+HELD: frozenset[str] = frozenset({_Rep.STORED.value, _Rep.VERIFIED.value, _Rep.CORRUPT.value,
+                                  _Rep.MISSING.value})
+#: Copies the manifest expects on a worker (reconcile): held ones and those being sent.
+EXPECTED: frozenset[str] = HELD | {_Rep.PENDING.value}
+#: Copies a restore may read, best first (the file's and each shard's SHA-256 check them).
+READABLE_COPIES: tuple[str, ...] = (_Rep.VERIFIED.value, _Rep.STORED.value)
+#: Copies that are done being sent (replicate's fan-in waits for no PENDING).
+SENT: frozenset[str] = frozenset({_Rep.STORED.value, _Rep.VERIFIED.value})
+#: Copies found damaged: whatever other rows of the same content say, that worker's copy is not good.
+DAMAGED: frozenset[str] = frozenset({_Rep.CORRUPT.value, _Rep.MISSING.value})
+#: Rows kept for the history only: not shown as copies, never counted.
+RETIRED: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value})
+
+
+class WorkerState(StrEnum):
+    """A storage worker as the control plane sees it (a row of ``storage_workers``)."""
+
+    CANDIDATE = "candidate"  # discovery (mDNS): found, not yet challenged
+    UP = "up"                # membership: proved it holds the cluster key and answers
+    DOWN = "down"            # membership (unseen for worker_down_seconds); replicate, verify (unreachable)
+    REJECTED = "rejected"    # membership: failed the cluster-key challenge
+    DRAINING = "draining"    # an operator (`ckpt worker drain`): its copies are being moved away
+    REMOVABLE = "removable"  # scheduler: drained, every shard it held has RF good copies elsewhere
+
+
+_W = WorkerState
+
+#: Workers whose copies count toward RF, and that placement may choose.
+COUNTING_WORKERS: frozenset[str] = frozenset({_W.UP.value})
+#: Workers a copy can be read from (a draining worker still serves its copies).
+READABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.DRAINING.value})
+#: Workers a scrub re-hashes.
+SCRUBBED_WORKERS: frozenset[str] = READABLE_WORKERS
+#: States an operator decided: a probe does not override them.
+STICKY_WORKERS: frozenset[str] = frozenset({_W.DRAINING.value, _W.REMOVABLE.value})

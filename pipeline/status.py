@@ -4,17 +4,26 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
+from pipeline.core.copies import Copy
+from pipeline.core.health import replica_health, shard_health
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
-from pipeline.db.transitions import now
-from pipeline.health import replica_health, shard_health
-from pipeline.replicas import good_copies_per_shard
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    Job,
+    Replica,
+    Shard,
+    StorageWorker,
+)
+from pipeline.db.replicas import fresh_after, good_copies_per_shard
 from pipeline.settings import Settings
+from pipeline.states import RETIRED, JobKind, WorkerState
 
 
-def replica_counts(session, checkpoint_ids: list[int]) -> dict[int, int]:  # noqa: ANN001
-    """Per checkpoint: the fewest verified replicas on live workers that any of its shards has."""
+def replica_counts(session: Session, checkpoint_ids: list[int]) -> dict[int, int]:
+    """Per checkpoint: the fewest good copies (pipeline.core.copies) that any of its shards has."""
     if not checkpoint_ids:
         return {}
     per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(checkpoint_ids))
@@ -22,25 +31,27 @@ def replica_counts(session, checkpoint_ids: list[int]) -> dict[int, int]:  # noq
     return {cid: n for cid, n in rows}
 
 
-def checkpoint_health(session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:  # noqa: ANN001
+def checkpoint_health(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:
     """Per checkpoint: its worst shard health and the count of shards in each health."""
     out: dict[int, dict[str, Any]] = {}
     if not ckpts:
         return out
-    t = now()
+    since = fresh_after(settings.freshness_seconds)
     local = {c.id: c.local_present for c in ckpts}
     rows = session.execute(
-        select(CheckpointFile.checkpoint_id, Shard.id, Replica.state, Replica.verified_at, StorageWorker.state)
+        select(CheckpointFile.checkpoint_id, Shard.id, Replica.worker_id, Replica.state, StorageWorker.state,
+               Replica.stored_at, Replica.verified_at)
         .join(Shard, Shard.file_id == CheckpointFile.id)
         .outerjoin(Replica, Replica.shard_id == Shard.id)
         .outerjoin(StorageWorker, StorageWorker.id == Replica.worker_id)
         .where(CheckpointFile.checkpoint_id.in_(list(local)))
     ).all()
     per_shard: dict[tuple[int, int], list[str]] = {}
-    for cid, sid, rstate, verified_at, wstate in rows:
+    for cid, sid, worker_id, rstate, wstate, stored_at, verified_at in rows:
         reps = per_shard.setdefault((cid, sid), [])
-        if rstate is not None and rstate not in ("abandoned", "trimmed"):
-            reps.append(replica_health(rstate, verified_at, wstate or "down", t, settings.freshness_seconds))
+        if rstate is not None and rstate not in RETIRED:
+            copy = Copy(worker_id, rstate, wstate or WorkerState.DOWN, stored_at, verified_at)
+            reps.append(replica_health(copy, since))
     for (cid, _sid), reps in per_shard.items():
         h = shard_health(reps, settings.rf, local[cid])
         entry = out.setdefault(cid, {"healthy": 0, "under-replicated": 0, "lost": 0})
@@ -59,13 +70,14 @@ def job_dict(j: Job) -> dict[str, Any]:
     }
 
 
-def latest_store_jobs(session) -> dict[int, Job]:  # noqa: ANN001
+def latest_store_jobs(session: Session) -> dict[int, Job]:
     """checkpoint id -> its newest store job (whose state is the checkpoint's state)."""
-    latest = select(func.max(Job.id)).where(Job.kind == "store").group_by(Job.checkpoint_id)
-    return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))}
+    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
+    return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))
+            if j.checkpoint_id is not None}
 
 
-def checkpoint_rows(session, settings: Settings, ckpts: list[Checkpoint],  # noqa: ANN001
+def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint],
                     jobs: dict[int, Job] | None = None) -> list[dict[str, Any]]:
     """What `ckpt status`, the web UI and the API show of each checkpoint."""
     jobs = latest_store_jobs(session) if jobs is None else jobs

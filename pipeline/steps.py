@@ -1,7 +1,7 @@
 """What every pipeline step shares: attempts, failure, follow-up messages.
 
 A step runs short transactions around its I/O and returns the messages to send once
-they committed (DESIGN invariant 3: commit, then act).
+they committed (docs/design.md, invariant 3: commit, then act).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from pipeline import states
 from pipeline.db.models import Job
 from pipeline.db.transitions import note, start_attempt, transition
-from pipeline.errors import CkptError
+from pipeline.errors import AttemptsExhausted, MissingRow
 from pipeline.settings import Settings
 
 
@@ -23,14 +23,6 @@ class Send:
 
     actor: str
     args: tuple[Any, ...]
-
-
-class AttemptsExhausted(CkptError):
-    """Raised when a step has run ``max_attempts`` times without finishing; never retried."""
-
-    def __init__(self, what: str, attempts: int, last_error: str | None) -> None:
-        self.what, self.attempts, self.last_error = what, attempts, last_error
-        super().__init__(f"{what}: gave up after {attempts} attempts; last error: {last_error or 'none recorded'}")
 
 
 def begin_step(session: Session, settings: Settings, job_id: int, expected: str) -> Job | None:
@@ -43,6 +35,8 @@ def begin_step(session: Session, settings: Settings, job_id: int, expected: str)
     if attempt is None:
         return None
     job = session.get(Job, job_id, populate_existing=True)  # the row as the UPDATE left it
+    if job is None:
+        raise MissingRow("jobs", job_id)
     if attempt > settings.max_attempts:
         raise AttemptsExhausted(f"{job.kind} job {job_id} step {expected!r}", attempt - 1, job.last_error)
     return job

@@ -8,7 +8,7 @@ import torch
 from bench import layouts
 
 
-def state_dict(seed: int = 0, layers: int = 4, width: int = 64, dtype=torch.float32) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def state_dict(seed: int = 0, layers: int = 4, width: int = 64, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """A small decoder-like layout: embedding, per-layer attention/MLP weights, biases, norms."""
     g = torch.Generator().manual_seed(seed)
     sd = {"embed.weight": torch.randn(256, width, generator=g).to(dtype)}

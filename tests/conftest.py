@@ -12,7 +12,8 @@ from pipeline import settings as settings_mod
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
 
-def pytest_addoption(parser):  # noqa: ANN001
+
+def pytest_addoption(parser):
     parser.addoption("--soak", type=int, default=1, metavar="N",
                      help="fault tests (tests/faults): trials per fault (default 1)")
 

@@ -8,15 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench.system import cmdline
 from pipeline import settings as settings_mod
+from pipeline.cluster.client import WorkerClient, free_port
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.errors import WorkerError
-from pipeline.worker_client import WorkerClient, free_port
 
 KEY = "integration-test-key"
 FAST = {  # settings that make a test cluster react in seconds, not minutes
@@ -35,7 +35,7 @@ FAST = {  # settings that make a test cluster react in seconds, not minutes
 }
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):  # noqa: ANN201
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -77,7 +77,7 @@ class StorageWorker:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "StorageWorker":
+    def start(self) -> StorageWorker:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port)],
@@ -161,7 +161,7 @@ class Cluster:
         urls = ",".join(w.url for w in self.workers) if self.static else ""
         return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls, **self.extra_env)
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         for i in range(self.n_workers + self.spare):
             w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home, **self.extra_env),
                               self.tmp / "logs" / f"worker{i}.log")
@@ -248,5 +248,5 @@ class Cluster:
         assert not leftover, f"processes outlived the cluster: {leftover}"
 
 
-def with_settings(s: settings_mod.Settings, **changes) -> settings_mod.Settings:  # noqa: ANN003
+def with_settings(s: settings_mod.Settings, **changes) -> settings_mod.Settings:
     return dataclasses.replace(s, **changes)

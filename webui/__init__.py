@@ -5,6 +5,7 @@ from datetime import datetime
 from typing import Any
 
 from flask import Flask
+from flask.json.provider import DefaultJSONProvider
 
 from pipeline import settings as settings_mod
 
@@ -15,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     The broker is installed from the same settings, so actions enqueue where workers listen.
     """
     s = settings_mod.configure(settings) if settings is not None else settings_mod.current()
-    import pipeline.tasks  # noqa: F401  (installs the broker, upgrades the schema)
+    import pipeline.tasks  # noqa: F401  (installs the broker; `ckpt web` and `ckpt up` upgrade the schema)
 
     app = Flask(__name__)
     app.config.from_mapping(
@@ -40,18 +41,20 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     app.jinja_env.filters["bytes"] = _bytes
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["seconds"] = _seconds
-    app.json.sort_keys = False
+    if isinstance(app.json, DefaultJSONProvider):
+        app.json.sort_keys = False
     return app
 
 
 def _bytes(n: int | None) -> str:
     if n is None:
         return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return str(n)
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(value) < 1000:
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1000
+    return f"{value:,.1f} TB"
 
 
 def _when(t: datetime | None) -> str:

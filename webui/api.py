@@ -4,8 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Blueprint, current_app, jsonify, request, url_for
+from flask.typing import ResponseReturnValue
 
-from pipeline import commands, deadletters, states
+from pipeline import operations, states
+from pipeline.settings import Settings
+from pipeline.tasks import deadletters
 from webui import data
 from webui.errors import ApiError
 from webui.security import api_admin
@@ -13,7 +16,7 @@ from webui.security import api_admin
 bp = Blueprint("api", __name__, url_prefix="/api")
 
 
-def settings():  # noqa: ANN201
+def settings() -> Settings:
     return current_app.config["CKPT_SETTINGS"]
 
 
@@ -36,18 +39,18 @@ def body(*required: str) -> dict[str, Any]:
 
 
 @bp.get("/checkpoints")
-def checkpoints():  # noqa: ANN201
+def checkpoints() -> ResponseReturnValue:
     return jsonify(checkpoints=data.checkpoints(settings(), state=request.args.get("state") or None,
                                                 run=request.args.get("run") or None))
 
 
 @bp.get("/checkpoints/<int:checkpoint_id>")
-def checkpoint(checkpoint_id: int):  # noqa: ANN201
+def checkpoint(checkpoint_id: int) -> ResponseReturnValue:
     return jsonify(data.checkpoint(settings(), checkpoint_id))
 
 
 @bp.get("/jobs")
-def jobs():  # noqa: ANN201
+def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
     if kind and kind not in states.TRANSITIONS:
         raise ApiError(400, f"unknown job kind {kind!r}; one of {', '.join(sorted(states.TRANSITIONS))}")
@@ -55,26 +58,26 @@ def jobs():  # noqa: ANN201
 
 
 @bp.get("/jobs/<int:job_id>")
-def job(job_id: int):  # noqa: ANN201
+def job(job_id: int) -> ResponseReturnValue:
     return jsonify(data.job(settings(), job_id))
 
 
 @bp.get("/workers")
-def workers():  # noqa: ANN201
+def workers() -> ResponseReturnValue:
     return jsonify(workers=data.workers(settings()))
 
 
 @bp.get("/health")
-def health():  # noqa: ANN201
+def health() -> ResponseReturnValue:
     return jsonify(data.health(settings()))
 
 
 @bp.get("/dead-letters")
-def dead_letters():  # noqa: ANN201
+def dead_letters() -> ResponseReturnValue:
     return jsonify(dead_letters=deadletters.list_letters(settings()))
 
 
-def accepted(job_id: int, extra: dict[str, Any] | None = None):  # noqa: ANN201
+def accepted(job_id: int, extra: dict[str, Any] | None = None) -> ResponseReturnValue:
     doc = data.job(settings(), job_id)
     if extra:
         doc.update(extra)
@@ -86,29 +89,29 @@ def accepted(job_id: int, extra: dict[str, Any] | None = None):  # noqa: ANN201
 
 @bp.post("/store")
 @api_admin
-def store():  # noqa: ANN201
-    r = commands.store(settings(), str(body("path")["path"]), detail="requested over HTTP")
+def store() -> ResponseReturnValue:
+    r = operations.store(settings(), str(body("path")["path"]), detail="requested over HTTP")
     return accepted(r.job_id, {"created": r.created, "checkpoint_id": r.checkpoint_id})
 
 
 @bp.post("/restore")
 @api_admin
-def restore():  # noqa: ANN201
+def restore() -> ResponseReturnValue:
     doc = body("checkpoint", "dest")
-    r = commands.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=bool(doc.get("overwrite")))
+    r = operations.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=bool(doc.get("overwrite")))
     return accepted(r.job_id)
 
 
 @bp.post("/scrub")
 @api_admin
-def scrub():  # noqa: ANN201
+def scrub() -> ResponseReturnValue:
     doc = json_body() if request.get_data() else {}  # no body: every live worker
     if not isinstance(doc, dict):
         raise ApiError(400, 'the body must be empty or a JSON object {"workers": [...]}')
     workers = doc.get("workers")
     if workers is not None and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
         raise ApiError(400, '"workers" must be a list of storage worker ids')
-    started = commands.scrub_now(settings(), workers or None, reason="requested over HTTP")
+    started = operations.scrub_now(settings(), workers or None, reason="requested over HTTP")
     if not started:
         raise ApiError(409, "no live storage worker to scrub")
     resp = jsonify(jobs=[data.job(settings(), r.job_id) for r in started])
@@ -119,7 +122,7 @@ def scrub():  # noqa: ANN201
 
 @bp.post("/dead-letters/<letter_id>/requeue")
 @api_admin
-def requeue(letter_id: str):  # noqa: ANN201
+def requeue(letter_id: str) -> ResponseReturnValue:
     if letter_id == "all":
         return jsonify(requeued=deadletters.requeue(settings(), None))
     if not any(d["id"] == letter_id or d["message_id"] == letter_id for d in deadletters.list_letters(settings())):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flask import Blueprint, flash, redirect, render_template, request, session, url_for
+from flask.typing import ResponseReturnValue
 
 from webui.security import check_csrf, token_matches
 
@@ -9,7 +10,7 @@ bp = Blueprint("auth", __name__)
 
 
 @bp.route("/login", methods=("GET", "POST"))
-def login():  # noqa: ANN201
+def login() -> ResponseReturnValue:
     if request.method == "POST":
         check_csrf()
         if not token_matches(request.form.get("token", "").strip()):
@@ -22,7 +23,7 @@ def login():  # noqa: ANN201
 
 
 @bp.route("/logout", methods=("POST",))
-def logout():  # noqa: ANN201
+def logout() -> ResponseReturnValue:
     check_csrf()
     session.pop("admin", None)
     return redirect(url_for("pages.overview"))

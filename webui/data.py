@@ -7,18 +7,26 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 
 from pipeline import states
+from pipeline.core.health import replica_health, shard_health
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Replica, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    Job,
+    JobEvent,
+    Replica,
+    Shard,
+    StorageWorker,
+)
+from pipeline.db.replicas import copy_of, fresh_after
 from pipeline.db.transitions import now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
-from pipeline.health import replica_health, shard_health
 from pipeline.settings import Settings
+from pipeline.states import RETIRED, JobKind, WorkerState
 from pipeline.status import checkpoint_rows, job_dict, latest_store_jobs, worker_dict
-
-PROTECTED = (states.StoreState.VERIFIED.value, states.StoreState.ROTATED.value)
 
 
 def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
@@ -40,7 +48,7 @@ def runs(settings: Settings) -> list[str]:
 
 def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
     """One checkpoint with its files, shard manifest and every replica's health."""
-    t = now()
+    since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url) as s:
         c = s.get(Checkpoint, checkpoint_id)
         if c is None:
@@ -51,19 +59,19 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
                            .order_by(CheckpointFile.relpath)):
             shards = []
             for sh in s.scalars(select(Shard).where(Shard.file_id == f.id).order_by(Shard.seq)):
-                reps = []
+                reps: list[dict[str, Any]] = []
                 for r in s.scalars(select(Replica).where(Replica.shard_id == sh.id).order_by(Replica.worker_id)):
-                    if r.state in ("abandoned", "trimmed"):
+                    if r.state in RETIRED:
                         continue
                     reps.append({
                         "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
                         "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
-                        "health": replica_health(r.state, r.verified_at, r.worker.state, t, settings.freshness_seconds),
+                        "health": replica_health(copy_of(r), since),
                     })
                 shards.append({
                     "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
-                    "first_tensor": (sh.tensors or [None])[0], "replicas": reps,
+                    "first_tensor": sh.tensors[0] if sh.tensors else None, "replicas": reps,
                     "health": shard_health([r["health"] for r in reps], settings.rf, c.local_present),
                 })
             files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
@@ -76,7 +84,7 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
 
 def health(settings: Settings) -> dict[str, Any]:
     """Shard x replica matrices of every checkpoint, and cluster-wide counts."""
-    t = now()
+    since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url) as s:
         ckpts = list(s.scalars(select(Checkpoint).order_by(Checkpoint.id.desc()).limit(50)))
         matrices = []
@@ -86,17 +94,16 @@ def health(settings: Settings) -> dict[str, Any]:
             rows = []
             for f in c.files:
                 for sh in f.shards:
-                    cells = [replica_health(r.state, r.verified_at, r.worker.state, t, settings.freshness_seconds)
-                             for r in sorted(sh.replicas, key=lambda r: r.worker_id)
-                             if r.state not in ("abandoned", "trimmed")]
-                    cell_workers = [r.worker_id for r in sorted(sh.replicas, key=lambda r: r.worker_id)
-                                    if r.state not in ("abandoned", "trimmed")]
+                    shown = [r for r in sorted(sh.replicas, key=lambda r: r.worker_id) if r.state not in RETIRED]
+                    cells = [replica_health(copy_of(r), since) for r in shown]
+                    cell_workers = [r.worker_id for r in shown]
                     h = shard_health(cells, settings.rf, c.local_present)
                     shard_totals[h] = shard_totals.get(h, 0) + 1
                     for cell in cells:
                         replica_totals[cell] = replica_totals.get(cell, 0) + 1
+                    row_cells = [{"worker_id": w, "health": x} for w, x in zip(cell_workers, cells, strict=True)]
                     rows.append({"label": f"{f.relpath or c.name}#{sh.seq}", "sha256": sh.sha256, "health": h,
-                                 "cells": [{"worker_id": w, "health": x} for w, x in zip(cell_workers, cells)]})
+                                 "cells": row_cells})
             if rows:
                 matrices.append({"id": c.id, "path": c.path, "rows": rows,
                                  "width": max(len(r["cells"]) for r in rows)})
@@ -141,10 +148,10 @@ def workers(settings: Settings) -> list[dict[str, Any]]:
     with session_scope(settings.db_url) as s:
         held = dict(s.execute(
             select(Replica.worker_id, func.count(func.distinct(Shard.sha256))).join(Shard)
-            .where(Replica.state.in_(("stored", "verified"))).group_by(Replica.worker_id)).all())
+            .where(Replica.state.in_(sorted(states.SENT))).group_by(Replica.worker_id)).all())
         held_bytes: dict[str, int] = {}
         for wid, size in s.execute(
-                select(Replica.worker_id, Shard.size).join(Shard).where(Replica.state.in_(("stored", "verified")))
+                select(Replica.worker_id, Shard.size).join(Shard).where(Replica.state.in_(sorted(states.SENT)))
                 .group_by(Replica.worker_id, Shard.sha256, Shard.size)):
             held_bytes[wid] = held_bytes.get(wid, 0) + size
         return [worker_dict(w) | {"shards": held.get(w.id, 0), "bytes": held_bytes.get(w.id, 0)}
@@ -156,8 +163,8 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
     with session_scope(settings.db_url) as s:
         out = []
         q = (select(Job, JobEvent.at).join(JobEvent, JobEvent.job_id == Job.id)
-             .where(((Job.kind == "store") & (JobEvent.to_state == "verified"))
-                    | ((Job.kind == "restore") & (JobEvent.to_state == "done")))
+             .where(((Job.kind == JobKind.STORE) & (JobEvent.to_state == "verified"))
+                    | ((Job.kind == JobKind.RESTORE) & (JobEvent.to_state == "done")))
              .order_by(JobEvent.at.desc()).limit(limit))
         for j, at in s.execute(q):
             c = j.checkpoint
@@ -165,11 +172,11 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
                 continue
             started = j.created_at
             seconds = max(1e-3, (at - started).total_seconds())
-            written = datetime.fromtimestamp(c.mtime, tz=at.tzinfo) if j.kind == "store" else started
+            written = datetime.fromtimestamp(c.mtime, tz=at.tzinfo) if j.kind == JobKind.STORE else started
             out.append({
                 "job_id": j.id, "kind": j.kind, "checkpoint_id": c.id, "bytes": c.total_bytes, "at": at,
                 "seconds": seconds, "mb_per_s": c.total_bytes / seconds / 1e6,
-                "time_to_protection_s": max(0.0, (at - written).total_seconds()) if j.kind == "store" else None,
+                "time_to_protection_s": max(0.0, (at - written).total_seconds()) if j.kind == JobKind.STORE else None,
             })
         return list(reversed(out))
 
@@ -181,7 +188,7 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
     protected = unprotected = lost = 0
     for c in ckpts:
         by_state[c["state"]] = by_state.get(c["state"], 0) + 1
-        if c["state"] in PROTECTED and c["health"] != "lost":
+        if c["state"] in states.PROTECTED and c["health"] != "lost":
             protected += c["total_bytes"]
         elif c["local_present"]:
             unprotected += c["total_bytes"]
@@ -191,19 +198,19 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         active = or_active()
         running = s.scalar(select(func.count(Job.id)).where(active)) or 0
         failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
-        last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == "scrub", Job.state == "done"))
+        last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
     return {
         "protected_bytes": protected, "unprotected_bytes": unprotected, "lost_checkpoints": lost,
         "checkpoints_by_state": by_state, "jobs_running": running, "jobs_failed": failed,
         "dead_letters": dead_letters,
-        "workers_up": sum(1 for w in ws if w["state"] == "up"),
-        "workers_down": sum(1 for w in ws if w["state"] != "up"), "workers": ws,
+        "workers_up": sum(1 for w in ws if w["state"] == WorkerState.UP),
+        "workers_down": sum(1 for w in ws if w["state"] != WorkerState.UP), "workers": ws,
         "last_scrub": last_scrub, "next_scrub": next_scrub(settings),
         "transfers": recent_transfers(settings),
     }
 
 
-def or_active():  # noqa: ANN201
+def or_active() -> ColumnElement[bool]:
     from sqlalchemy import and_, or_
 
     return or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))

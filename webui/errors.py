@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 from flask import Flask, jsonify, render_template, request
+from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
-from pipeline.errors import (CkptError, ConfigError, HeaderError, IncompleteCheckpoint, InvalidTransition,
-                             OutsideRoots, RestoreError, SourceChanged, UnknownCheckpoint, UnknownJob)
+from pipeline.errors import (
+    CkptError,
+    DestinationExists,
+    InvalidTransition,
+    SourceChanged,
+    UnknownCheckpoint,
+    UnknownJob,
+)
 
 
 class ApiError(Exception):
@@ -16,17 +23,20 @@ class ApiError(Exception):
         super().__init__(reason)
 
 
+#: The HTTP status each kind of pipeline error deserves; the first match wins.
+STATUS: tuple[tuple[type[CkptError], int], ...] = (
+    (UnknownCheckpoint, 404),
+    (UnknownJob, 404),
+    (InvalidTransition, 409),
+    (SourceChanged, 409),
+    (DestinationExists, 409),
+    (CkptError, 400),  # bad input: a path outside the roots, an incomplete checkpoint, a bad setting
+)
+
+
 def status_of(exc: CkptError) -> int:
-    """The HTTP status a pipeline error deserves."""
-    if isinstance(exc, (UnknownCheckpoint, UnknownJob)):
-        return 404
-    if isinstance(exc, (InvalidTransition, SourceChanged)):
-        return 409
-    if isinstance(exc, RestoreError) and "already exists" in str(exc):
-        return 409
-    if isinstance(exc, (OutsideRoots, HeaderError, IncompleteCheckpoint, RestoreError, ConfigError)):
-        return 400
-    return 400
+    """The HTTP status a pipeline error deserves (:data:`STATUS`)."""
+    return next(code for kind, code in STATUS if isinstance(exc, kind))
 
 
 def wants_json() -> bool:
@@ -35,18 +45,18 @@ def wants_json() -> bool:
 
 def register(app: Flask) -> None:
     @app.errorhandler(ApiError)
-    def _api(exc: ApiError):  # noqa: ANN202
+    def _api(exc: ApiError) -> ResponseReturnValue:
         return jsonify(error=exc.reason, status=exc.status), exc.status
 
     @app.errorhandler(CkptError)
-    def _ckpt(exc: CkptError):  # noqa: ANN202
+    def _ckpt(exc: CkptError) -> ResponseReturnValue:
         code = status_of(exc)
         if wants_json():
             return jsonify(error=str(exc), status=code), code
         return render_template("error.html", code=code, message=str(exc)), code
 
     @app.errorhandler(HTTPException)
-    def _http(exc: HTTPException):  # noqa: ANN202
+    def _http(exc: HTTPException) -> ResponseReturnValue:
         if wants_json():
-            return jsonify(error=exc.description, status=exc.code), exc.code
-        return render_template("error.html", code=exc.code, message=exc.description), exc.code
+            return jsonify(error=exc.description, status=exc.code), exc.code or 500
+        return render_template("error.html", code=exc.code, message=exc.description), exc.code or 500

@@ -1,15 +1,19 @@
 """``/metrics`` in the Prometheus text format, computed from the control plane at scrape time."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from flask import Blueprint, Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
+from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent
+from pipeline.states import JobKind, WorkerState
 from webui import data
 
 bp = Blueprint("metrics", __name__)
@@ -38,10 +42,10 @@ class ControlPlaneCollector:
                 jobs.add_metric([kind, state], n)
             stored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
                                     .join(Job, Job.checkpoint_id == Checkpoint.id)
-                                    .where(Job.kind == "store", Job.state.in_(("verified", "rotated")))) or 0
+                                    .where(Job.kind == JobKind.STORE, Job.state.in_(sorted(states.PROTECTED)))) or 0
             restored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
                                       .join(Job, Job.checkpoint_id == Checkpoint.id)
-                                      .where(Job.kind == "restore", Job.state == "done")) or 0
+                                      .where(Job.kind == JobKind.RESTORE, Job.state == "done")) or 0
             steps = _step_durations(session)
         yield jobs
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
@@ -66,13 +70,13 @@ class ControlPlaneCollector:
         up = GaugeMetricFamily("ckpt_worker_up", "1 if the storage worker is up", labels=["worker", "state"])
         free = GaugeMetricFamily("ckpt_worker_free_bytes", "Free bytes on the storage worker", labels=["worker"])
         for w in data.workers(s):
-            up.add_metric([w["id"], w["state"]], 1 if w["state"] == "up" else 0)
+            up.add_metric([w["id"], w["state"]], 1 if w["state"] == WorkerState.UP else 0)
             free.add_metric([w["id"]], w["free_bytes"])
         yield up
         yield free
 
 
-def _step_durations(session) -> dict[str, list[float]]:  # noqa: ANN001
+def _step_durations(session: Session) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"transfer": [], "verify": [], "restore": []}
     rows = session.execute(select(JobEvent.job_id, Job.kind, JobEvent.to_state, JobEvent.at)
                            .join(Job, Job.id == JobEvent.job_id)
@@ -92,7 +96,7 @@ def _step_durations(session) -> dict[str, list[float]]:  # noqa: ANN001
 
 
 @bp.get("/metrics")
-def metrics():  # noqa: ANN201
+def metrics() -> Response:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector(current_app.config["CKPT_SETTINGS"]))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)

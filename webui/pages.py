@@ -3,11 +3,25 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
-from flask import Blueprint, Response, current_app, flash, redirect, render_template, request, stream_with_context, url_for
+from flask import (
+    Blueprint,
+    Response,
+    current_app,
+    flash,
+    redirect,
+    render_template,
+    request,
+    stream_with_context,
+    url_for,
+)
+from flask.typing import ResponseReturnValue
 from markupsafe import Markup
 
-from pipeline import commands, deadletters, states
+from pipeline import operations, states
+from pipeline.settings import Settings
+from pipeline.tasks import deadletters
 from webui import data
 from webui.charts import transfers_chart
 from webui.security import form_admin
@@ -15,25 +29,25 @@ from webui.security import form_admin
 bp = Blueprint("pages", __name__)
 
 
-def settings():  # noqa: ANN201
+def settings() -> Settings:
     return current_app.config["CKPT_SETTINGS"]
 
 
 def dead_letter_count() -> int:
     try:
         return len(deadletters.list_letters(settings()))
-    except Exception:  # noqa: BLE001 - the broker may be away; the page still renders
+    except Exception:
         return -1
 
 
 @bp.route("/")
-def overview():  # noqa: ANN201
+def overview() -> ResponseReturnValue:
     doc = data.overview(settings(), dead_letter_count())
     return render_template("overview.html", o=doc, chart=Markup(transfers_chart(doc["transfers"])))
 
 
 @bp.route("/checkpoints")
-def checkpoints():  # noqa: ANN201
+def checkpoints() -> ResponseReturnValue:
     state, run = request.args.get("state") or None, request.args.get("run") or None
     return render_template("checkpoints.html", items=data.checkpoints(settings(), state=state, run=run),
                            runs=data.runs(settings()), state=state, run=run,
@@ -41,35 +55,34 @@ def checkpoints():  # noqa: ANN201
 
 
 @bp.route("/checkpoints/<int:checkpoint_id>")
-def checkpoint(checkpoint_id: int):  # noqa: ANN201
+def checkpoint(checkpoint_id: int) -> ResponseReturnValue:
     return render_template("checkpoint.html", c=data.checkpoint(settings(), checkpoint_id))
 
 
 @bp.route("/health")
-def health():  # noqa: ANN201
+def health() -> ResponseReturnValue:
     return render_template("health.html", h=data.health(settings()))
 
 
 @bp.route("/jobs")
-def jobs():  # noqa: ANN201
+def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
     return render_template("jobs.html", items=data.jobs(settings(), state=state, kind=kind), state=state, kind=kind,
                            kinds=sorted(states.TRANSITIONS))
 
 
 @bp.route("/jobs/<int:job_id>")
-def job(job_id: int):  # noqa: ANN201
+def job(job_id: int) -> ResponseReturnValue:
     return render_template("job.html", j=data.job(settings(), job_id))
 
 
 @bp.route("/jobs/<int:job_id>/stream")
-def job_stream(job_id: int):  # noqa: ANN201
+def job_stream(job_id: int) -> ResponseReturnValue:
     """Server-sent events: the job's state and bytes, until it ends."""
     s = settings()
     data.job(s, job_id)  # 404 before the stream starts
 
-    @stream_with_context
-    def events():  # noqa: ANN202
+    def events() -> Iterator[str]:
         last = None
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline:
@@ -84,22 +97,22 @@ def job_stream(job_id: int):  # noqa: ANN201
                 return
             time.sleep(0.5)
 
-    return Response(events(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(stream_with_context(events()), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @bp.route("/workers")
-def workers():  # noqa: ANN201
+def workers() -> ResponseReturnValue:
     return render_template("workers.html", items=data.workers(settings()))
 
 
 @bp.route("/dead-letters")
-def dead_letters():  # noqa: ANN201
+def dead_letters() -> ResponseReturnValue:
     return render_template("dead_letters.html", items=deadletters.list_letters(settings()))
 
 
 @bp.route("/dead-letters/requeue", methods=("POST",))
 @form_admin
-def requeue():  # noqa: ANN201
+def requeue() -> ResponseReturnValue:
     which = request.form.get("id") or None
     n = deadletters.requeue(settings(), None if which == "all" else [which] if which else [])
     flash(f"requeued {n} message(s)", "info" if n else "error")
@@ -108,36 +121,36 @@ def requeue():  # noqa: ANN201
 
 @bp.route("/actions")
 @form_admin
-def actions():  # noqa: ANN201
+def actions() -> ResponseReturnValue:
     return render_template("actions.html", roots=settings().roots, ckpts=data.checkpoints(settings()))
 
 
 @bp.route("/actions/store", methods=("POST",))
 @form_admin
-def store():  # noqa: ANN201
+def store() -> ResponseReturnValue:
     path = request.form.get("path", "").strip()
     if not path:
         flash("give the path of a checkpoint inside a watched root", "error")
         return redirect(url_for("pages.actions"), code=303)
-    r = commands.store(settings(), path, detail="requested from the web UI")
+    r = operations.store(settings(), path, detail="requested from the web UI")
     return redirect(url_for("pages.job", job_id=r.job_id), code=303)
 
 
 @bp.route("/actions/restore", methods=("POST",))
 @form_admin
-def restore():  # noqa: ANN201
+def restore() -> ResponseReturnValue:
     ref, dest = request.form.get("checkpoint", "").strip(), request.form.get("dest", "").strip()
     if not ref or not dest:
         flash("choose a checkpoint and a destination path", "error")
         return redirect(url_for("pages.actions"), code=303)
-    r = commands.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
+    r = operations.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
     return redirect(url_for("pages.job", job_id=r.job_id), code=303)
 
 
 @bp.route("/actions/scrub", methods=("POST",))
 @form_admin
-def scrub():  # noqa: ANN201
-    started = commands.scrub_now(settings(), reason="requested from the web UI")
+def scrub() -> ResponseReturnValue:
+    started = operations.scrub_now(settings(), reason="requested from the web UI")
     if not started:
         flash("no live storage worker to scrub", "error")
         return redirect(url_for("pages.actions"), code=303)

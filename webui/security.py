@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import hmac
 import secrets
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flask import abort, current_app, redirect, request, session, url_for
 

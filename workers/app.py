@@ -13,7 +13,7 @@
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
     GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}
 
-Every request must be signed with the cluster key, once (pipeline.auth: a replayed request
+Every request must be signed with the cluster key, once (pipeline.cluster.auth: a replayed request
 or a JSON body other than the signed one is refused with 401); answers are JSON.
 """
 from __future__ import annotations
@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from pipeline import auth, failpoints
-from pipeline.errors import AuthError
-from workers.shardstore import ShardStore, StoreError, Throttle, valid_name
+from pipeline import failpoints
+from pipeline.cluster import auth
+from pipeline.errors import AuthError, ShardRefused
+from workers.shardstore import ShardStore, Throttle, valid_name
 
 API_VERSION = 1
 MAX_JSON_BODY = 16 * 1024 * 1024
@@ -47,7 +49,8 @@ def _json(start: StartResponse, status: int, doc: Any) -> list[bytes]:
     return [body]
 
 
-def _error(start: StartResponse, status: int, reason: str, headers: list[tuple[str, str]] = ()) -> list[bytes]:
+def _error(start: StartResponse, status: int, reason: str,
+           headers: Sequence[tuple[str, str]] = ()) -> list[bytes]:
     # The request body may be unread (a refused upload): close rather than drain it.
     body = json.dumps({"error": reason}).encode()
     start(f"{status} {_REASONS.get(status, 'Error')}",
@@ -74,7 +77,7 @@ class WorkerApp:
             return _error(start, 401, str(exc), auth.clock_hint(self.key))
         try:
             return self.route(method, path, environ, start)
-        except StoreError as exc:
+        except ShardRefused as exc:
             return _error(start, exc.status, exc.reason)
         except Exception:  # a bug must not take the daemon down; the client retries
             log.exception("internal error on %s %s", method, path)
@@ -108,7 +111,7 @@ class WorkerApp:
             names = self._names_of(doc)
             rate = doc.get("rate") or 0
             if not isinstance(rate, (int, float)) or rate < 0:
-                raise StoreError(400, '"rate" must be a non-negative number of bytes per second')
+                raise ShardRefused(400, '"rate" must be a non-negative number of bytes per second')
             throttle = Throttle(float(rate))
             results = []
             for name in names:
@@ -168,19 +171,19 @@ class WorkerApp:
     def _body(self, environ: dict[str, Any]) -> dict[str, Any]:
         raw_len = environ.get("CONTENT_LENGTH") or ""
         if not raw_len.isdigit():
-            raise StoreError(411, "Content-Length is required")
+            raise ShardRefused(411, "Content-Length is required")
         n = int(raw_len)
         if n > MAX_JSON_BODY:
-            raise StoreError(413, f"JSON body of {n:,} bytes exceeds {MAX_JSON_BODY:,}")
+            raise ShardRefused(413, f"JSON body of {n:,} bytes exceeds {MAX_JSON_BODY:,}")
         raw = environ["wsgi.input"].read(n)
         if auth.body_digest(raw) != environ.get("ckpt.body_digest"):
-            raise StoreError(401, "the request body is not the one that was signed")
+            raise ShardRefused(401, "the request body is not the one that was signed")
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: hostile nesting
-            raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}') from None
+            raise ShardRefused(400, 'body must be JSON {"shards": [sha256, ...]}') from None
         if not isinstance(doc, dict):
-            raise StoreError(400, 'body must be JSON {"shards": [sha256, ...]}')
+            raise ShardRefused(400, 'body must be JSON {"shards": [sha256, ...]}')
         return doc
 
     def _names(self, environ: dict[str, Any]) -> list[str]:
@@ -190,10 +193,10 @@ class WorkerApp:
     def _names_of(doc: dict[str, Any]) -> list[str]:
         names = doc.get("shards")
         if not isinstance(names, list) or len(names) > MAX_NAMES:
-            raise StoreError(400, f'"shards" must be a list of at most {MAX_NAMES} names')
+            raise ShardRefused(400, f'"shards" must be a list of at most {MAX_NAMES} names')
         bad = [n for n in names if not isinstance(n, str) or not valid_name(n)]
         if bad:
-            raise StoreError(400, f"shard name {str(bad[0])[:80]!r} is not 64 lowercase hex characters")
+            raise ShardRefused(400, f"shard name {str(bad[0])[:80]!r} is not 64 lowercase hex characters")
         return names
 
 

@@ -1,6 +1,6 @@
 """``ckpt worker``: the storage worker daemon behind gunicorn (threaded workers).
 
-gunicorn, not the werkzeug development server (pipeline.serving): it serves long uploads
+gunicorn, not the werkzeug development server (pipeline.service.serving): it serves long uploads
 in threads, streams responses with sendfile, and shuts down gracefully on SIGTERM.
 """
 from __future__ import annotations
@@ -11,8 +11,7 @@ import secrets
 from typing import Any
 
 from pipeline.durable import fsync_dir
-from pipeline.serving import run
-
+from pipeline.service.serving import run
 from workers.app import WorkerApp
 from workers.shardstore import ShardStore
 
@@ -55,7 +54,7 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
 
     def when_ready(_server: Any) -> None:
         if advertise_on:
-            from pipeline.discovery import Advertiser
+            from pipeline.cluster.discovery import Advertiser
 
             try:
                 advertiser.append(Advertiser(node, host, port, zone, advertise_on))

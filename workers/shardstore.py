@@ -3,7 +3,7 @@
 Layout: ``<data>/shards/ab/cd/<sha256>`` for shards, ``<data>/tmp/`` for uploads in
 flight, ``<data>/quarantine/`` for copies set aside. A shard becomes visible only after
 its bytes hashed to its name, were fsynced, renamed into place, and the directory
-fsynced (DESIGN invariant 2).
+fsynced (docs/design.md, invariant 2).
 """
 from __future__ import annotations
 
@@ -15,23 +15,17 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from pipeline import failpoints
 from pipeline.durable import WriteBehind, fsync_dir
+from pipeline.errors import ShardRefused
 
 SHARD_NAME = re.compile(r"^[0-9a-f]{64}$")
 BLOCK = 4 * 1024 * 1024
 NET_BLOCK = 1024 * 1024
-
-
-class StoreError(Exception):
-    """Raised when the store refuses a shard; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        self.status, self.reason = status, reason
-        super().__init__(reason)
 
 
 def valid_name(name: str) -> bool:
@@ -59,7 +53,7 @@ class ShardStore:
 
     def path(self, name: str) -> str:
         if not valid_name(name):
-            raise StoreError(400, f"shard name {name[:80]!r} is not 64 lowercase hex characters")
+            raise ShardRefused(400, f"shard name {name[:80]!r} is not 64 lowercase hex characters")
         return os.path.join(self.shards, name[:2], name[2:4], name)
 
     def has(self, name: str) -> int | None:
@@ -87,9 +81,9 @@ class ShardStore:
             _drain(body, length)
             return PutResult(created=False, size=os.stat(final).st_size)
         if length < 0:
-            raise StoreError(411, "Content-Length is required")
+            raise ShardRefused(411, "Content-Length is required")
         if length > self.free_bytes():
-            raise StoreError(507, f"shard of {length:,} bytes exceeds the {self.free_bytes():,} bytes free")
+            raise ShardRefused(507, f"shard of {length:,} bytes exceeds the {self.free_bytes():,} bytes free")
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=name[:16] + ".")
         try:
@@ -107,7 +101,7 @@ class ShardStore:
                         n = len(chunk)
                         view[:n] = chunk
                     if not n:
-                        raise StoreError(400, f"body ended after {length - remaining:,} of {length:,} bytes")
+                        raise ShardRefused(400, f"body ended after {length - remaining:,} of {length:,} bytes")
                     h.update(view[:n])
                     failpoints.hit("worker.put.write")
                     out.write(view[:n])
@@ -115,7 +109,7 @@ class ShardStore:
                     behind.written(length - remaining)
                 actual = h.hexdigest()
                 if actual != name:
-                    raise StoreError(422, f"body hashes to {actual}, not to its name {name}")
+                    raise ShardRefused(422, f"body hashes to {actual}, not to its name {name}")
                 failpoints.hit("worker.put.fsync")
                 os.fsync(out.fileno())
                 # Nothing reads a new shard from the cache (verify and scrub drop it first):
@@ -129,7 +123,7 @@ class ShardStore:
             return PutResult(created=True, size=length)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreError(507, f"no space left on this worker's disk ({exc.strerror})") from None
+                raise ShardRefused(507, f"no space left on this worker's disk ({exc.strerror})") from None
             raise
         finally:
             if tmp:
@@ -138,7 +132,7 @@ class ShardStore:
                 except FileNotFoundError:
                     pass
 
-    def rehash(self, name: str, throttle: "Throttle | None" = None) -> tuple[str | None, int | None]:
+    def rehash(self, name: str, throttle: Throttle | None = None) -> tuple[str | None, int | None]:
         """``(sha256, size)`` of the shard as it is on the disk now, or ``(None, None)`` if absent.
 
         The page cache is dropped first so the bytes come from the disk, not memory;
@@ -229,7 +223,8 @@ class ShardStore:
 class Throttle:
     """Keeps a reader at or under ``rate`` bytes per second (0: unthrottled)."""
 
-    def __init__(self, rate: float, clock=time.monotonic, sleep=time.sleep) -> None:  # noqa: ANN001
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.rate, self.clock, self.sleep = rate, clock, sleep
         self.start = clock()
         self.done = 0

@@ -6,9 +6,8 @@ Create Date: 2026-11-21 06:56:58.208385
 """
 from __future__ import annotations
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0002'
 down_revision = '0001'

@@ -1,7 +1,7 @@
 """Engines and sessions, one engine per process.
 
 SQLite gets WAL, a busy timeout, foreign keys and ``BEGIN IMMEDIATE`` for every
-transaction (STACK_NOTES: deferred read-then-write transactions deadlock into
+transaction (deferred read-then-write transactions deadlock into
 "database is locked" under several processes). PostgreSQL URLs get a plain engine.
 Engines are never carried across ``fork``: :func:`get_engine` keys its cache by pid.
 """
@@ -12,14 +12,18 @@ import random
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from pipeline import failpoints
+from pipeline.errors import MissingRow
+
+T = TypeVar("T")
 
 BUSY_TIMEOUT_MS = 30_000
 #: Longest pause between two tries of BEGIN IMMEDIATE (seconds).
@@ -31,7 +35,7 @@ _engines: dict[tuple[int, str], Engine] = {}
 
 def _sqlite_setup(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
         # Let SQLAlchemy's BEGIN (below) own transactions instead of the driver.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
@@ -42,11 +46,11 @@ def _sqlite_setup(engine: Engine) -> None:
         cur.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn):  # noqa: ANN001
+    def _on_begin(conn: Connection) -> None:
         begin_immediate(conn.connection.dbapi_connection)
 
 
-def begin_immediate(dbapi_conn, timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:  # noqa: ANN001
+def begin_immediate(dbapi_conn: Any, timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:
     """``BEGIN IMMEDIATE``, retried every millisecond or so while another writer holds the lock.
 
     SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms between tries and is
@@ -97,6 +101,19 @@ def dispose_all() -> None:
         for engine in _engines.values():
             engine.dispose()
         _engines.clear()
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE matched (what a compare-and-set reads to know it won)."""
+    return result.rowcount if isinstance(result, CursorResult) else 0
+
+
+def one(session: Session, model: type[T], key: object) -> T:
+    """The row of ``model`` with primary key ``key``; :class:`MissingRow` if there is none."""
+    row = session.get(model, key)
+    if row is None:
+        raise MissingRow(getattr(model, "__tablename__", model.__name__), key)
+    return row
 
 
 @contextmanager

@@ -7,7 +7,6 @@ from alembic import command
 from alembic.config import Config
 
 import migrations
-
 from pipeline.db.engine import get_engine
 
 SCRIPT_LOCATION = str(Path(migrations.__file__).parent)

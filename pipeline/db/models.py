@@ -1,13 +1,13 @@
 """The control plane's tables: checkpoints, their files and shard manifest, storage
 workers, replicas, jobs and the job timeline.
 
-The database is the single source of truth (DESIGN section 6, invariant 3). Alembic
+The database is the single source of truth (docs/design.md, invariant 3). Alembic
 owns the schema: every change here needs a new revision under ``migrations/versions``.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Any, Optional
+from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -23,8 +23,9 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -36,7 +37,7 @@ NAMING = {
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
@@ -49,14 +50,14 @@ class UtcDateTime(TypeDecorator):
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value, dialect):  # noqa: ANN001, ANN201
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc) if value is not None else None
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC) if value is not None else None
 
-    def process_result_value(self, value, dialect):  # noqa: ANN001, ANN201
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
+            value = value.replace(tzinfo=UTC)
         return value
 
 
@@ -73,13 +74,13 @@ class Checkpoint(Base):
     is_dir: Mapped[bool] = mapped_column(Boolean)
     #: SHA-256 over the sorted (relative path, size, file SHA-256) of every file.
     version: Mapped[str] = mapped_column(String(64))
-    step: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     mtime: Mapped[float] = mapped_column(Float)
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     local_present: Mapped[bool] = mapped_column(Boolean, default=True)
     detected_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
-    files: Mapped[list["CheckpointFile"]] = relationship(
+    files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"
     )
 
@@ -101,7 +102,7 @@ class CheckpointFile(Base):
     mtime_ns: Mapped[int] = mapped_column(BigInteger)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="files")
-    shards: Mapped[list["Shard"]] = relationship(
+    shards: Mapped[list[Shard]] = relationship(
         back_populates="file", order_by="Shard.seq", cascade="all, delete-orphan"
     )
 
@@ -127,10 +128,10 @@ class Shard(Base):
     length: Mapped[int] = mapped_column(BigInteger)
     payload_offset: Mapped[int] = mapped_column(BigInteger, default=0)
     #: Names of the tensors held (safetensors shards), for inspection.
-    tensors: Mapped[Optional[list[str]]] = mapped_column(JSON, nullable=True)
+    tensors: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
     file: Mapped[CheckpointFile] = relationship(back_populates="shards")
-    replicas: Mapped[list["Replica"]] = relationship(back_populates="shard", cascade="all, delete-orphan")
+    replicas: Mapped[list[Replica]] = relationship(back_populates="shard", cascade="all, delete-orphan")
 
 
 class StorageWorker(Base):
@@ -148,8 +149,8 @@ class StorageWorker(Base):
     state: Mapped[str] = mapped_column(String(16), default="up")
     capacity_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    last_seen: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
-    last_error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    last_seen: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Replica(Base):
@@ -164,12 +165,12 @@ class Replica(Base):
     #: "pending", "stored", "verified", "corrupt", "missing", "abandoned" or "trimmed".
     state: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    stored_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    stored_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     #: Last time the worker's re-hash matched the manifest.
-    verified_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    verified_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     #: Last time the replica was checked (verify or scrub), whatever the result.
-    checked_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
-    last_error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     shard: Mapped[Shard] = relationship(back_populates="replicas")
     worker: Mapped[StorageWorker] = relationship()
@@ -183,27 +184,27 @@ class Job(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(16), index=True)
-    checkpoint_id: Mapped[Optional[int]] = mapped_column(
+    checkpoint_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=True, index=True
     )
     state: Mapped[str] = mapped_column(String(16))
     #: Executions of the current step (crash redeliveries included).
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    last_error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Why a verified checkpoint still has its local copy, when rotation wants it gone.
-    blocked_reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
-    lease_until: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    blocked_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     #: Collapses duplicates: at most one job per key (e.g. one nightly scrub per worker and day).
-    dedupe_key: Mapped[Optional[str]] = mapped_column(String(255), nullable=True, unique=True)
+    dedupe_key: Mapped[str | None] = mapped_column(String(255), nullable=True, unique=True)
     bytes_done: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_total: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
-    finished_at: Mapped[Optional[datetime]] = mapped_column(UtcDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
 
-    checkpoint: Mapped[Optional[Checkpoint]] = relationship()
-    events: Mapped[list["JobEvent"]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
+    checkpoint: Mapped[Checkpoint | None] = relationship()
+    events: Mapped[list[JobEvent]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
 
 
 class JobEvent(Base):
@@ -214,9 +215,9 @@ class JobEvent(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
-    from_state: Mapped[Optional[str]] = mapped_column(String(16), nullable=True)
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str] = mapped_column(String(16))
-    detail: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Lock(Base):

@@ -7,7 +7,7 @@ state machine lacks raises :class:`~pipeline.errors.InvalidTransition`.
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
@@ -15,13 +15,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from pipeline import failpoints, states
+from pipeline.db.engine import rowcount
 from pipeline.db.models import Job, JobEvent
 from pipeline.errors import InvalidTransition, UnknownJob
 
 
 def now() -> datetime:
     """The wall clock, in UTC (skewed by a fault test only: pipeline.failpoints.clock_offset)."""
-    return datetime.now(timezone.utc) + timedelta(seconds=failpoints.clock_offset())
+    return datetime.now(UTC) + timedelta(seconds=failpoints.clock_offset())
 
 
 def transition(
@@ -56,7 +57,7 @@ def transition(
         .values(state=target, updated_at=t, **values)
         .execution_options(synchronize_session=False)
     )
-    if result.rowcount == 1:
+    if rowcount(result) == 1:
         session.add(JobEvent(job_id=job_id, at=t, from_state=expected, to_state=target, detail=detail))
         return True
     current = session.scalar(select(Job.state).where(Job.id == job_id))
@@ -135,7 +136,7 @@ def start_attempt(session: Session, job_id: int, expected: str, lease_seconds: f
         .values(attempts=Job.attempts + 1, lease_until=t + timedelta(seconds=lease_seconds), updated_at=t)
         .execution_options(synchronize_session=False)
     )
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         return None
     return session.scalar(select(Job.attempts).where(Job.id == job_id))
 

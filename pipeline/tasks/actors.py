@@ -1,4 +1,4 @@
-"""The Dramatiq actors: thin, idempotent, taking ids (DESIGN invariant 3).
+"""The Dramatiq actors: thin, idempotent, taking ids (docs/design.md, invariant 3).
 
 Each loads by id, calls its step in ``pipeline``, and sends the follow-up messages the
 step returns only after the step's transactions committed.
@@ -6,33 +6,36 @@ step returns only after the step's transactions committed.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import dramatiq
 
 from pipeline import settings as settings_mod
-from pipeline.reconcile import reconcile_worker as reconcile_step
-from pipeline.repair import repair as repair_step
-from pipeline.replication import replicate as replicate_step
-from pipeline.restore import restore as restore_step
-from pipeline.rotation import plan_run, rotate as rotate_step
-from pipeline.scrub import scrub as scrub_step
-from pipeline.sharding import shard_checkpoint
-from pipeline.steps import AttemptsExhausted, Send
-from pipeline.verification import verify_checkpoint
+from pipeline.errors import AttemptsExhausted
+from pipeline.integrity.reconcile import reconcile_worker as reconcile_step
+from pipeline.integrity.repair import repair as repair_step
+from pipeline.integrity.scrub import scrub as scrub_step
+from pipeline.restore.job import restore as restore_step
+from pipeline.steps import Send
+from pipeline.store.replication import replicate as replicate_step
+from pipeline.store.rotation import plan_run
+from pipeline.store.rotation import rotate as rotate_step
+from pipeline.store.sharding import shard_checkpoint
+from pipeline.store.verification import verify_checkpoint
 
 log = logging.getLogger("ckpt.tasks")
 
 _settings = settings_mod.current()
 _SECOND = 1000
-_common = dict(
+_common: dict[str, Any] = dict(
     max_retries=_settings.max_retries,
     min_backoff=_settings.min_backoff_ms,
     max_backoff=_settings.max_backoff_ms,
     throws=(AttemptsExhausted,),
 )
 #: Long transfers get an explicit limit; control steps a short one.
-_TRANSFER = dict(_common, time_limit=int(_settings.transfer_time_limit * _SECOND))
-_CONTROL = dict(_common, time_limit=10 * 60 * _SECOND)
+_TRANSFER: dict[str, Any] = dict(_common, time_limit=int(_settings.transfer_time_limit * _SECOND))
+_CONTROL: dict[str, Any] = dict(_common, time_limit=10 * 60 * _SECOND)
 
 
 def send_all(sends: list[Send]) -> None:

@@ -1,6 +1,6 @@
 """The Dramatiq broker of this process, set before any actor is declared.
 
-Redis is disposable transport (DESIGN section 1): heartbeats and maintenance are tuned
+Redis is disposable transport (docs/design.md, section 1): heartbeats and maintenance are tuned
 so a killed worker's messages come back within a minute, and the scheduler's lease
 re-drive is the real guarantee. ``CKPT_REDIS_URL=stub://`` gives a StubBroker for fast
 unit tests.

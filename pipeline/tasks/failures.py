@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from pipeline.db.engine import session_scope
-from pipeline.replication import job_of_replica
 from pipeline.settings import Settings
 from pipeline.steps import fail_job, record_error
+from pipeline.store.replication import job_of_replica
 
 
-def job_id_for(session, actor: str, args: tuple[Any, ...]) -> int | None:  # noqa: ANN001
+def job_id_for(session: Session, actor: str, args: tuple[Any, ...]) -> int | None:
     if not args:
         return None
     if actor == "replicate":

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+from dramatiq import Broker
+from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Middleware
 
 log = logging.getLogger("ckpt.tasks")
@@ -14,7 +17,8 @@ class JobFailures(Middleware):
     sits in the dead-letter queue, the job row says why.
     """
 
-    def after_process_message(self, broker, message, *, result=None, exception=None):  # noqa: ANN001
+    def after_process_message(self, broker: Broker, message: MessageProxy, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
         if exception is None:
             return
         from pipeline import settings as settings_mod
@@ -31,12 +35,13 @@ class Failpoints(Middleware):
     """Names the commit failpoints of each message after its actor (tests only:
     installed when ``CKPT_FAILPOINTS`` is set, see :mod:`pipeline.failpoints`)."""
 
-    def before_process_message(self, broker, message):  # noqa: ANN001
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         from pipeline import failpoints
 
         failpoints.begin_message(message.actor_name)
 
-    def after_process_message(self, broker, message, *, result=None, exception=None):  # noqa: ANN001
+    def after_process_message(self, broker: Broker, message: MessageProxy, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
         from pipeline import failpoints
 
         failpoints.end_message()

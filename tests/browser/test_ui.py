@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.worker_client import free_port
+from pipeline.cluster.client import free_port
 from tests.checkpoints import atomic_save, files_of, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for

@@ -24,7 +24,7 @@ def trials(request) -> int:
     return max(1, request.config.getoption("--soak"))
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not Table.rows:
         return
     terminalreporter.write_sep("=", "fault table")

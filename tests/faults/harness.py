@@ -31,9 +31,9 @@ from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
 from pipeline.db.models import StorageWorker as WorkerRow
-from pipeline.restore import request as restore_request
-from pipeline.scrub import request_scrub
-from pipeline.supervisor import STABLE_SECONDS
+from pipeline.integrity.scrub import request_scrub
+from pipeline.restore.job import request as restore_request
+from pipeline.service.supervisor import STABLE_SECONDS
 from tests.checkpoints import atomic_save, state_dict
 from tests.faults.proxy import Proxy
 from tests.processes import Cluster, StorageWorker, base_env, wait_for
@@ -63,7 +63,7 @@ class Row:
     outcomes: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
-    def add(self, verdict: "Verdict", recover: float, outcome: str) -> None:
+    def add(self, verdict: Verdict, recover: float, outcome: str) -> None:
         self.trials += 1
         self.lost += verdict.lost
         self.unsafe += verdict.unsafe
@@ -91,7 +91,8 @@ class Table:
 
     @classmethod
     def render(cls) -> str:
-        head = f"{'fault':<58} {'trials':>6} {'lost':>5} {'unsafe':>6} {'torn':>5} {'integ':>5} {'recover s':>16}  outcome"
+        head = (f"{'fault':<58} {'trials':>6} {'lost':>5} {'unsafe':>6} {'torn':>5} {'integ':>5} {'recover s':>16}"
+                "  outcome")
         lines = [head, "-" * len(head)]
         for r in cls.rows:
             rec = (f"{sorted(r.recover_s)[len(r.recover_s) // 2]:.1f} (max {max(r.recover_s):.1f})"
@@ -117,7 +118,7 @@ class Verdict:
 
 class FaultCluster(Cluster):
     def __init__(self, tmp: Path, *, env: dict[str, str] | None = None, proxy: bool = False,
-                 **kwargs) -> None:  # noqa: ANN003
+                 **kwargs) -> None:
         #: With ``proxy``, the cluster reaches the first storage worker through a
         #: :class:`~tests.faults.proxy.Proxy` that can corrupt or cut what it carries.
         self.proxy: Proxy | None = None
@@ -132,7 +133,7 @@ class FaultCluster(Cluster):
         self.run = self.runs / "run"
         self.run.mkdir(exist_ok=True)
 
-    def start(self) -> "FaultCluster":
+    def start(self) -> FaultCluster:
         # Each storage worker gets its own failpoint directory.
         for i in range(self.n_workers):
             d = self.points / f"worker{i}"
@@ -189,7 +190,7 @@ class FaultCluster(Cluster):
         except FileNotFoundError:
             return 0
 
-    def trace(self, where: str | None = None) -> "Trace":
+    def trace(self, where: str | None = None) -> Trace:
         return Trace(self._dir(where))
 
     # -- workload ----------------------------------------------------------------------
@@ -202,7 +203,7 @@ class FaultCluster(Cluster):
 
     def wait_stable(self) -> None:
         """Wait until every child of ``ckpt up`` has run long enough that another crash is
-        restarted at once (pipeline.supervisor.STABLE_SECONDS), not after a back-off."""
+        restarted at once (pipeline.service.supervisor.STABLE_SECONDS), not after a back-off."""
         def stable() -> bool:
             restarted = (self.home / "up.json").stat().st_mtime  # rewritten at each restart
             return time.time() - restarted >= STABLE_SECONDS + 0.2
@@ -346,11 +347,11 @@ class Trace:
         self.names: list[str] = []
         self.where: dict[str, str] = {}  # name -> module:line of its first hit
 
-    def __enter__(self) -> "Trace":
+    def __enter__(self) -> Trace:
         self.path.write_text("")
         return self
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         text = self.path.read_text()
         self.path.unlink()
         for line in text.splitlines():
@@ -385,7 +386,7 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def trial(cluster: FaultCluster, row: Row, fire, name: str | None, where: str | None = None,  # noqa: ANN001
+def trial(cluster: FaultCluster, row: Row, fire, name: str | None, where: str | None = None,
           timeout: float = 30) -> None:
     """Run ``fire()`` (which starts the work the fault hits), wait for the failpoint ``name``
     to fire and the cluster to settle, check the invariants and add the trial to ``row``."""

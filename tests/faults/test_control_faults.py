@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
-from pipeline.scheduler import resume
+from pipeline.service.scheduler import resume
 from tests.faults.harness import FaultCluster, Table, check_rows, trial
 from tests.processes import alive, wait_for
 
@@ -67,11 +67,11 @@ class Paused:
     def __init__(self, c: FaultCluster) -> None:
         self.pid = c.up_proc.pid
 
-    def __enter__(self) -> "Paused":
+    def __enter__(self) -> Paused:
         os.kill(self.pid, signal.SIGSTOP)
         return self
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         os.kill(self.pid, signal.SIGCONT)
 
 

@@ -22,8 +22,8 @@ def points(names: list[str], actors: set[str]) -> list[str]:
     return [n for n in names if (m := COMMIT.match(n)) and m.group(1) in actors]
 
 
-def run_faults(cluster: FaultCluster, names: list[str], trials: int, fire, where=None,  # noqa: ANN001
-               trace: "Trace | None" = None) -> list[str]:
+def run_faults(cluster: FaultCluster, names: list[str], trials: int, fire, where=None,
+               trace: Trace | None = None) -> list[str]:
     if trace is not None and trials == 1:  # soak mode (--soak N) also kills at every round of a loop
         names = trace.distinct(names)
     bad = []

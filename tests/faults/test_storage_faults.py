@@ -93,7 +93,7 @@ def test_local_disk_full_during_restore(fault_cluster: FaultCluster, tmp_path):
     check_rows(row)
 
 
-def rewrite_in_place(path) -> None:  # noqa: ANN001
+def rewrite_in_place(path) -> None:
     """The trainer writes new bytes into the same file (same size, new mtime)."""
     data = bytearray(path.read_bytes())
     data[-1000:] = bytes(1000)

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from pipeline.catalog import resolve
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
-from pipeline.gather import manifest
-
+from pipeline.detection.catalog import resolve
+from pipeline.restore.gather import manifest
 from tests.faults.harness import FaultCluster, Table, trial
 from tests.processes import wait_for
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from pipeline.catalog import latest_store_job
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
+from pipeline.detection.catalog import latest_store_job
 from tests.processes import Cluster, wait_for
 
 
@@ -30,7 +30,7 @@ def checkpoint_job(cluster: Cluster, path: Path, timeout: float = 60) -> int:
 def make_cluster(tmp_path):
     started: list[Cluster] = []
 
-    def make(**kwargs) -> Cluster:  # noqa: ANN003
+    def make(**kwargs) -> Cluster:
         c = Cluster(tmp_path / f"c{len(started)}", **kwargs)
         started.append(c)
         return c.start()

@@ -26,9 +26,10 @@ def main(tmp: Path) -> dict:
                               tmp / "rogue.log", key="not-the-cluster-key").start()
         t0 = time.monotonic()
         cluster.start()
+        from sqlalchemy import select
+
         from pipeline.db.engine import session_scope
         from pipeline.db.models import StorageWorker as Row
-        from sqlalchemy import select
 
         def workers() -> dict:
             with session_scope(cluster.settings.db_url) as s:

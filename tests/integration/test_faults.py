@@ -6,11 +6,11 @@ import torch
 from safetensors.torch import load_file
 from sqlalchemy import func, select
 
-from pipeline.catalog import resolve
 from pipeline.db.engine import session_scope
 from pipeline.db.models import CheckpointFile, Replica, Shard
-from pipeline.gather import manifest
-from pipeline.loader import load_state_dict
+from pipeline.detection.catalog import resolve
+from pipeline.restore.gather import manifest
+from pipeline.restore.loader import load_state_dict
 from tests.checkpoints import atomic_save, files_of, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
@@ -18,12 +18,12 @@ from tests.processes import wait_for
 pytestmark = pytest.mark.integration
 
 
-def big_checkpoint(path, seed: int = 0):  # noqa: ANN001, ANN201
+def big_checkpoint(path, seed: int = 0):
     """~40 MB in ~160 shards of 256 KiB (the test cluster's shard size): many transfers."""
     return atomic_save(state_dict(seed, layers=24, width=256), path)
 
 
-def stored_replicas(cluster, job_id: int) -> int:  # noqa: ANN001
+def stored_replicas(cluster, job_id: int) -> int:
     """Replicas uploaded so far (each is re-hashed and marked verified as soon as it is stored)."""
     with session_scope(cluster.settings.db_url) as s:
         cid = cluster.job(job_id).checkpoint_id
@@ -31,7 +31,7 @@ def stored_replicas(cluster, job_id: int) -> int:  # noqa: ANN001
                         .where(CheckpointFile.checkpoint_id == cid, Replica.state.in_(("stored", "verified"))))
 
 
-def node_id(worker) -> str:  # noqa: ANN001
+def node_id(worker) -> str:
     return (worker.data / "node_id").read_text().strip()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.loader import load_state_dict
+from pipeline.restore.loader import load_state_dict
 from tests.integration.conftest import checkpoint_job
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,7 @@ def model_and_opt():
     return model, opt
 
 
-def train(model, opt, steps: range) -> None:  # noqa: ANN001
+def train(model, opt, steps: range) -> None:
     for step in steps:
         g = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -60,5 +60,5 @@ def test_resume_from_restored_checkpoint_matches_uninterrupted_run(make_cluster,
     assert all(torch.equal(direct[k], v) for k, v in model.state_dict().items())
 
     train(model, opt, range(5, 10))
-    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

@@ -15,7 +15,7 @@ from tests.processes import wait_for
 pytestmark = pytest.mark.integration
 
 
-def replicas(cluster, job_id):  # noqa: ANN001
+def replicas(cluster, job_id):
     """Verified replicas of the job's tensor shards. (The header shard is skipped: a later
     checkpoint with the same layout has the very same header shard, and would re-upload it.)"""
     with session_scope(cluster.settings.db_url) as s:
@@ -25,7 +25,7 @@ def replicas(cluster, job_id):  # noqa: ANN001
             .where(CheckpointFile.checkpoint_id == cid, Replica.state == "verified", Shard.kind == "safetensors"))]
 
 
-def shard_file(cluster, worker_id: str, sha: str):  # noqa: ANN001
+def shard_file(cluster, worker_id: str, sha: str):
     for w in cluster.workers:
         if (w.data / "node_id").read_text().strip() == worker_id:
             return w.data / "shards" / sha[:2] / sha[2:4] / sha

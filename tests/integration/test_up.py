@@ -15,7 +15,7 @@ from tests.processes import FAST, alive, base_env, descendants, wait_for
 pytestmark = pytest.mark.integration
 
 
-def start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen, dict]:  # noqa: ANN001
+def start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen, dict]:
     env = base_env(tmp_path / "home")
     env.update(FAST)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--root", str(tmp_path / "runs" / "*"),

@@ -15,13 +15,13 @@ from tests.processes import wait_for
 pytestmark = pytest.mark.integration
 
 
-def status(cluster) -> dict:  # noqa: ANN001
+def status(cluster) -> dict:
     r = cluster.cli("status", "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
-def at_rf(cluster, path) -> bool:  # noqa: ANN001
+def at_rf(cluster, path) -> bool:
     c = next(c for c in status(cluster)["checkpoints"] if c["path"] == str(path.resolve()))
     return c["health"] == "healthy" and c["replicas_verified"] >= 2
 

@@ -22,9 +22,20 @@ from sqlalchemy.engine import make_url
 
 from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, Replica, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    Job,
+    Replica,
+    Shard,
+    StorageWorker,
+)
 from tests.checkpoints import atomic_save, state_dict
-from tests.conftest import POSTGRES_ADMIN_URL, _postgres_available, fresh_postgres_database
+from tests.conftest import (
+    POSTGRES_ADMIN_URL,
+    _postgres_available,
+    fresh_postgres_database,
+)
 from tests.processes import FAST, KEY, wait_for
 
 PG_SOCKET = "/var/run/postgresql/.s.PGSQL.5432"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.detect import inspect, settled, unchanged
+from pipeline.detection.completeness import inspect, settled, unchanged
+from pipeline.detection.roots import locate, runs
 from pipeline.errors import HeaderError, IncompleteCheckpoint, OutsideRoots
-from pipeline.roots import locate, runs
 from tests.checkpoints import dcp_folder, hf_folder
 
 

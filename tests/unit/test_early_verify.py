@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from pipeline import replication, verification
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job, Replica, StorageWorker
 from pipeline.db.transitions import now
-from pipeline.sharding import shard_checkpoint
+from pipeline.store import replication, verification
+from pipeline.store.sharding import shard_checkpoint
 from tests.unit.test_sharding import detected  # noqa: F401  (the fixture)
 
 BAD_URL = "http://127.0.0.1:7000"  # worker w-0: its disk returns other bytes than it received
@@ -22,24 +22,24 @@ class FakeWorker:
     def __init__(self, url: str, key: bytes) -> None:
         self.url = url
 
-    def head(self, name: str):  # noqa: ANN201
+    def head(self, name: str):
         return None
 
-    def put_range(self, name, header, path, offset, length):  # noqa: ANN001, ANN201
+    def put_range(self, name, header, path, offset, length):
         return {"created": True}
 
-    def verify(self, names: list[str], rate: float = 0):  # noqa: ANN201
+    def verify(self, names: list[str], rate: float = 0):
         FakeWorker.calls.append(("verify", self.url, tuple(names)))
         return [{"name": n, "sha256": ("0" * 64 if self.url == BAD_URL else n), "size": 1} for n in names]
 
-    def stat(self, names: list[str]):  # noqa: ANN201
+    def stat(self, names: list[str]):
         FakeWorker.calls.append(("stat", self.url, tuple(names)))
         return {n: self.sizes[n] for n in names}
 
     sizes: dict[str, int] = {}
 
 
-def replica_states(db):  # noqa: ANN001, ANN201
+def replica_states(db):
     with session_scope(db.db_url) as s:
         return [(r.worker_id, r.state) for r in s.scalars(select(Replica).order_by(Replica.id))]
 

@@ -13,7 +13,7 @@ import pytest
 from pipeline.db.engine import BUSY_TIMEOUT_MS, begin_immediate
 
 
-def connect(path):  # noqa: ANN001, ANN201
+def connect(path):
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")

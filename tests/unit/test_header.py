@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from pipeline.core.header import MAX_HEADER_BYTES, parse_header, shard_header
+from pipeline.detection.completeness import read_header
 from pipeline.errors import HeaderError
-from pipeline.header import MAX_HEADER_BYTES, parse_header, read_header, shard_header
 
 
 def raw(header: object, data: bytes = b"", *, length: int | None = None) -> bytes:

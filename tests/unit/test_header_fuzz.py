@@ -8,10 +8,11 @@ import struct
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from pipeline.core.header import parse_header
 from pipeline.errors import HeaderError
-from pipeline.header import parse_header
 
 DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "XX", ""]
 
@@ -52,7 +53,7 @@ def test_malformed_header_corpus_is_refused_clearly_and_quickly(case):
     assert time.perf_counter() - t < 5, f"{case} took too long"
 
 
-def _parse(data: bytes):  # noqa: ANN202
+def _parse(data: bytes):
     try:
         return parse_header(data, len(data), "fuzz.safetensors")
     except HeaderError as exc:

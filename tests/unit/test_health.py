@@ -1,22 +1,23 @@
 """Shard health rules, and the scrub read throttle."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pipeline.health import replica_health, shard_health
+from pipeline.core.copies import Copy
+from pipeline.core.health import replica_health, shard_health
 from workers.shardstore import Throttle
 
-NOW = datetime(2026, 11, 21, tzinfo=timezone.utc)
-DAY = 86400.0
+NOW = datetime(2026, 11, 21, tzinfo=UTC)
 
 
 @pytest.mark.parametrize("state,age_days,worker,expected", [
     ("verified", 0.5, "up", "verified"),
     ("verified", 3, "up", "stale"),
     ("verified", 0.5, "down", "missing"),
-    ("verified", 0.5, "draining", "verified"),
+    # Readable, but a draining worker's copies no longer count (pipeline.core.copies).
+    ("verified", 0.5, "draining", "draining"),
     ("stored", None, "up", "unverified"),
     ("corrupt", 0.1, "up", "corrupt"),
     ("missing", None, "up", "missing"),
@@ -24,7 +25,14 @@ DAY = 86400.0
 ])
 def test_replica_health(state, age_days, worker, expected):
     verified_at = NOW - timedelta(days=age_days) if age_days is not None else None
-    assert replica_health(state, verified_at, worker, NOW, 2 * DAY) == expected
+    stored_at = NOW - timedelta(days=4) if state != "pending" else None
+    copy = Copy("w-1", state, worker, stored_at, verified_at)
+    assert replica_health(copy, NOW - timedelta(days=2)) == expected
+
+
+def test_a_copy_verified_before_it_was_stored_is_unverified():
+    copy = Copy("w-1", "verified", "up", stored_at=NOW, verified_at=NOW - timedelta(seconds=1))
+    assert replica_health(copy, NOW - timedelta(days=2)) == "unverified"
 
 
 @pytest.mark.parametrize("replicas,local,expected", [

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, StorageWorker
-from pipeline.scheduler import last_fire, nightly_scrub
+from pipeline.service.scheduler import last_fire, nightly_scrub
 
-UTC = timezone.utc
+UTC = UTC
 CRON = "30 2 * * *"
 
 
@@ -24,7 +24,7 @@ def test_last_fire_is_the_latest_0230_at_or_before_now():
     assert last_fire(CRON, at(21, 23, 0), UTC) == at(21, 2, 30)
 
 
-def _world(db, protected_since: datetime):  # noqa: ANN001
+def _world(db, protected_since: datetime):
     s = dataclasses.replace(db, scrub_cron=CRON)
     with session_scope(s.db_url) as session:
         for i in range(2):
@@ -34,7 +34,7 @@ def _world(db, protected_since: datetime):  # noqa: ANN001
     return s
 
 
-def scrub_jobs(s) -> list[Job]:  # noqa: ANN001
+def scrub_jobs(s) -> list[Job]:
     with session_scope(s.db_url) as session:
         return list(session.scalars(select(Job).where(Job.kind == "scrub").order_by(Job.id)))
 

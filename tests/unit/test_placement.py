@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
+from pipeline.core.placement import Candidate, GiB, place
 from pipeline.errors import PlacementError
-from pipeline.placement import GiB, Candidate, place
 
 W = [Candidate(f"w{i}", 100 * GiB) for i in range(5)]
 SHARDS = [f"{i:064x}" for i in range(2000)]

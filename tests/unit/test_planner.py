@@ -8,8 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from pipeline.header import Header, TensorInfo, parse_header
-from pipeline.planner import group_tensors, module_key, module_units, plan_opaque, plan_safetensors
+from pipeline.core.header import Header, TensorInfo, parse_header
+from pipeline.core.planner import (
+    group_tensors,
+    module_key,
+    module_units,
+    plan_opaque,
+    plan_safetensors,
+)
 
 
 def layout(sizes: list[int]) -> Header:

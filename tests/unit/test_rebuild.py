@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cluster.client import WorkerClient
 from pipeline.errors import RestoreError
-from pipeline.gather import FileSource, ShardSource
-from pipeline.restore import write_file
-from pipeline.worker_client import WorkerClient
+from pipeline.restore.gather import FileSource, ShardSource
+from pipeline.restore.rebuild import write_file
 from tests.processes import KEY, StorageWorker, base_env
 
 CHUNK = 3_000_000
@@ -104,15 +104,15 @@ def test_no_intact_replica_fails_without_leaving_a_wrong_file_claimed(stored, wo
         with pytest.raises(RestoreError, match=f"no healthy replica of shard {bad[:12]}"):
             rebuild(f, tmp_path / "out")
     finally:
-        for w, b in zip(workers, backups):
+        for w, b in zip(workers, backups, strict=True):
             os.replace(b, w.shard(bad))
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_load_state_dict_fetch_checks_each_shard_and_skips_a_bad_replica(stored, workers, how):
     """load_state_dict keeps what it receives as tensors, with no file hash behind it: each
-    shard's own SHA-256 must be checked (DESIGN invariant 4)."""
-    from pipeline.loader import _fetch_bytes
+    shard's own SHA-256 must be checked (docs/design.md, invariant 4)."""
+    from pipeline.restore.loader import _fetch_bytes
 
     f, data = stored
     shard = f.shards[0]  # the one with its own header
@@ -126,7 +126,7 @@ def test_load_state_dict_fetch_checks_each_shard_and_skips_a_bad_replica(stored,
 
 
 def test_load_state_dict_fetch_with_no_intact_replica_fails(stored, workers):
-    from pipeline.loader import _fetch_bytes
+    from pipeline.restore.loader import _fetch_bytes
 
     f, _ = stored
     shard = f.shards[3]
@@ -135,5 +135,5 @@ def test_load_state_dict_fetch_with_no_intact_replica_fails(stored, workers):
         with pytest.raises(RestoreError, match=f"no healthy replica of shard {shard.sha256[:12]}"):
             _fetch_bytes(shard, KEY.encode())
     finally:
-        for w, b in zip(workers, backups):
+        for w, b in zip(workers, backups, strict=True):
             os.replace(b, w.shard(shard.sha256))

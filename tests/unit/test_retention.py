@@ -1,8 +1,9 @@
 """Retention decisions (pure)."""
 from __future__ import annotations
 
-from pipeline.retention import LocalCheckpoint as C, to_rotate
-from pipeline.roots import is_temporary, step_of
+from pipeline.core.retention import LocalCheckpoint as C
+from pipeline.core.retention import to_rotate
+from pipeline.detection.roots import is_temporary, step_of
 
 
 def test_keeps_the_newest_k_by_step_number():

@@ -10,7 +10,12 @@ from datetime import timedelta
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.db.transitions import create_job, now
-from pipeline.scheduler import acquire_lock, expired_work, holder_is_dead, release_lock
+from pipeline.service.scheduler import (
+    acquire_lock,
+    expired_work,
+    holder_is_dead,
+    release_lock,
+)
 from pipeline.steps import Send
 
 
@@ -27,7 +32,7 @@ def test_an_expired_lock_is_taken_over(db):
     assert acquire_lock(db, "scheduler", "b", ttl=30)
 
 
-def _job(s, kind: str, state: str, expired: bool) -> int:  # noqa: ANN001
+def _job(s, kind: str, state: str, expired: bool) -> int:
     job = create_job(s, kind, checkpoint_id=None)
     job.state = state
     job.lease_until = now() + timedelta(seconds=-5 if expired else 60)

@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-from pipeline import catalog, detect, sharding
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job, Shard, StorageWorker
 from pipeline.db.transitions import now
+from pipeline.detection import catalog, completeness
+from pipeline.store import sharding
 from tests.checkpoints import atomic_save, state_dict
 
 
@@ -21,7 +22,7 @@ def detected(db, tmp_path):
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     path = atomic_save(state_dict(1), run / "step_1.safetensors")
-    d = catalog.hash_checkpoint(run, path, detect.inspect(path), shard_size=db.shard_size)
+    d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size)
     with session_scope(db.db_url) as s:
         for i in range(2):
             s.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",

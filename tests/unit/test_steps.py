@@ -6,7 +6,8 @@ import pytest
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.db.transitions import create_job
-from pipeline.steps import AttemptsExhausted, begin_step, fail_job
+from pipeline.errors import AttemptsExhausted
+from pipeline.steps import begin_step, fail_job
 
 
 def test_a_step_gives_up_after_max_attempts(db):

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from pipeline import auth
+from pipeline.cluster import auth
+from pipeline.cluster.client import WorkerClient
 from pipeline.errors import WorkerError
-from pipeline.worker_client import WorkerClient
 from tests.processes import KEY, StorageWorker, base_env
 
 
@@ -27,7 +27,7 @@ def client(worker):
     return WorkerClient(worker.url, KEY.encode())
 
 
-def put_bytes(client, tmp_path, data: bytes, header: bytes = b"", name: str | None = None):  # noqa: ANN001
+def put_bytes(client, tmp_path, data: bytes, header: bytes = b"", name: str | None = None):
     src = tmp_path / "src"
     src.write_bytes(data)
     name = name or hashlib.sha256(header + data).hexdigest()
@@ -128,7 +128,7 @@ def test_prefetch_hints_held_shards_and_refuses_bad_names(client, tmp_path, work
     assert info.value.status == 401
 
 
-def raw_request(worker, method: str, path: str, headers: dict, body: bytes | None = None):  # noqa: ANN001
+def raw_request(worker, method: str, path: str, headers: dict, body: bytes | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", worker.port)
     conn.request(method, path, body=body, headers=headers)
     resp = conn.getresponse()

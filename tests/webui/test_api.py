@@ -111,7 +111,8 @@ def test_restore_validates_checkpoint_and_destination(client, web_settings, toke
     assert r.status_code == 404
     existing = tmp_path / "exists"
     existing.write_text("keep")
-    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(existing)}, headers=bearer(token))
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(existing)},
+                    headers=bearer(token))
     assert r.status_code == 409 and "already exists" in r.get_json()["error"]
     r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"]}, headers=bearer(token))
     assert r.status_code == 400 and "dest" in r.get_json()["error"]
@@ -122,11 +123,11 @@ def test_restore_validates_checkpoint_and_destination(client, web_settings, toke
 
 
 def test_restore_of_a_checkpoint_that_is_not_protected_is_400(client, web_settings, token, tmp_path):
-    from pipeline import commands
+    from pipeline import operations
     from tests.checkpoints import atomic_save, state_dict
 
     path = atomic_save(state_dict(5), tmp_path / "runs" / "r1" / "step_5.safetensors")
-    commands.store(web_settings, str(path))
+    operations.store(web_settings, str(path))
     r = client.post("/api/restore", json={"checkpoint": str(path), "dest": str(tmp_path / "o")}, headers=bearer(token))
     assert r.status_code == 400 and "only replicated or verified" in r.get_json()["error"]
 

@@ -1,0 +1,444 @@
+"""``ckpt``: the command line.
+
+    ckpt up [--root DIR]... [--home DIR] [--workers N]   everything on one machine
+    ckpt worker --data DIR --port P [--host H]           a storage worker daemon
+    ckpt store PATH [--wait]                             protect a checkpoint now
+    ckpt restore ID|PATH --to DEST [--wait]              give a checkpoint back
+    ckpt status [--json]                                 checkpoints and jobs
+    ckpt dead-letters [--requeue ID|all]                 failed messages
+    ckpt scheduler | ckpt watch | ckpt migrate           the services ckpt up runs
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
+
+from pipeline import settings as settings_mod
+from pipeline import states
+from pipeline.errors import CkptError
+from pipeline.settings import Settings
+from pipeline.states import STICKY_WORKERS, WorkerState
+
+if TYPE_CHECKING:
+    from pipeline.steps import Send
+
+log = logging.getLogger("ckpt")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {"home": getattr(args, "home", None)}
+    roots = getattr(args, "root", None)
+    if roots:
+        overrides["roots"] = tuple(roots)
+    return settings_mod.configure(settings_mod.load(overrides))
+
+
+def _send(sends: list[Send]) -> None:
+    from pipeline.tasks.actors import send_all
+
+    send_all(sends)
+
+
+def _control_plane(s: Settings) -> None:
+    """Bring the control plane to the newest schema, install the broker and declare the actors."""
+    from pipeline.db.migrate import upgrade
+
+    upgrade(s.db_url)
+    import pipeline.tasks  # noqa: F401
+
+
+def _stop_on_signals(stop: Callable[[], object]) -> None:
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pipeline.service.supervisor import Supervisor
+
+    s = _settings(args)
+    if not s.roots:
+        # Quick start: watch ./checkpoints (a run: each entry in it is one checkpoint).
+        import dataclasses
+        import os
+
+        s = settings_mod.configure(dataclasses.replace(s, roots=(os.path.abspath("checkpoints"),)))
+    if args.web_port is not None:
+        import dataclasses as _dc
+
+        s = settings_mod.configure(_dc.replace(s, web_port=args.web_port))
+    sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
+    stop = threading.Event()
+
+    def request_stop() -> None:
+        stop.set()
+        sup.stopping = True
+
+    _stop_on_signals(request_stop)
+    try:
+        info = sup.up()
+        print(f"ckpt up: home {info['home']}", flush=True)
+        print(f"  control plane  {info['database']}", flush=True)
+        print(f"  broker         {info['broker']}", flush=True)
+        for url in info["workers"]:
+            print(f"  storage worker {url}", flush=True)
+        print(f"  watching       {', '.join(s.roots)}", flush=True)
+        if info.get("web"):
+            print(f"  web UI         {info['web']}  (admin token: {s.admin_token()})", flush=True)
+        print("  logs           " + str(sup.home / "logs"), flush=True)
+        print("ready: new checkpoints under the roots are protected; Ctrl-C stops everything", flush=True)
+        if not stop.is_set():
+            sup.supervise()
+    finally:
+        print("ckpt up: stopping", flush=True)
+        sup.shutdown()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    if args.action:
+        return _worker_action(s, args.action)
+    if not args.data or not args.port:
+        raise CkptError("ckpt worker needs --data DIR and --port P (or an action: `ckpt worker drain ID`)")
+    from workers.server import serve
+
+    advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
+    serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
+          threads=args.threads, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
+          advertise_on=advertise)
+    return 0
+
+
+def _worker_action(s: Settings, action: list[str]) -> int:
+    from pipeline.db.engine import session_scope
+    from pipeline.db.migrate import upgrade
+    from pipeline.db.models import StorageWorker
+
+    if len(action) != 2 or action[0] != "drain":
+        raise CkptError(f"unknown worker action {' '.join(action)!r}; try `ckpt worker drain ID`")
+    upgrade(s.db_url)
+    with session_scope(s.db_url) as session:
+        w = session.get(StorageWorker, action[1])
+        if w is None:
+            raise CkptError(f"no storage worker {action[1]!r}; `ckpt status` lists them")
+        if w.state not in STICKY_WORKERS:
+            w.state = WorkerState.DRAINING
+    print(f"storage worker {action[1]} is draining: its shards are copied to other workers; "
+          "`ckpt status` shows it as removable when it is done")
+    return 0
+
+
+def cmd_scrub(args: argparse.Namespace) -> int:
+    from pipeline import operations
+
+    s = _settings(args)
+    _control_plane(s)
+    started = operations.scrub_now(s, args.worker or None, reason="ckpt scrub")
+    if not started:
+        print("no live storage worker to scrub")
+        return 1
+    for r in started:
+        print(f"scrub job {r.job_id}: storage worker {r.detail}")
+    if not args.wait:
+        return 0
+    return max(_wait(s, r.job_id, ok=("done",), timeout=args.timeout) for r in started)
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from pipeline.service.scheduler import Scheduler
+
+    s = _settings(args)
+    _control_plane(s)
+    sched = Scheduler(s, _send)
+    _stop_on_signals(lambda: sched.stopping.set())
+    sched.run()
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from pipeline.detection.watcher import Watcher
+
+    s = _settings(args)
+    _control_plane(s)
+    w = Watcher(s, _send)
+    _stop_on_signals(w.stop)
+    w.run()
+    return 0
+
+
+def cmd_web(args: argparse.Namespace) -> int:
+    from pipeline.service.serving import run
+    from webui import create_app
+
+    overrides = {"web_host": args.host, "web_port": args.port}
+    s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
+    _control_plane(s)
+    app = create_app(settings=s)
+    print(f"web UI on http://{s.web_host}:{s.web_port}/", flush=True)
+    # Open event streams (the pages' live updates) never finish by themselves: a stop
+    # should not wait the default 10 s for them.
+    run(app, host=s.web_host, port=s.web_port, threads=args.threads, name="ckpt-web", graceful_timeout=2)
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from pipeline.db.migrate import upgrade
+
+    s = _settings(args)
+    upgrade(s.db_url)
+    print(f"{s.db_url}: at head")
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from pipeline import operations
+
+    s = _settings(args)
+    _control_plane(s)
+    r = operations.store(s, args.path, detail="requested by ckpt store")
+    if r.created:
+        print(f"checkpoint {r.checkpoint_id}: store job {r.job_id} created for {r.detail}")
+    else:
+        print(f"checkpoint {r.checkpoint_id}: this version is already known (job {r.job_id}, {r.state})")
+    if args.wait:
+        return _wait(s, r.job_id, ok=tuple(states.PROTECTED), timeout=args.timeout)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from pipeline import operations
+
+    s = _settings(args)
+    _control_plane(s)
+    r = operations.restore_to(s, args.checkpoint, args.to, overwrite=args.overwrite)
+    print(f"restore job {r.job_id}: checkpoint {args.checkpoint} -> {r.detail}")
+    if args.wait:
+        return _wait(s, r.job_id, ok=("done",), timeout=args.timeout)
+    return 0
+
+
+def _wait(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Job
+
+    bar = _Progress(sys.stderr)
+    deadline = time.monotonic() + timeout
+    last_state = None
+    while True:
+        with session_scope(s.db_url) as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                raise CkptError(f"no job {job_id}")
+            state, done, total, kind = job.state, job.bytes_done, job.bytes_total, job.kind
+            error, blocked = job.last_error, job.blocked_reason
+        if state != last_state:
+            bar.line(f"job {job_id}: {state}")
+            last_state = state
+        bar.update(state, done, total)
+        if state in ok:
+            bar.line(f"job {job_id}: {state}" + (f" ({blocked})" if blocked else ""))
+            return 0
+        if state in states.TERMINAL[kind]:
+            bar.line(f"job {job_id} ended {state}: {error or 'see `ckpt status`'}")
+            return 1
+        if time.monotonic() > deadline:
+            bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
+            return 2
+        time.sleep(0.05)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; plain lines otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.tty = stream, stream.isatty()
+        self.started = time.monotonic()
+
+    def update(self, state: str, done: int, total: int) -> None:
+        if not self.tty or not total:
+            return
+        frac = min(1.0, done / total)
+        width = 30
+        rate = done / max(1e-6, time.monotonic() - self.started) / 1e6
+        self.stream.write(f"\r  {state:<10} [{'#' * int(frac * width):<{width}}] {frac:6.1%} "
+                          f"{done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pipeline.status import status
+
+    s = _settings(args)
+    from pipeline.db.migrate import upgrade
+
+    upgrade(s.db_url)
+    doc = status(s)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+        return 0
+    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} {'SIZE':>10}  PATH")
+    for c in doc["checkpoints"]:
+        reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
+        health = c["health"].upper() if c["health"] == "lost" else c["health"]
+        local = "kept" if c["local_present"] else "rotated"
+        print(f"{c['id']:>4}  {c['state']:<11} {reps:<14} {health:<17} {local:<7} "
+              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}")
+        if c.get("blocked_reason"):
+            print(f"      {c['blocked_reason']}")
+    lost = [c for c in doc["checkpoints"] if c["health"] == "lost"]
+    if lost:
+        print(f"\n!!! {len(lost)} checkpoint(s) have LOST shards (no copy matches the manifest): "
+              + ", ".join(str(c["id"]) for c in lost))
+    active = [j for j in doc["jobs"] if j["state"] in states.ACTIVE[j["kind"]] or j["state"] == "failed"]
+    if active:
+        print("\njobs not finished:")
+        for j in active:
+            print(f"  job {j['id']:>4} {j['kind']:<8} {j['state']:<11} attempts {j['attempts']}"
+                  + (f"  last error: {j['last_error']}" if j["last_error"] else ""))
+    print("\nstorage workers:")
+    for w in doc["workers"]:
+        failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]
+        why = f"  ({w['last_error']})" if failing else ""
+        print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB"
+              + why)
+    return 0
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    _control_plane(s)
+    from pipeline.tasks import deadletters
+    if args.requeue:
+        ids = None if args.requeue == "all" else [args.requeue]
+        n = deadletters.requeue(s, ids)
+        print(f"requeued {n} message(s)")
+        return 0 if n else 1
+    letters = deadletters.list_letters(s)
+    if args.json:
+        print(json.dumps(letters, indent=2, default=str))
+        return 0
+    if not letters:
+        print("no dead letters")
+    for d in letters:
+        print(f"{d['id']}  {d['actor']}{tuple(d['args'])}  {d['error'] or ''}")
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt", description="Protect training checkpoints.")
+    p.add_argument("--home", help="state directory (default ./.ckpt, or CKPT_HOME)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine (embedded SQLite and Redis)")
+    up.add_argument("--root", action="append",
+                    help="watched root: a run directory or a glob of them (default ./checkpoints)")
+    up.add_argument("--workers", type=int, default=3, help="local storage workers (default 3)")
+    up.add_argument("--processes", type=int, default=2, help="dramatiq worker processes (default 2)")
+    up.add_argument("--threads", type=int, default=4, help="threads per dramatiq process (default 4)")
+    up.add_argument("--web-port", type=int, help="web UI port (default 8080; 0 disables the web UI)")
+    up.set_defaults(func=cmd_up)
+
+    w = sub.add_parser("worker", help="run a storage worker daemon, or `ckpt worker drain ID`")
+    w.add_argument("action", nargs="*", help="drain ID: copy the worker's shards elsewhere, then mark it removable")
+    w.add_argument("--data", help="directory holding this worker's shards")
+    w.add_argument("--port", type=int)
+    w.add_argument("--no-advertise", action="store_true", help="do not announce the worker on mDNS")
+    w.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    w.add_argument("--zone", help="failure zone advertised to placement")
+    w.add_argument("--threads", type=int, default=8)
+    w.set_defaults(func=cmd_worker)
+
+    st = sub.add_parser("store", help="protect one checkpoint now")
+    st.add_argument("path")
+    st.add_argument("--root", action="append", help="watched root (default: CKPT_ROOTS)")
+    st.add_argument("--wait", action="store_true", help="wait until verified, with progress")
+    st.add_argument("--timeout", type=float, default=3600.0)
+    st.set_defaults(func=cmd_store)
+
+    r = sub.add_parser("restore", help="give a checkpoint back byte for byte")
+    r.add_argument("checkpoint", help="checkpoint id or path")
+    r.add_argument("--to", required=True, help="destination path (must not exist)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    r.add_argument("--wait", action="store_true")
+    r.add_argument("--timeout", type=float, default=3600.0)
+    r.set_defaults(func=cmd_restore)
+
+    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers now")
+    sc.add_argument("--worker", action="append", help="only this worker (repeatable)")
+    sc.add_argument("--wait", action="store_true")
+    sc.add_argument("--timeout", type=float, default=24 * 3600.0)
+    sc.set_defaults(func=cmd_scrub)
+
+    s = sub.add_parser("status", help="checkpoints, jobs and storage workers")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("dead-letters", help="list or requeue failed messages")
+    d.add_argument("--requeue", metavar="ID|all")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_dead_letters)
+
+    web = sub.add_parser("web", help="serve the web UI and JSON API (gunicorn, threaded)")
+    web.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    web.add_argument("--port", type=int, help="port (default 8080)")
+    web.add_argument("--threads", type=int, default=8)
+    web.set_defaults(func=cmd_web)
+
+    for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
+                             ("watch", cmd_watch, "run the watcher on the roots"),
+                             ("migrate", cmd_migrate, "upgrade the control plane to the newest schema")):
+        c = sub.add_parser(name, help=text)
+        if name == "watch":
+            c.add_argument("--root", action="append")
+        c.set_defaults(func=func)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dramatiq").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except CkptError as exc:
+        print(f"ckpt: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `ckpt status | head`
+        sys.stderr.close()
+        return 0
+    finally:
+        # The interpreter's last collection walks every object of SQLAlchemy, Alembic and
+        # Dramatiq: 0.2 s of a command's exit. Nothing of ours waits on it (files and
+        # connections are closed by their context managers), so leave them out of it.
+        gc.freeze()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Finding checkpoints: roots and runs, completeness, hashing, recording, the watcher."""

@@ -1,0 +1,1 @@
+"""Integrity over time: scrub, repair, and reconciling a worker that came back."""

@@ -1,0 +1,60 @@
+"""What a person can ask for (store, restore, scrub), shared by the CLI and the web UI.
+
+Each validates, records the job in one transaction, and only then enqueues (commit, then act).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.db.engine import session_scope
+from pipeline.detection import catalog, completeness, roots
+from pipeline.integrity import scrub
+from pipeline.restore import job as restore_job
+from pipeline.settings import Settings
+from pipeline.steps import Send
+
+
+@dataclass(frozen=True)
+class Requested:
+    job_id: int
+    checkpoint_id: int | None
+    created: bool
+    state: str
+    detail: str
+
+
+def _send(sends: list[Send]) -> None:
+    from pipeline.tasks.actors import send_all
+
+    send_all(sends)
+
+
+def store(settings: Settings, path: str, *, detail: str = "requested") -> Requested:
+    """Protect the checkpoint at ``path`` (inside a watched root) now."""
+    run, ckpt_path = roots.locate(path, settings.roots)
+    entries = completeness.inspect(ckpt_path)
+    detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size)
+    with session_scope(settings.db_url) as s:
+        ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail)
+        result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))
+    if created:
+        _send([Send("shard", (result.job_id,))])
+    return result
+
+
+def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Requested:
+    """Give checkpoint ``ref`` (id or path) back at ``dest``."""
+    with session_scope(settings.db_url) as s:
+        job = restore_job.request(s, settings, ref, dest, overwrite=overwrite)
+        result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
+    _send([Send("restore", (result.job_id,))])
+    return result
+
+
+def scrub_now(settings: Settings, worker_ids: list[str] | None = None, *, reason: str = "requested") -> list[Requested]:
+    """One scrub job per live storage worker (or the named ones)."""
+    with session_scope(settings.db_url) as s:
+        jobs = scrub.request_scrub(s, settings, worker_ids=worker_ids, reason=reason)
+        out = [Requested(j.id, None, True, j.state, j.params["worker_id"]) for j in jobs]
+    _send([Send("scrub", (r.job_id,)) for r in out])
+    return out

@@ -1,0 +1,1 @@
+"""Giving checkpoints back: restore jobs, rebuilding files, fetching shards, load_state_dict."""

@@ -1,0 +1,1 @@
+"""The long-running processes: the scheduler, the supervisor of `ckpt up`, HTTP serving."""

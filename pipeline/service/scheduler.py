@@ -1,0 +1,263 @@
+"""The scheduler: one leader-locked loop that keeps the pipeline moving.
+
+Every tick it renews its leader lease, challenges the storage workers (reconciling those
+that came back), and re-drives every job whose lease expired (a killed Dramatiq worker or
+a wiped Redis delays work, never loses it: docs/design.md, invariant 3). Every sweep it also
+applies rotation, repairs under-replicated shards (a worker is down or draining), marks
+drained workers removable, and starts the nightly scrub when it is due.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, tzinfo
+
+from apscheduler.triggers.cron import CronTrigger
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.cluster.discovery import Browser
+from pipeline.cluster.membership import probe_all
+from pipeline.db.engine import rowcount, session_scope
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    Job,
+    Lock,
+    Replica,
+    Shard,
+    StorageWorker,
+)
+from pipeline.db.replicas import good_copies_per_shard, good_copy
+from pipeline.db.transitions import now
+from pipeline.integrity.repair import request_repair
+from pipeline.integrity.scrub import request_scrub
+from pipeline.settings import Settings
+from pipeline.states import JobKind, ReplicaState, WorkerState
+from pipeline.steps import Send
+
+log = logging.getLogger("ckpt.scheduler")
+S, R = states.StoreState, states.RestoreState
+LEADER = "scheduler"
+
+
+def holder_is_dead(holder: str) -> bool:
+    """Whether ``holder`` (``host:pid``) is a process of this host that no longer runs.
+
+    A scheduler restarted by ``ckpt up`` takes over at once instead of waiting out the
+    lease of the one that crashed. Another host's holder is never presumed dead.
+    """
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def acquire_lock(settings: Settings, name: str, holder: str, ttl: float) -> bool:
+    """Take or renew the named lease; True while ``holder`` has it."""
+    t = now()
+    with session_scope(settings.db_url) as s:
+        current = s.scalar(select(Lock.holder).where(Lock.name == name))
+        # An expiry further ahead than any lease this lock grants was written by a fast clock.
+        takeable = (Lock.holder == holder) | (Lock.expires_at < t) | (Lock.expires_at > t + timedelta(seconds=2 * ttl))
+        if current is not None and holder_is_dead(current):
+            takeable = takeable | (Lock.holder == current)
+        took = rowcount(s.execute(
+            update(Lock).where(Lock.name == name, takeable)
+            .values(holder=holder, expires_at=t + timedelta(seconds=ttl))
+        ))
+        if took:
+            return True
+        if s.get(Lock, name) is not None:
+            return False
+    try:
+        with session_scope(settings.db_url) as s:
+            s.add(Lock(name=name, holder=holder, expires_at=t + timedelta(seconds=ttl)))
+        return True
+    except IntegrityError:
+        return False
+
+
+def release_lock(settings: Settings, name: str, holder: str) -> None:
+    with session_scope(settings.db_url) as s:
+        s.execute(update(Lock).where(Lock.name == name, Lock.holder == holder).values(expires_at=now()))
+
+
+def expired_work(settings: Settings) -> list[Send]:
+    """Renew the lease of every active job whose lease expired; the messages that resume them."""
+    t = now()
+    sends: list[Send] = []
+    with session_scope(settings.db_url) as s:
+        # States are per kind: a store job 'verified' is waiting, a restore job 'verified' is working.
+        active = or_(*(and_(Job.kind == kind, Job.state.in_(sorted(names))) for kind, names in states.ACTIVE.items()))
+        # No lease is ever granted for longer than lease_seconds: one that ends further
+        # ahead was written by a process whose clock runs fast, and would block the job.
+        too_far = t + timedelta(seconds=2 * settings.lease_seconds)
+        for job in s.scalars(select(Job).where(active, (Job.lease_until < t) | (Job.lease_until > too_far))):
+            expired = job.lease_until is None or job.lease_until < t
+            why = "expired" if expired else "ends too far ahead (a fast clock wrote it)"
+            job.lease_until = t + timedelta(seconds=settings.lease_seconds)
+            sends.extend(resume(s, job))
+            log.warning("job %d (%s %s): lease %s, re-driving", job.id, job.kind, job.state, why)
+    return sends
+
+
+def resume(session: Session, job: Job) -> list[Send]:
+    """The messages that continue ``job`` from its current state."""
+    if job.kind in (JobKind.RESTORE, JobKind.SCRUB, JobKind.REPAIR):
+        return [Send(job.kind, (job.id,))]
+    if job.state == S.DETECTED:
+        return [Send("shard", (job.id,))]
+    if job.state == S.REPLICATED:
+        return [Send("verify", (job.id,))]
+    if job.state == S.SHARDED:
+        pending = session.scalars(
+            select(Replica.id).join(Shard).join(CheckpointFile)
+            .where(CheckpointFile.checkpoint_id == job.checkpoint_id,
+                   Replica.state.in_((ReplicaState.PENDING, ReplicaState.STORED)))
+        ).all()
+        return [Send("replicate", (rid,)) for rid in pending]
+    return []
+
+
+def rotation_sweep(settings: Settings) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        runs = s.scalars(select(Checkpoint.run).where(Checkpoint.local_present.is_(True)).distinct()).all()
+    return [Send("rotate_run", (run,)) for run in runs]
+
+
+def last_fire(cron: str, now: datetime, timezone: tzinfo | None = None) -> datetime | None:
+    """The latest time at or before ``now`` when ``cron`` fires (APScheduler's CronTrigger).
+
+    Looks back two days at most: a machine off for a week catches up once, not seven times.
+    """
+    trigger = CronTrigger.from_crontab(cron, timezone=timezone)
+    t = trigger.get_next_fire_time(None, now - timedelta(days=2))
+    last = None
+    while t is not None and t <= now:
+        last = t
+        t = trigger.get_next_fire_time(t, t + timedelta(seconds=1))
+    return last
+
+
+def nightly_scrub(settings: Settings, at: datetime, timezone: tzinfo | None = None) -> list[Send]:
+    """Scrub jobs for the latest nightly fire time, once per day whatever fires how often.
+
+    Each job's dedupe key is ``nightly:<date>:<worker>``: a double fire, two schedulers or
+    a catch-up after downtime all collapse into one scrub per worker and day. A fire time
+    that came before anything was protected has nothing to scrub and is skipped.
+    """
+    if not settings.scrub_cron:
+        return []
+    fire = last_fire(settings.scrub_cron, at, timezone)
+    if fire is None:
+        return []
+    with session_scope(settings.db_url) as s:
+        first = s.scalar(select(func.min(Checkpoint.detected_at)))
+        if first is None or first > fire:
+            return []
+        jobs = request_scrub(s, settings, dedupe=f"nightly:{fire.date().isoformat()}",
+                             reason=f"nightly, due {fire.isoformat(timespec='minutes')}")
+        return [Send("scrub", (j.id,)) for j in jobs]
+
+
+def under_replicated(settings: Settings) -> list[Send]:
+    """Repair jobs for protected checkpoints with a shard short of RF verified copies on up workers."""
+    sends = []
+    with session_scope(settings.db_url) as s:
+        for checkpoint_id in short_checkpoints(s, settings.rf):
+            job = request_repair(s, settings, checkpoint_id,
+                                 "under-replicated: a worker is down, draining or lost copies")
+            if job is not None:
+                sends.append(Send("repair", (job.id,)))
+    return sends
+
+
+def short_checkpoints(s: Session, rf: int) -> list[int]:
+    """Protected checkpoints with a shard short of RF good copies."""
+    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
+    protected = select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state.in_(sorted(states.PROTECTED)))
+    per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
+    return list(s.scalars(select(per_shard.c.cid).where(per_shard.c.n < rf).distinct()))
+
+
+def finish_drains(settings: Settings) -> None:
+    """A draining worker becomes removable once none of its shards still needs its copy."""
+    with session_scope(settings.db_url) as s:
+        for w in s.scalars(select(StorageWorker).where(StorageWorker.state == WorkerState.DRAINING)):
+            its_content = (select(Shard.sha256).join(Replica, Replica.shard_id == Shard.id)
+                           .where(Replica.worker_id == w.id, Replica.state.in_(sorted(states.SENT)))
+                           .distinct().subquery())
+            elsewhere = (
+                select(Shard.sha256, func.count(func.distinct(Replica.worker_id)).label("n"))
+                .join(Replica, Replica.shard_id == Shard.id)
+                .join(StorageWorker, StorageWorker.id == Replica.worker_id)
+                .where(Shard.sha256.in_(select(its_content.c.sha256)), good_copy())
+                .group_by(Shard.sha256)
+            ).subquery()
+            total = s.scalar(select(func.count()).select_from(its_content))
+            covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
+            if covered == total:
+                w.state, w.last_error = WorkerState.REMOVABLE, None
+                log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",
+                         w.id, total)
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.send, self.clock = settings, send, clock
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.stopping = threading.Event()
+        self.leader: bool | None = None  # unknown until the first tick, which logs it
+        self._last_sweep = float("-inf")
+
+    def tick(self) -> None:
+        ttl = max(10.0, self.settings.tick_seconds * 5)
+        leader = acquire_lock(self.settings, LEADER, self.holder, ttl)
+        if leader != self.leader:
+            log.info("scheduler %s is %s", self.holder, "the leader" if leader else "standing by")
+            self.leader = leader
+        if not leader:
+            return
+        probe = probe_all(self.settings)
+        self.send([Send("reconcile_worker", (w,)) for w in probe.returned])
+        self.send(expired_work(self.settings))
+        if probe.went_down or self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
+            self._last_sweep = self.clock()
+            self.send(rotation_sweep(self.settings))
+            self.send(under_replicated(self.settings))
+            finish_drains(self.settings)
+            self.send(nightly_scrub(self.settings, now()))
+
+    def run(self) -> None:
+        browser = None
+        if self.settings.mdns:
+            try:
+                browser = Browser(self.settings)
+            except OSError as exc:  # no usable interface: the static list still works
+                log.warning("mDNS discovery disabled: %s", exc)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("scheduler tick failed; retrying")
+                self.stopping.wait(self.settings.tick_seconds)
+        finally:
+            if browser is not None:
+                browser.close()
+            if self.leader:
+                release_lock(self.settings, LEADER, self.holder)

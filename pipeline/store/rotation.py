@@ -1,0 +1,187 @@
+"""Rotation: remove old local checkpoints, only when they are safely elsewhere.
+
+Invariant 1 (docs/design.md). A local checkpoint is deleted only inside a transaction
+that sees every shard with at least RF good, fresh copies (pipeline.core.copies: the
+decision is a pure function of plain rows) and no other active job on the checkpoint;
+the workers are asked right before that transaction whether they still hold every copy.
+When in doubt, the file stays and the job says why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.cluster.client import WorkerClient
+from pipeline.core import copies
+from pipeline.core.retention import LocalCheckpoint, to_rotate
+from pipeline.db.engine import one, session_scope
+from pipeline.db.models import Checkpoint, Job, StorageWorker
+from pipeline.db.replicas import fresh_after, shard_copies
+from pipeline.db.transitions import note, transition
+from pipeline.detection.catalog import latest_store_job
+from pipeline.errors import WorkerError
+from pipeline.settings import Settings
+from pipeline.states import JobKind
+from pipeline.steps import Send
+from pipeline.store import trash
+from pipeline.store.trash import move_to_trash, put_back
+
+log = logging.getLogger("ckpt.rotate")
+S = states.StoreState
+
+
+def rotation_candidates(session: Session, run: str, keep_last: int) -> list[int]:
+    """Checkpoint ids of ``run`` that the retention policy wants gone."""
+    local = session.scalars(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.local_present.is_(True)))
+    return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime) for c in local], keep_last)
+
+
+def plan_run(settings: Settings, run: str) -> list[Send]:
+    """Messages that rotate every checkpoint of ``run`` the policy wants gone and that is verified."""
+    sends = []
+    with session_scope(settings.db_url) as s:
+        _empty_trash(s, run)
+        for cid in rotation_candidates(s, run, settings.keep_last):
+            job = latest_store_job(s, cid)
+            if job is None:
+                continue
+            if job.state == S.VERIFIED:
+                sends.append(Send("rotate", (job.id,)))
+            elif job.state not in states.TERMINAL[JobKind.STORE]:
+                reason = f"rotation waits: the checkpoint is {job.state}, not yet verified"
+                if job.blocked_reason != reason:
+                    job.blocked_reason = reason
+    return sends
+
+
+def _empty_trash(session: Session, run: str) -> None:
+    """Delete what rotations that committed left in the run's trash (a crash came before
+    their delete); an entry whose rotation did not commit is left for it to put back."""
+    for entry, was in trash.entries(run):
+        rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
+        undecided = any(c.local_present and not os.path.lexists(was) for c in rows)
+        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None) == S.ROTATED
+                      for c in rows)
+        if rotated and not undecided:
+            trash.remove(entry)
+            log.info("removed %s, left by a rotation that committed", entry)
+
+
+def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_id: int) -> str | None:
+    """Why deleting the local copy is not allowed now, or None if invariant 1 holds."""
+    done = states.TERMINAL[JobKind.RESTORE] | states.TERMINAL[JobKind.STORE] | {S.VERIFIED.value}
+    active = session.scalar(
+        select(Job.id).where(Job.checkpoint_id == checkpoint_id, Job.id != job_id, Job.state.not_in(sorted(done)))
+        .limit(1)
+    )
+    ckpt = session.get(Checkpoint, checkpoint_id)
+    return copies.deletion_blocker(
+        shard_copies(session, checkpoint_id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
+        active_job=active, changed=changed_since_detection(ckpt) if ckpt is not None else None,
+    )
+
+
+def changed_since_detection(ckpt: Checkpoint) -> str | None:
+    """What on the local copy differs from what was detected (and stored), or None.
+
+    A file rewritten in place, or a file added to a checkpoint folder since, holds bytes
+    that no replica has: deleting the local copy would lose them.
+    """
+    recorded = {f.relpath: f for f in ckpt.files}
+    root = Path(ckpt.path)
+    if ckpt.is_dir and root.is_dir():
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                if rel not in recorded:
+                    return f"{rel} was added to {root} after it was stored"
+    for rel, f in recorded.items():
+        path = root / rel if rel else root
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue  # gone already: nothing of it left to lose
+        if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+            return f"{path} changed after it was stored ({st.st_size:,} bytes, modified {st.st_mtime_ns})"
+    return None
+
+
+def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
+    """Ask the workers whether they still hold the copies that count, at the right size.
+
+    Only good, fresh copies are asked about; each shard needs RF confirmed copies. A
+    worker that cannot answer confirms nothing.
+    """
+    since = fresh_after(settings.freshness_seconds)
+    with session_scope(settings.db_url) as s:
+        shards = shard_copies(s, checkpoint_id)
+        urls = {w.id: w.url for w in s.scalars(select(StorageWorker))}
+    key = settings.key()
+    answers: dict[str, dict[str, int | None] | str] = {}
+    for worker_id, sizes in copies.to_confirm(shards, since).items():
+        try:
+            answers[worker_id] = WorkerClient(urls[worker_id], key).stat(sorted(sizes))
+        except WorkerError as exc:
+            answers[worker_id] = exc.reason
+    return copies.confirmation_blocker(shards, answers, rf=settings.rf, fresh_after=since)
+
+
+def rotate(settings: Settings, job_id: int) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state != S.VERIFIED:
+            return []
+        ckpt = one(s, Checkpoint, job.checkpoint_id)
+        if job.checkpoint_id not in rotation_candidates(s, ckpt.run, settings.keep_last):
+            return []
+        checkpoint_id, path = ckpt.id, ckpt.path
+        reason = unsafe_reason(s, settings, checkpoint_id, job_id)
+    reason = reason or confirm_with_workers(settings, checkpoint_id)
+    if reason:
+        _block(settings, job_id, reason)
+        return []
+
+    trashed = None
+    try:
+        with session_scope(settings.db_url) as s:
+            # The deciding transaction (BEGIN IMMEDIATE on SQLite, the job row locked on
+            # PostgreSQL): nothing changes under it, and a duplicate delivery waits, then
+            # finds the job rotated.
+            job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+            ckpt = s.scalars(select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()).one()
+            if job.state != S.VERIFIED or not ckpt.local_present:
+                return []
+            if put_back(path):  # a rotation crashed after its rename, before its commit
+                log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
+            reason = unsafe_reason(s, settings, checkpoint_id, job_id)
+            if reason is None:
+                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
+                ckpt.local_present = False
+                transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
+                           detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+    except BaseException:
+        if trashed is not None:
+            os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
+        raise
+    if reason:
+        _block(settings, job_id, reason)
+        return []
+    if trashed is not None:
+        trash.remove(Path(trashed))
+    log.info("rotated %s (job %d)", path, job_id)
+    return []
+
+
+def _block(settings: Settings, job_id: int, reason: str) -> None:
+    text = f"rotation blocked: {reason}"
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is not None and job.blocked_reason != text:
+            job.blocked_reason = text
+            note(s, job_id, text)
+    log.warning("job %d: %s", job_id, text)

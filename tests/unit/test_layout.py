@@ -1,0 +1,97 @@
+"""The package's layout keeps its promises: pure modules stay pure, imports do not cycle.
+
+``pipeline/core`` holds rules and formats (placement, planning, retention, health, the good
+copy rule, safetensors headers) that are decided on plain data: they may import the
+standard library's pure modules and each other, never I/O, the database or a broker.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
+PURE = sorted((PACKAGE / "core").glob("*.py")) + [PACKAGE / "states.py", PACKAGE / "errors.py"]
+#: Standard modules a pure module may use: data, math, text; no files, sockets or processes.
+PURE_STDLIB = {"__future__", "bisect", "collections", "dataclasses", "datetime", "enum", "functools", "hashlib",
+               "itertools", "json", "math", "re", "struct", "typing", "fnmatch"}
+PURE_PIPELINE = ("pipeline.core", "pipeline.states", "pipeline.errors")
+#: Names whose call does I/O.
+IO_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
+
+
+def imports_of(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append(node.module)
+    return out
+
+
+@pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_pure_modules_import_no_io_and_no_database(path: Path):
+    bad = [m for m in imports_of(path)
+           if m.split(".")[0] not in PURE_STDLIB and not m.startswith(PURE_PIPELINE)]
+    assert not bad, f"{path.name} is meant to be pure but imports {bad}"
+
+
+@pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_pure_modules_call_no_io(path: Path):
+    calls = [n.func.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id in IO_CALLS]
+    assert not calls, f"{path.name} is meant to be pure but calls {calls}"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Modules of ``pipeline`` imported when ``path`` is imported (function-level imports are lazy)."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue
+        nodes = [node] + (list(ast.walk(node)) if isinstance(node, (ast.If, ast.Try)) else [])
+        for n in nodes:
+            if isinstance(n, ast.Import):
+                out |= {a.name for a in n.names if a.name.startswith("pipeline")}
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.startswith("pipeline"):
+                out.add(n.module)
+                out |= {f"{n.module}.{a.name}" for a in n.names}
+    return out
+
+
+def test_no_import_cycles_in_the_package():
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: {d for d in top_level_imports(p) if d in modules and d != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                # A package importing its own submodule (pipeline.tasks -> pipeline.tasks.actors) is its
+                # declared entry point, not a cycle, unless the submodule imports the package back.
+                cycle = stack[stack.index(d):] + [d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if state.get(d) is None:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
+    for m in sorted(graph):
+        if state.get(m) is None:
+            visit(m)
