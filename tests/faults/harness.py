@@ -20,6 +20,7 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from pipeline.db.models import StorageWorker as WorkerRow
 from pipeline.integrity.scrub import request_scrub
 from pipeline.restore.job import request as restore_request
 from pipeline.service.supervisor import STABLE_SECONDS
+from pipeline.states import JobKind
 from tests.checkpoints import atomic_save, state_dict
 from tests.faults.proxy import Proxy
 from tests.processes import Cluster, StorageWorker, base_env, wait_for
@@ -370,6 +372,25 @@ class Trace:
                 seen.add(key)
                 out.append(n)
         return out
+
+
+def store_until(cluster: FaultCluster, reached: Callable[[], object], what: str, tries: int = 8) -> None:
+    """Write new checkpoints until ``reached()``: placement decides which workers a store
+    uses, so a fault armed on one worker is hit by some store, not necessarily the first.
+    Each store is waited for (its job ends, or the fault is reached) before the next."""
+    for _ in range(tries):
+        path = cluster.new_checkpoint()
+
+        def done() -> bool:
+            if reached():
+                return True
+            job = cluster.detected(path)
+            return job is not None and cluster.job(job).state not in states.ACTIVE[JobKind.STORE]
+
+        wait_for(done, 60, f"{path.name} to be stored or {what}")
+        if reached():
+            return
+    raise AssertionError(f"{tries} checkpoints stored and never {what}")
 
 
 def check_rows(*rows: Row) -> None:

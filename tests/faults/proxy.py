@@ -1,7 +1,9 @@
 """A TCP proxy on loopback that breaks what goes through it, once per arming.
 
-Faults, each applied to the first connection that carries more than ``after`` bytes in
-the given direction (``up``: client to server, ``down``: server to client):
+Faults, each applied to the first connection whose request starts with the armed prefix
+(by default a shard's transfer: ``PUT /v1/shards/`` up, ``GET /v1/shards/`` down) and that
+carries more than ``after`` bytes in the given direction (``up``: client to server,
+``down``: server to client). Other traffic (probes, re-hashes, inventories) passes:
 
     flip      flip one bit of the byte at ``after``
     reset     abort both connections there (RST)
@@ -24,21 +26,25 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.lock = threading.Lock()
-        self.fault: tuple[str, str, int] | None = None
+        self.fault: tuple[str, str, int, bytes] | None = None
         self.applied = 0
         self.closed = False
         self.open: set[socket.socket] = set()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, kind: str, direction: str, after: int) -> None:
+    def arm(self, kind: str, direction: str, after: int, request: bytes | None = None) -> None:
+        """Break the next matching connection; ``request`` is the prefix of the request it
+        must carry (default: a shard upload for ``up``, a shard download for ``down``)."""
+        prefix = request if request is not None else (b"PUT /v1/shards/" if direction == "up" else b"GET /v1/shards/")
         with self.lock:
-            self.fault = (kind, direction, after)
+            self.fault = (kind, direction, after, prefix)
 
-    def _take(self, direction: str, seen: int, n: int) -> tuple[str, int] | None:
+    def _take(self, direction: str, seen: int, n: int, request: bytes) -> tuple[str, int] | None:
         """The fault to apply to this chunk (kind, offset in chunk), consuming the arming."""
         with self.lock:
-            if self.fault and self.fault[1] == direction and seen + n > self.fault[2]:
-                kind, _d, after = self.fault
+            if (self.fault and self.fault[1] == direction and seen + n > self.fault[2]
+                    and request.startswith(self.fault[3])):
+                kind, _d, after, _prefix = self.fault
                 self.fault = None
                 self.applied += 1
                 return kind, max(0, after - seen)
@@ -58,10 +64,12 @@ class Proxy:
             server.settimeout(None)
             with self.lock:
                 self.open.update((client, server))
+            request = bytearray()  # the first bytes the client sent: which request this is
             for a, b, d in ((client, server, "up"), (server, client, "down")):
-                threading.Thread(target=self._pump, args=(a, b, d, client, server), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, d, request, client, server), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, direction: str, *both: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str, request: bytearray,
+              *both: socket.socket) -> None:
         seen = 0
         try:
             while True:
@@ -69,7 +77,9 @@ class Proxy:
                 if not data:
                     dst.shutdown(socket.SHUT_WR)
                     return
-                fault = self._take(direction, seen, len(data))
+                if direction == "up" and len(request) < 64:
+                    request += data[:64 - len(request)]
+                fault = self._take(direction, seen, len(data), bytes(request))
                 if fault:
                     kind, at = fault
                     if kind == "flip":

@@ -7,21 +7,10 @@ import time
 
 import pytest
 
-from tests.faults.harness import FaultCluster, Table, check_rows, trial
+from tests.faults.harness import FaultCluster, Table, check_rows, store_until, trial
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def store_until_fired(c: FaultCluster, name: str, where: str) -> None:
-    """New checkpoints until one sends a shard to ``where`` (placement may pass it by)."""
-    for _ in range(4):
-        c.new_checkpoint()
-        try:
-            wait_for(lambda: c.fired(name, where), 8, f"failpoint {name}")
-            return
-        except AssertionError:
-            continue
 
 
 def test_storage_worker_killed_mid_upload_and_after_rename(fault_cluster: FaultCluster, trials: int):
@@ -31,7 +20,8 @@ def test_storage_worker_killed_mid_upload_and_after_rename(fault_cluster: FaultC
         row = rows.append(Table.row(f"SIGKILL storage worker {what}")) or rows[-1]
         for _ in range(trials):
             c.arm(name, "kill", where="worker0")
-            trial(c, row, lambda: store_until_fired(c, name, "worker0"), name, where="worker0")
+            trial(c, row, lambda: store_until(c, lambda: c.fired(name, "worker0"), f"{name} fired on worker0"),
+                  name, where="worker0")
     check_rows(*rows)
 
 
@@ -62,8 +52,7 @@ def test_storage_worker_disk_full(fault_cluster: FaultCluster, trials: int):
         for _ in range(trials):
             c.arm(name, "always enospc", where="worker2")
             try:
-                trial(c, row, c.new_checkpoint, None)
-                assert c.hits(name, "worker2"), "the full disk was never hit"
+                trial(c, row, lambda: store_until(c, lambda: c.hits(name, "worker2"), "hit the full disk"), None)
             finally:
                 c.disarm(name, where="worker2")
     check_rows(*rows)

@@ -12,7 +12,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.detection.catalog import resolve
 from pipeline.restore.gather import manifest
-from tests.faults.harness import FaultCluster, Table, trial
+from tests.faults.harness import FaultCluster, Table, store_until, trial
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -37,8 +37,9 @@ def test_upload_broken_in_transit(proxied: FaultCluster, trials: int, kind: str)
     for _ in range(trials):
         applied = c.proxy.applied
         c.proxy.arm(kind, "up", INTO_BODY)
-        trial(c, row, c.new_checkpoint, None)
-        assert c.proxy.applied == applied + 1, "the fault never hit an upload"
+        # Placement decides whether a store sends anything to the proxied worker.
+        trial(c, row, lambda: store_until(c, lambda: c.proxy.applied > applied, "hit an upload"), None)
+        assert c.proxy.applied == applied + 1
         # The worker may be taken for down meanwhile (a repair then tops the others up).
         assert all("store verified" in o and "failed" not in o for o in row.outcomes), row.outcomes
     assert row.ok, row.problems
@@ -49,17 +50,26 @@ def worker_state(c: FaultCluster, node_id: str) -> str | None:
         return s.scalar(select(StorageWorker.state).where(StorageWorker.id == node_id))
 
 
-def checkpoint_read_through_proxy(c: FaultCluster) -> Path:
-    """A new checkpoint of which a restore reads some shard from the proxied worker first."""
+def read_through_proxy(c: FaultCluster, path: Path) -> bool:
+    """Whether a restore of ``path`` reads, from the proxied worker first, a shard that
+    carries more than ``INTO_BODY`` bytes (the fault's offset: a smaller one, such as a
+    file's header shard, ends before the fault and passes through untouched)."""
     proxied_id = c.workers[0].node_id
-    for _ in range(10):
+    with session_scope(c.settings.db_url) as s:
+        files = manifest(s, resolve(s, str(path)))
+    return any(sh.replicas and sh.replicas[0][0] == proxied_id and sh.size > INTO_BODY
+               for f in files for sh in f.shards)
+
+
+def checkpoint_read_through_proxy(c: FaultCluster) -> Path:
+    """A new checkpoint that a restore reads partly through the proxy (placement decides
+    which worker comes first: new checkpoints until one qualifies)."""
+    for _ in range(20):
         path = c.new_checkpoint()
         c.quiet()
-        with session_scope(c.settings.db_url) as s:
-            files = manifest(s, resolve(s, str(path)))
-        if any(sh.replicas[0][0] == proxied_id for f in files for sh in f.shards):
+        if read_through_proxy(c, path):
             return path
-    raise AssertionError("no checkpoint had a shard read from the proxied worker first")
+    raise AssertionError("20 checkpoints and none had a shard read from the proxied worker first")
 
 
 @pytest.mark.parametrize("kind", ["flip", "reset", "truncate"])
@@ -75,6 +85,8 @@ def test_restore_download_broken_in_transit(proxied: FaultCluster, trials: int, 
             # A reset or cut may have got the worker marked down: a restore would then read
             # it last. The scheduler's next probe finds it up again.
             wait_for(lambda: worker_state(c, c.workers[0].node_id) == "up", 30, "the proxied worker up")
+            # What the restore will read first is decided now, from the manifest it will use.
+            assert read_through_proxy(c, src), "the replica order changed since the checkpoint was chosen"
             c.proxy.arm(kind, "down", INTO_BODY)
             job = c.restore(src, dest)
             assert job.state == "done", job.last_error
