@@ -15,11 +15,16 @@ class ConfigError(CkptError):
 
 
 class HeaderError(CkptError):
-    """Raised when a safetensors file's header is malformed or lies about its data."""
+    """Raised when a safetensors file's header is malformed or lies about its data.
 
-    def __init__(self, path: str, reason: str) -> None:
+    ``truncated`` says the file is only shorter than its header needs (it may still be
+    being written); otherwise no more writing can make it valid.
+    """
+
+    def __init__(self, path: str, reason: str, *, truncated: bool = False) -> None:
         self.path = path
         self.reason = reason
+        self.truncated = truncated
         super().__init__(f"{path}: invalid safetensors file: {reason}")
 
 
@@ -30,6 +35,15 @@ class IncompleteCheckpoint(CkptError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: checkpoint is not complete: {reason}")
+
+
+class UnreadableEntry(CkptError):
+    """Raised when an entry of a run can never be read as a checkpoint as it is (a name that is
+    not UTF-8, a tree nested too deep): the watcher reports it once and goes on with the rest."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: not a checkpoint: {reason}")
 
 
 class OutsideRoots(CkptError):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipeline.db.engine import session_scope
 from pipeline.detection import catalog, completeness, roots
+from pipeline.errors import IncompleteCheckpoint
 from pipeline.integrity import scrub
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
@@ -30,10 +31,21 @@ def _send(sends: list[Send]) -> None:
 
 
 def store(settings: Settings, path: str, *, detail: str = "requested") -> Requested:
-    """Protect the checkpoint at ``path`` (inside a watched root) now."""
+    """Protect the checkpoint at ``path`` (inside a watched root) now: complete by declaration.
+
+    The person or program asking says the writer is done, so neither the layout's markers
+    nor the quiet period are waited for; a file that is broken by its own structure (a
+    truncated safetensors file, a zip without its end record) is still refused.
+    """
     run, ckpt_path = roots.locate(path, settings.roots)
-    entries = completeness.inspect(ckpt_path)
-    detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size)
+    options = settings.options_for(roots.root_of(run, settings.roots))
+    if not ckpt_path.exists():
+        raise IncompleteCheckpoint(str(ckpt_path), "it does not exist")
+    found = completeness.examine(ckpt_path, commit_marker=options.commit_marker)
+    entries = completeness.accept(found, declared=True)
+    detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
+                                       layout=found.verdict.layout,
+                                       completed_by="structure" if found.verdict.complete else "declared")
     with session_scope(settings.db_url) as s:
         ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail)
         result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))

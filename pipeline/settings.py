@@ -23,6 +23,14 @@ MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
+class RootOptions:
+    """How detection decides that a checkpoint under one root is complete."""
+
+    quiet_seconds: float
+    commit_marker: str
+
+
+@dataclass(frozen=True)
 class Settings:
     #: Directory holding the SQLite file, the embedded Redis, keys and local worker data.
     home: Path = Path(".ckpt")
@@ -42,6 +50,21 @@ class Settings:
     #: completeness (docs/design.md, section 2); this only absorbs writers that pause mid-file. A
     #: change after detection is still caught (the shard step re-hashes; workers check).
     settle_seconds: float = 0.3
+    #: A checkpoint with files that have no structure to check (a legacy pickle, an unknown
+    #: format) counts as complete once nothing in it changed for this long. Files with
+    #: structure (safetensors, torch.save zips, JSON, a DCP .metadata) or a known layout
+    #: (pipeline.core.layouts) never wait for it. 60 s: see docs/design.md, section 2.
+    quiet_seconds: float = 60.0
+    #: When set, a checkpoint folder is complete only once a file of this name is in it:
+    #: the writer's own commit marker (Orbax style), dropped after everything else.
+    commit_marker: str = ""
+    #: Per-root overrides of quiet_seconds and commit_marker, as JSON
+    #: ``{"<root>": {"quiet_seconds": 120, "commit_marker": "COMMITTED"}}``; in config.toml,
+    #: ``[roots."<root>"]`` tables.
+    root_options: str = ""
+    #: A run whose newest checkpoint has waited this long without being protected is shown
+    #: as falling behind (status, UI, metrics).
+    lag_warning_seconds: float = 900.0
     #: The watcher rescans every root this often even without file events.
     scan_interval: float = 5.0
     #: A job whose lease is older than this is re-driven by the scheduler.
@@ -79,6 +102,9 @@ class Settings:
     mdns: int = 1
     #: Addresses zeroconf uses, comma-separated, or "all"; loopback only by default.
     mdns_interfaces: tuple[str, ...] = ("127.0.0.1",)
+    #: Set by ``ckpt up`` for its children: where each service says it is ready
+    #: (pipeline.service.readiness). Empty otherwise.
+    ready_dir: str = ""
     #: Where the web UI listens (``ckpt up`` and ``ckpt web``).
     web_host: str = "127.0.0.1"
     web_port: int = 8080
@@ -100,6 +126,14 @@ class Settings:
     @property
     def broker_url(self) -> str:
         return self.redis_url or f"unix://{self.redis_socket}"
+
+    def options_for(self, root: str | None) -> RootOptions:
+        """The completion options of one root: its overrides over the global settings."""
+        over: dict[str, Any] = {}
+        if root is not None and self.root_options:
+            over = json.loads(self.root_options).get(root, {})
+        return RootOptions(quiet_seconds=float(over.get("quiet_seconds", self.quiet_seconds)),
+                           commit_marker=str(over.get("commit_marker", self.commit_marker)))
 
     def key(self) -> bytes:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
@@ -195,6 +229,9 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{config}: {exc}") from exc
         for k, v in data.items():
+            if k == "roots" and isinstance(v, dict):  # [roots."<root>"] tables: per-root options
+                values["root_options"] = _root_options(v, str(config))
+                continue
             if k not in names:
                 raise ConfigError(f"{config}: unknown setting {k!r}")
             values[k] = _coerce(k, v)
@@ -210,9 +247,36 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
         raise ConfigError(f"rf must be at least 1, got {s.rf}")
     if s.keep_last < 0:
         raise ConfigError(f"keep_last must be >= 0, got {s.keep_last}")
+    if s.root_options:
+        try:
+            parsed = json.loads(s.root_options)
+        except ValueError as exc:
+            raise ConfigError(f"root_options: not JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError("root_options must map each root to its options")
+        _root_options(parsed, "root_options")
+    if s.quiet_seconds < 0:
+        raise ConfigError(f"quiet_seconds must be >= 0, got {s.quiet_seconds}")
     if s.shard_size < 4096:
         raise ConfigError(f"shard_size must be at least 4096 bytes, got {s.shard_size}")
     return s
+
+
+def _root_options(tables: dict[str, Any], where: str) -> str:
+    """Validate ``[roots."<root>"]`` tables; the JSON form Settings keeps."""
+    allowed = {"quiet_seconds": float, "commit_marker": str}
+    out: dict[str, dict[str, Any]] = {}
+    for root, opts in tables.items():
+        if not isinstance(opts, dict):
+            raise ConfigError(f"{where}: roots.{root!r} must be a table of options")
+        for k, v in opts.items():
+            if k not in allowed:
+                raise ConfigError(f"{where}: roots.{root!r}: unknown option {k!r} (known: {', '.join(allowed)})")
+            try:
+                out.setdefault(root, {})[k] = allowed[k](v)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{where}: roots.{root!r}.{k}: {v!r} is not a valid {allowed[k].__name__}") from exc
+    return json.dumps(out, sort_keys=True)
 
 
 _current: Settings | None = None

@@ -25,7 +25,8 @@ class StoreState(StrEnum):
     VERIFIED = "verified"      # verify actor: every replica re-hashed and matched
     ROTATED = "rotated"        # rotate actor: local copy removed, replicas remain
     FAILED = "failed"          # retries exhausted; message in the dead-letter queue
-    SUPERSEDED = "superseded"  # the source changed underneath the pipeline
+    SUPERSEDED = "superseded"  # catalog, shard, replicate: new content at the path (a newer version)
+    VANISHED = "vanished"      # watcher, shard, replicate: the local copy was deleted before it was protected
 
 
 class RestoreState(StrEnum):
@@ -61,15 +62,17 @@ def _edges(table: dict) -> dict[str, frozenset[str]]:
 
 TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
     JobKind.STORE.value: _edges({
-        _S.DETECTED: frozenset({_S.SHARDED, _S.FAILED, _S.SUPERSEDED}),
-        _S.SHARDED: frozenset({_S.REPLICATED, _S.FAILED, _S.SUPERSEDED}),
+        _S.DETECTED: frozenset({_S.SHARDED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
+        _S.SHARDED: frozenset({_S.REPLICATED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
         # A replica found missing, corrupt or unreachable at verify is replaced: back to sharded.
-        _S.REPLICATED: frozenset({_S.VERIFIED, _S.SHARDED, _S.FAILED}),
-        _S.VERIFIED: frozenset({_S.ROTATED}),
-        _S.ROTATED: frozenset(),
+        _S.REPLICATED: frozenset({_S.VERIFIED, _S.SHARDED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
+        # New content at the path makes every older version superseded, protected or not.
+        _S.VERIFIED: frozenset({_S.ROTATED, _S.SUPERSEDED}),
+        _S.ROTATED: frozenset({_S.SUPERSEDED}),
         # A failed job can be requeued from the dead-letter queue: it resumes where it was.
-        _S.FAILED: frozenset({_S.DETECTED, _S.SHARDED, _S.REPLICATED, _S.VERIFIED}),
+        _S.FAILED: frozenset({_S.DETECTED, _S.SHARDED, _S.REPLICATED, _S.VERIFIED, _S.SUPERSEDED, _S.VANISHED}),
         _S.SUPERSEDED: frozenset(),
+        _S.VANISHED: frozenset(),
     }),
     JobKind.RESTORE.value: _edges({
         _R.QUEUED: frozenset({_R.GATHERING, _R.FAILED}),
@@ -99,7 +102,7 @@ INITIAL: dict[str, str] = {JobKind.STORE.value: _S.DETECTED.value, JobKind.RESTO
 
 #: States in which nothing more happens without a person (or a new checkpoint) asking.
 TERMINAL: dict[str, frozenset[str]] = {
-    JobKind.STORE.value: frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value}),
+    JobKind.STORE.value: frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value, _S.VANISHED.value}),
     JobKind.RESTORE.value: frozenset({_R.DONE.value, _R.FAILED.value}),
     JobKind.SCRUB.value: frozenset({_C.DONE.value, _C.FAILED.value}),
     JobKind.REPAIR.value: frozenset({_P.DONE.value, _P.LOST.value, _P.FAILED.value}),

@@ -21,6 +21,7 @@ from pipeline.errors import WorkerError
 KEY = "integration-test-key"
 FAST = {  # settings that make a test cluster react in seconds, not minutes
     "CKPT_SETTLE_SECONDS": "0.3",
+    "CKPT_QUIET_SECONDS": "3",
     "CKPT_SCAN_INTERVAL": "1",
     "CKPT_LEASE_SECONDS": "6",
     "CKPT_TICK_SECONDS": "0.5",

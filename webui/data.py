@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, select
 
 from pipeline import states
-from pipeline.core.health import replica_health, shard_health
+from pipeline.core.health import shard_health, worker_healths
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
     Checkpoint,
@@ -21,17 +21,28 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.replicas import copy_of, fresh_after
+from pipeline.db.replicas import content_copies, fresh_after
 from pipeline.db.transitions import now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
 from pipeline.settings import Settings
-from pipeline.states import RETIRED, JobKind, WorkerState
-from pipeline.status import checkpoint_rows, job_dict, latest_store_jobs, worker_dict
+from pipeline.states import RETIRED, JobKind, StoreState, WorkerState
+from pipeline.status import (
+    checkpoint_rows,
+    job_dict,
+    latest_store_jobs,
+    problem_dicts,
+    run_summaries,
+    worker_dict,
+)
 
 
-def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
+def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None,
+                all_versions: bool = False) -> list[dict[str, Any]]:
+    """The current version of each checkpoint (every version with ``all_versions``), newest first."""
     with session_scope(settings.db_url) as s:
         q = select(Checkpoint).order_by(Checkpoint.id.desc())
+        if not all_versions:
+            q = q.where(Checkpoint.current.is_(True))
         if run:
             q = q.where(Checkpoint.run == run)
         ckpts = list(s.scalars(q))
@@ -54,6 +65,8 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
         if c is None:
             raise UnknownCheckpoint(str(checkpoint_id))
         (out,) = checkpoint_rows(s, settings, [c])
+        shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id))
+        per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, set(shas)).items()}
         files = []
         for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)
                            .order_by(CheckpointFile.relpath)):
@@ -66,13 +79,13 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
                     reps.append({
                         "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
                         "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
-                        "health": replica_health(copy_of(r), since),
+                        "health": per_worker[sh.sha256].get(r.worker_id, "missing"),
                     })
                 shards.append({
                     "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
                     "first_tensor": sh.tensors[0] if sh.tensors else None, "replicas": reps,
-                    "health": shard_health([r["health"] for r in reps], settings.rf, c.local_present),
+                    "health": shard_health(list(per_worker[sh.sha256].values()), settings.rf, c.local_present),
                 })
             files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
                           "shards": shards})
@@ -86,7 +99,10 @@ def health(settings: Settings) -> dict[str, Any]:
     """Shard x replica matrices of every checkpoint, and cluster-wide counts."""
     since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url) as s:
-        ckpts = list(s.scalars(select(Checkpoint).order_by(Checkpoint.id.desc()).limit(50)))
+        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.current.is_(True))
+                               .order_by(Checkpoint.id.desc()).limit(50)))
+        shas = {sh.sha256 for c in ckpts for f in c.files for sh in f.shards}
+        per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, shas).items()}
         matrices = []
         replica_totals: dict[str, int] = {}
         shard_totals: dict[str, int] = {}
@@ -94,9 +110,8 @@ def health(settings: Settings) -> dict[str, Any]:
             rows = []
             for f in c.files:
                 for sh in f.shards:
-                    shown = [r for r in sorted(sh.replicas, key=lambda r: r.worker_id) if r.state not in RETIRED]
-                    cells = [replica_health(copy_of(r), since) for r in shown]
-                    cell_workers = [r.worker_id for r in shown]
+                    copies = per_worker[sh.sha256]  # one cell per worker: the copy of this content there
+                    cells, cell_workers = list(copies.values()), list(copies)
                     h = shard_health(cells, settings.rf, c.local_present)
                     shard_totals[h] = shard_totals.get(h, 0) + 1
                     for cell in cells:
@@ -199,7 +214,11 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         running = s.scalar(select(func.count(Job.id)).where(active)) or 0
         failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
         last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
+    with session_scope(settings.db_url) as s:
+        found_problems = problem_dicts(s)
     return {
+        "runs": run_summaries(ckpts, settings), "problems": found_problems,
+        "vanished_unprotected": by_state.get(StoreState.VANISHED, 0),
         "protected_bytes": protected, "unprotected_bytes": unprotected, "lost_checkpoints": lost,
         "checkpoints_by_state": by_state, "jobs_running": running, "jobs_failed": failed,
         "dead_letters": dead_letters,

@@ -14,6 +14,7 @@ from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.states import JobKind, WorkerState
+from pipeline.status import status
 from webui import data
 
 bp = Blueprint("metrics", __name__)
@@ -74,6 +75,32 @@ class ControlPlaneCollector:
             free.add_metric([w["id"]], w["free_bytes"])
         yield up
         yield free
+        yield from _detection_metrics(s)
+
+
+def _detection_metrics(settings: Any) -> Iterator[Any]:
+    """Per run: the newest protected step, its age, whether protection is behind; and the
+    entries detection cannot protect, and the checkpoints that vanished unprotected."""
+    doc = status(settings)
+    step = GaugeMetricFamily("ckpt_run_protected_step", "Newest protected step of the run (-1: none yet)",
+                             labels=["run"])
+    age = GaugeMetricFamily("ckpt_run_protected_age_seconds",
+                            "Age of the run's newest protected checkpoint: the work a node loss would cost",
+                            labels=["run"])
+    behind = GaugeMetricFamily("ckpt_run_protection_behind", "1 if the run's newest checkpoint waits too long",
+                               labels=["run"])
+    vanished = GaugeMetricFamily("ckpt_run_vanished_unprotected",
+                                 "Checkpoints deleted before they were protected", labels=["run"])
+    for r in doc["runs"]:
+        step.add_metric([r["run"]], r["protected_step"] if r["protected_step"] is not None else -1)
+        if r["protected_age_s"] is not None:
+            age.add_metric([r["run"]], r["protected_age_s"])
+        behind.add_metric([r["run"]], 1 if r["behind"] else 0)
+        vanished.add_metric([r["run"]], r["vanished_unprotected"])
+    problems = GaugeMetricFamily("ckpt_detection_problems", "Entries of watched runs that are not protected "
+                                 "(malformed, unreadable or stuck incomplete)")
+    problems.add_metric([], len(doc["problems"]))
+    yield from (step, age, behind, vanished, problems)
 
 
 def _step_durations(session: Session) -> dict[str, list[float]]:

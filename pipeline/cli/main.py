@@ -14,54 +14,24 @@ import argparse
 import gc
 import json
 import logging
-import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
-from types import FrameType
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipeline import settings as settings_mod
 from pipeline import states
+from pipeline.cli.common import control_plane, send, settings_from, stop_on_signals
+from pipeline.cli.progress import wait_job
+from pipeline.cli.status_view import cmd_status
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
 from pipeline.states import STICKY_WORKERS, WorkerState
 
 if TYPE_CHECKING:
-    from pipeline.steps import Send
+    pass
 
 log = logging.getLogger("ckpt")
-
-
-def _settings(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {"home": getattr(args, "home", None)}
-    roots = getattr(args, "root", None)
-    if roots:
-        overrides["roots"] = tuple(roots)
-    return settings_mod.configure(settings_mod.load(overrides))
-
-
-def _send(sends: list[Send]) -> None:
-    from pipeline.tasks.actors import send_all
-
-    send_all(sends)
-
-
-def _control_plane(s: Settings) -> None:
-    """Bring the control plane to the newest schema, install the broker and declare the actors."""
-    from pipeline.db.migrate import upgrade
-
-    upgrade(s.db_url)
-    import pipeline.tasks  # noqa: F401
-
-
-def _stop_on_signals(stop: Callable[[], object]) -> None:
-    def handler(_signum: int, _frame: FrameType | None) -> None:
-        stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -70,7 +40,7 @@ def _stop_on_signals(stop: Callable[[], object]) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from pipeline.service.supervisor import Supervisor
 
-    s = _settings(args)
+    s = settings_from(args)
     if not s.roots:
         # Quick start: watch ./checkpoints (a run: each entry in it is one checkpoint).
         import dataclasses
@@ -88,7 +58,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop.set()
         sup.stopping = True
 
-    _stop_on_signals(request_stop)
+    stop_on_signals(request_stop)
     try:
         info = sup.up()
         print(f"ckpt up: home {info['home']}", flush=True)
@@ -110,7 +80,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    s = _settings(args)
+    s = settings_from(args)
     if args.action:
         return _worker_action(s, args.action)
     if not args.data or not args.port:
@@ -146,8 +116,8 @@ def _worker_action(s: Settings, action: list[str]) -> int:
 def cmd_scrub(args: argparse.Namespace) -> int:
     from pipeline import operations
 
-    s = _settings(args)
-    _control_plane(s)
+    s = settings_from(args)
+    control_plane(s)
     started = operations.scrub_now(s, args.worker or None, reason="ckpt scrub")
     if not started:
         print("no live storage worker to scrub")
@@ -156,16 +126,16 @@ def cmd_scrub(args: argparse.Namespace) -> int:
         print(f"scrub job {r.job_id}: storage worker {r.detail}")
     if not args.wait:
         return 0
-    return max(_wait(s, r.job_id, ok=("done",), timeout=args.timeout) for r in started)
+    return max(wait_job(s, r.job_id, ok=("done",), timeout=args.timeout) for r in started)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from pipeline.service.scheduler import Scheduler
 
-    s = _settings(args)
-    _control_plane(s)
-    sched = Scheduler(s, _send)
-    _stop_on_signals(lambda: sched.stopping.set())
+    s = settings_from(args)
+    control_plane(s)
+    sched = Scheduler(s, send)
+    stop_on_signals(lambda: sched.stopping.set())
     sched.run()
     return 0
 
@@ -173,10 +143,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     from pipeline.detection.watcher import Watcher
 
-    s = _settings(args)
-    _control_plane(s)
-    w = Watcher(s, _send)
-    _stop_on_signals(w.stop)
+    s = settings_from(args)
+    control_plane(s)
+    w = Watcher(s, send)
+    stop_on_signals(w.stop)
     w.run()
     return 0
 
@@ -187,7 +157,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
     overrides = {"web_host": args.host, "web_port": args.port}
     s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
-    _control_plane(s)
+    control_plane(s)
     app = create_app(settings=s)
     print(f"web UI on http://{s.web_host}:{s.web_port}/", flush=True)
     # Open event streams (the pages' live updates) never finish by themselves: a stop
@@ -199,7 +169,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
-    s = _settings(args)
+    s = settings_from(args)
     upgrade(s.db_url)
     print(f"{s.db_url}: at head")
     return 0
@@ -208,126 +178,46 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_store(args: argparse.Namespace) -> int:
     from pipeline import operations
 
-    s = _settings(args)
-    _control_plane(s)
+    s = settings_from(args)
+    control_plane(s)
     r = operations.store(s, args.path, detail="requested by ckpt store")
     if r.created:
         print(f"checkpoint {r.checkpoint_id}: store job {r.job_id} created for {r.detail}")
     else:
         print(f"checkpoint {r.checkpoint_id}: this version is already known (job {r.job_id}, {r.state})")
     if args.wait:
-        return _wait(s, r.job_id, ok=tuple(states.PROTECTED), timeout=args.timeout)
+        return wait_job(s, r.job_id, ok=tuple(states.PROTECTED), timeout=args.timeout)
     return 0
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from pipeline import operations
 
-    s = _settings(args)
-    _control_plane(s)
-    r = operations.restore_to(s, args.checkpoint, args.to, overwrite=args.overwrite)
-    print(f"restore job {r.job_id}: checkpoint {args.checkpoint} -> {r.detail}")
+    s = settings_from(args)
+    control_plane(s)
+    ref = args.checkpoint
+    if args.latest:
+        if ref:
+            raise CkptError("give either a checkpoint or --latest RUN, not both")
+        from pipeline.api import latest
+
+        newest = latest(args.latest, settings=s)
+        if newest is None:
+            raise CkptError(f"run {args.latest} has no protected checkpoint; `ckpt status` shows its checkpoints")
+        ref = str(newest.id)
+        print(f"newest protected checkpoint of {args.latest}: {newest.path} (step {newest.step}, id {newest.id})")
+    elif not ref:
+        raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
+    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite)
+    print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail}")
     if args.wait:
-        return _wait(s, r.job_id, ok=("done",), timeout=args.timeout)
-    return 0
-
-
-def _wait(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
-    from pipeline.db.engine import session_scope
-    from pipeline.db.models import Job
-
-    bar = _Progress(sys.stderr)
-    deadline = time.monotonic() + timeout
-    last_state = None
-    while True:
-        with session_scope(s.db_url) as session:
-            job = session.get(Job, job_id)
-            if job is None:
-                raise CkptError(f"no job {job_id}")
-            state, done, total, kind = job.state, job.bytes_done, job.bytes_total, job.kind
-            error, blocked = job.last_error, job.blocked_reason
-        if state != last_state:
-            bar.line(f"job {job_id}: {state}")
-            last_state = state
-        bar.update(state, done, total)
-        if state in ok:
-            bar.line(f"job {job_id}: {state}" + (f" ({blocked})" if blocked else ""))
-            return 0
-        if state in states.TERMINAL[kind]:
-            bar.line(f"job {job_id} ended {state}: {error or 'see `ckpt status`'}")
-            return 1
-        if time.monotonic() > deadline:
-            bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
-            return 2
-        time.sleep(0.05)
-
-
-class _Progress:
-    """A one-line progress bar on a terminal; plain lines otherwise."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream, self.tty = stream, stream.isatty()
-        self.started = time.monotonic()
-
-    def update(self, state: str, done: int, total: int) -> None:
-        if not self.tty or not total:
-            return
-        frac = min(1.0, done / total)
-        width = 30
-        rate = done / max(1e-6, time.monotonic() - self.started) / 1e6
-        self.stream.write(f"\r  {state:<10} [{'#' * int(frac * width):<{width}}] {frac:6.1%} "
-                          f"{done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s")
-        self.stream.flush()
-
-    def line(self, text: str) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K")
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from pipeline.status import status
-
-    s = _settings(args)
-    from pipeline.db.migrate import upgrade
-
-    upgrade(s.db_url)
-    doc = status(s)
-    if args.json:
-        print(json.dumps(doc, indent=2, default=str))
-        return 0
-    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} {'SIZE':>10}  PATH")
-    for c in doc["checkpoints"]:
-        reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
-        health = c["health"].upper() if c["health"] == "lost" else c["health"]
-        local = "kept" if c["local_present"] else "rotated"
-        print(f"{c['id']:>4}  {c['state']:<11} {reps:<14} {health:<17} {local:<7} "
-              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}")
-        if c.get("blocked_reason"):
-            print(f"      {c['blocked_reason']}")
-    lost = [c for c in doc["checkpoints"] if c["health"] == "lost"]
-    if lost:
-        print(f"\n!!! {len(lost)} checkpoint(s) have LOST shards (no copy matches the manifest): "
-              + ", ".join(str(c["id"]) for c in lost))
-    active = [j for j in doc["jobs"] if j["state"] in states.ACTIVE[j["kind"]] or j["state"] == "failed"]
-    if active:
-        print("\njobs not finished:")
-        for j in active:
-            print(f"  job {j['id']:>4} {j['kind']:<8} {j['state']:<11} attempts {j['attempts']}"
-                  + (f"  last error: {j['last_error']}" if j["last_error"] else ""))
-    print("\nstorage workers:")
-    for w in doc["workers"]:
-        failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]
-        why = f"  ({w['last_error']})" if failing else ""
-        print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB"
-              + why)
+        return wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)
     return 0
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
-    s = _settings(args)
-    _control_plane(s)
+    s = settings_from(args)
+    control_plane(s)
     from pipeline.tasks import deadletters
     if args.requeue:
         ids = None if args.requeue == "all" else [args.requeue]
@@ -381,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_store)
 
     r = sub.add_parser("restore", help="give a checkpoint back byte for byte")
-    r.add_argument("checkpoint", help="checkpoint id or path")
+    r.add_argument("checkpoint", nargs="?", help="checkpoint id or path (a path means its current version)")
+    r.add_argument("--latest", metavar="RUN", help="the newest protected checkpoint of this run (to resume from)")
     r.add_argument("--to", required=True, help="destination path (must not exist)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     r.add_argument("--wait", action="store_true")
@@ -394,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--timeout", type=float, default=24 * 3600.0)
     sc.set_defaults(func=cmd_scrub)
 
-    s = sub.add_parser("status", help="checkpoints, jobs and storage workers")
+    s = sub.add_parser("status", help="runs, checkpoints, jobs and storage workers")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--all", action="store_true", help="every version of each checkpoint, not only the current one")
     s.set_defaults(func=cmd_status)
 
     d = sub.add_parser("dead-letters", help="list or requeue failed messages")

@@ -8,7 +8,6 @@ they cover it exactly: sorted, contiguous, non-overlapping, inside the file.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,11 @@ from pipeline.errors import HeaderError
 
 #: The reference implementation refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
+
+#: More dimensions than any real tensor has.
+MAX_DIMS = 64
+#: More elements than any file holds (2**60 bytes even at 1 bit each).
+MAX_ELEMENTS = 2**63
 
 #: Bits per element of every dtype safetensors defines.
 DTYPE_BITS: dict[str, int] = {
@@ -75,14 +79,14 @@ def parse_header(head: bytes, file_size: int, path: str = "<bytes>") -> Header:
     ``head`` may be longer than needed. Raises :class:`HeaderError` naming the problem.
     """
     if file_size < 8 or len(head) < 8:
-        raise HeaderError(path, f"file has {file_size} bytes, fewer than the 8-byte header length")
+        raise HeaderError(path, f"file has {file_size} bytes, fewer than the 8-byte header length", truncated=True)
     (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER_BYTES:
         raise HeaderError(path, f"header length {n:,} exceeds the {MAX_HEADER_BYTES:,}-byte bound")
     if 8 + n > file_size:
-        raise HeaderError(path, f"header length {n:,} runs past the end of the {file_size:,}-byte file")
+        raise HeaderError(path, f"header length {n:,} runs past the end of the {file_size:,}-byte file", truncated=True)
     if len(head) < 8 + n:
-        raise HeaderError(path, f"only {len(head) - 8:,} of {n:,} header bytes could be read")
+        raise HeaderError(path, f"only {len(head) - 8:,} of {n:,} header bytes could be read", truncated=True)
     raw = bytes(head[8 : 8 + n])
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -111,7 +115,8 @@ def parse_header(head: bytes, file_size: int, path: str = "<bytes>") -> Header:
     if pos != data_len:
         if pos > data_len:
             raise HeaderError(
-                path, f"tensors end at data byte {pos:,} but the file holds only {data_len:,} data bytes (truncated?)"
+                path, f"tensors end at data byte {pos:,} but the file holds only {data_len:,} data bytes (truncated?)",
+                truncated=True,
             )
         raise HeaderError(path, f"tensors end at data byte {pos:,} but the file has {data_len - pos:,} trailing bytes")
     return Header(json_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata)
@@ -134,7 +139,14 @@ def _tensor(path: str, name: str, entry: Any) -> TensorInfo:
     begin, end = offsets
     if end < begin:
         raise HeaderError(path, f"tensor {name!r}: data_offsets end {end:,} is before begin {begin:,}")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if len(shape) > MAX_DIMS:
+        raise HeaderError(path, f"tensor {name!r}: {len(shape)} dimensions (at most {MAX_DIMS})")
+    elements = 1
+    for d in shape:  # bounded: a hostile shape of thousands of huge dimensions stops here
+        elements *= d
+        if elements > MAX_ELEMENTS:
+            raise HeaderError(path, f"tensor {name!r}: shape {str(shape)[:80]} has more elements than a file can hold")
+    bits = elements * DTYPE_BITS[dtype]
     if bits % 8:
         raise HeaderError(path, f"tensor {name!r}: {dtype}{shape} is not a whole number of bytes")
     if end - begin != bits // 8:

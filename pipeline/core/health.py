@@ -10,10 +10,11 @@ and no local copy to rebuild from).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 
-from pipeline.core.copies import Copy, is_good
-from pipeline.states import READABLE_WORKERS, ReplicaState, WorkerState
+from pipeline.core.copies import Copy, good_workers, is_good
+from pipeline.states import READABLE_WORKERS, RETIRED, ReplicaState, WorkerState
 
 #: Replica healths of a good copy: the ones a shard's health counts.
 COUNTS = ("verified", "stale")
@@ -34,6 +35,31 @@ def replica_health(copy: Copy, fresh_after: datetime) -> str:
     if copy.state in (ReplicaState.STORED, ReplicaState.VERIFIED):
         return "unverified"
     return "pending"
+
+
+#: When one worker's copy of a content has several rows (shared by several checkpoints) that
+#: disagree, the first of these that any row shows is the copy's health.
+_WORST_FIRST = ("corrupt", "missing", "draining", "unverified", "pending", "stale", "verified")
+
+
+def worker_healths(copies: Iterable[Copy], fresh_after: datetime) -> dict[str, str]:
+    """Per worker, the health of its copy of one content, from every row recorded for that
+    content (of any checkpoint): the same answer for every checkpoint that shares it."""
+    rows = [c for c in copies if c.state not in RETIRED]
+    fresh, good = good_workers(rows, fresh_after), good_workers(rows)
+    out: dict[str, str] = {}
+    for c in rows:
+        if c.worker_id in fresh:
+            out[c.worker_id] = "verified"
+        elif c.worker_id in good:
+            out[c.worker_id] = "stale"
+        else:
+            h = replica_health(c, fresh_after)
+            if h in ("verified", "stale"):  # good alone, but another row of the content says otherwise
+                h = "unverified"
+            prev = out.get(c.worker_id)
+            out[c.worker_id] = h if prev is None else min(prev, h, key=_WORST_FIRST.index)
+    return dict(sorted(out.items()))
 
 
 def shard_health(replicas: list[str], rf: int, local_copy: bool) -> str:

@@ -65,7 +65,10 @@ class Checkpoint(Base):
     """One version of one checkpoint: a file or a directory under a run."""
 
     __tablename__ = "checkpoints"
-    __table_args__ = (UniqueConstraint("path", "version", name="uq_checkpoints_path_version"),)
+    __table_args__ = (
+        UniqueConstraint("path", "version", name="uq_checkpoints_path_version"),
+        Index("ix_checkpoints_run_current", "run", "current"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     path: Mapped[str] = mapped_column(String(4096), index=True)
@@ -79,6 +82,14 @@ class Checkpoint(Base):
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     local_present: Mapped[bool] = mapped_column(Boolean, default=True)
     detected_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: The newest version recorded at its path: what `ckpt status`, "latest" and a restore
+    #: by path mean. Older versions are superseded (their store job says so).
+    current: Mapped[bool] = mapped_column(Boolean, default=True, server_default="1")
+    #: The layout detection recognised (pipeline.core.layouts): "hf-trainer", "torch-dcp", "file"...
+    layout: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    #: What proved it complete: "structure" (its layout and files), "quiet" (no change for the
+    #: root's quiet period), "declared" (the writer said so: pipeline.protect).
+    completed_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"
@@ -218,6 +229,20 @@ class JobEvent(Base):
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str] = mapped_column(String(16))
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class DetectionProblem(Base):
+    """An entry of a run that detection cannot protect as it is, reported once (status, UI,
+    metrics) until it is fixed or goes away."""
+
+    __tablename__ = "detection_problems"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(String(4096), unique=True)
+    run: Mapped[str] = mapped_column(String(4096), index=True)
+    reason: Mapped[str] = mapped_column(Text)
+    first_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
 
 class Lock(Base):

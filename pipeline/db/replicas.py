@@ -50,6 +50,24 @@ def copy_of(rep: Replica) -> Copy:
     return Copy(rep.worker_id, rep.state, rep.worker.state, rep.stored_at, rep.verified_at)
 
 
+def content_copies(session: Session, shas: Iterable[str]) -> dict[str, list[Copy]]:
+    """Every copy row of each content (any checkpoint's shard with that SHA-256), as plain data."""
+    out: dict[str, list[Copy]] = {sha: [] for sha in shas}
+    if not out:
+        return out
+    rows = session.execute(
+        select(Shard.sha256, Replica.worker_id, Replica.state, StorageWorker.state, Replica.stored_at,
+               Replica.verified_at)
+        .join(Replica, Replica.shard_id == Shard.id)
+        .join(StorageWorker, StorageWorker.id == Replica.worker_id)
+        .where(Shard.sha256.in_(list(out)))
+        .order_by(Replica.id)
+    )
+    for sha, worker_id, state, worker_state, stored_at, verified_at in rows:
+        out[sha].append(Copy(worker_id, state, worker_state, stored_at, verified_at))
+    return out
+
+
 def shard_copies(session: Session, checkpoint_id: int) -> list[ShardCopies]:
     """Every shard of a checkpoint with every copy of its content, as plain data (manifest order)."""
     ckpt = session.get(Checkpoint, checkpoint_id)
@@ -60,17 +78,7 @@ def shard_copies(session: Session, checkpoint_id: int) -> list[ShardCopies]:
         .where(CheckpointFile.checkpoint_id == checkpoint_id)
         .order_by(CheckpointFile.relpath, Shard.seq)
     ).all()
-    by_content: dict[str, list[Copy]] = {sha: [] for _rel, _seq, sha, _size in shards}
-    rows = session.execute(
-        select(Shard.sha256, Replica.worker_id, Replica.state, StorageWorker.state, Replica.stored_at,
-               Replica.verified_at)
-        .join(Replica, Replica.shard_id == Shard.id)
-        .join(StorageWorker, StorageWorker.id == Replica.worker_id)
-        .where(Shard.sha256.in_(list(by_content)))
-        .order_by(Replica.id)
-    )
-    for sha, worker_id, state, worker_state, stored_at, verified_at in rows:
-        by_content[sha].append(Copy(worker_id, state, worker_state, stored_at, verified_at))
+    by_content = content_copies(session, {sha for _rel, _seq, sha, _size in shards})
     return [ShardCopies(f"shard {seq} of {rel or name}", sha, size, tuple(by_content[sha]))
             for rel, seq, sha, size in shards]
 

@@ -22,9 +22,10 @@ from pipeline.core.planner import ShardPlan, plan
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
 from pipeline.db.transitions import create_job, note, transition
 from pipeline.detection import completeness, roots
-from pipeline.errors import MissingRow, SourceChanged, UnknownCheckpoint
+from pipeline.errors import SourceChanged, UnknownCheckpoint
 from pipeline.hashing import scan
 from pipeline.states import JobKind
+from pipeline.states import StoreState as S
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Detected:
     shas: tuple[str, ...]
     #: per file, its shard plans with their SHA-256
     shards: tuple[tuple[tuple[ShardPlan, str], ...], ...]
+    #: the layout detection recognised, and what proved the checkpoint complete
+    layout: str = ""
+    completed_by: str = "structure"
 
     @property
     def version(self) -> str:
@@ -53,7 +57,8 @@ def version_of(files: Iterable[tuple[str, int, str]]) -> str:
     return h.hexdigest()
 
 
-def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry], *, shard_size: int) -> Detected:
+def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry] | tuple[completeness.FileEntry, ...],
+                    *, shard_size: int, layout: str = "", completed_by: str = "structure") -> Detected:
     """Plan every file into shards and hash it and its shards in one read; raise
     :class:`SourceChanged` if a file changed meanwhile."""
     shas, shards = [], []
@@ -64,7 +69,8 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
         shards.append(tuple(zip(plans, shard_shas, strict=True)))
     if not completeness.unchanged(entries):
         raise SourceChanged(str(path), "a file changed while it was being hashed")
-    return Detected(run=run, path=path, entries=tuple(entries), shas=tuple(shas), shards=tuple(shards))
+    return Detected(run=run, path=path, entries=tuple(entries), shas=tuple(shas), shards=tuple(shards),
+                    layout=layout, completed_by=completed_by)
 
 
 def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int, int], ...]:
@@ -73,34 +79,33 @@ def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int
 
 
 def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) -> tuple[Checkpoint, Job, bool]:
-    """Insert ``d`` with a ``detected`` store job; ``(checkpoint, job, created)``.
+    """Insert ``d`` as the current version at its path, with a ``detected`` store job;
+    ``(checkpoint, job, created)``.
 
-    An identical version already recorded is returned as is (``created`` False).
+    One path, many versions (docs/design.md, section 2): new content at a path makes every
+    older version ``superseded`` (never counted, never latest, never what a restore by path
+    means), whatever state it reached. The same content recorded again is returned as is
+    (``created`` False); content that comes back after another version is current again
+    and, if its store was superseded, stored again (unchanged shards are not re-sent).
     """
     version = d.version
     existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version))
+    _supersede_others(session, str(d.path), keep=existing.id if existing is not None else None)
     if existing is not None:
+        existing.current = True
+        existing.local_present = True
         job = latest_store_job(session, existing.id)
-        if job is None:
-            raise MissingRow("jobs", f"the store job of checkpoint {existing.id}")
-        if not existing.local_present:
-            existing.local_present = True
+        if job is None or job.state in (S.SUPERSEDED, S.VANISHED):
+            job = create_job(session, JobKind.STORE, checkpoint_id=existing.id, lease_seconds=lease_seconds,
+                             bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path")
+            return existing, job, True
         return existing, job, False
-
-    # Older versions at the same path: their local copy is now this content.
-    for old in session.scalars(
-        select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.local_present.is_(True))
-    ):
-        old.local_present = False
-        job = latest_store_job(session, old.id)
-        if job is not None and job.state in states.ACTIVE[JobKind.STORE]:
-            transition(session, job.id, JobKind.STORE, job.state, states.StoreState.SUPERSEDED,
-                       detail=f"new content at {d.path}")
 
     ckpt = Checkpoint(
         path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
         step=roots.step_of(d.path.name), mtime=max(e.mtime_ns for e in d.entries) / 1e9,
-        total_bytes=d.total_bytes, local_present=True,
+        total_bytes=d.total_bytes, local_present=True, current=True, layout=d.layout or None,
+        completed_by=d.completed_by,
     )
     session.add(ckpt)
     session.flush()
@@ -116,6 +121,18 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
     return ckpt, job, True
 
 
+def _supersede_others(session: Session, path: str, keep: int | None) -> None:
+    """Every other current version at ``path`` stops being current, and its store job ends
+    ``superseded``: the path now holds other content."""
+    for old in session.scalars(select(Checkpoint).where(Checkpoint.path == path, Checkpoint.current.is_(True),
+                                                        Checkpoint.id != (keep or -1))):
+        old.current = False
+        old.local_present = False
+        job = latest_store_job(session, old.id)
+        if job is not None and states.allowed(JobKind.STORE, job.state, S.SUPERSEDED):
+            transition(session, job.id, JobKind.STORE, job.state, S.SUPERSEDED, detail=f"new content at {path}")
+
+
 def latest_store_job(session: Session, checkpoint_id: int) -> Job | None:
     return session.scalar(
         select(Job).where(Job.checkpoint_id == checkpoint_id, Job.kind == JobKind.STORE)
@@ -124,14 +141,17 @@ def latest_store_job(session: Session, checkpoint_id: int) -> Job | None:
 
 
 def resolve(session: Session, ref: str | int) -> Checkpoint:
-    """A checkpoint by id, or the newest version recorded at a path."""
+    """A checkpoint by id, or the current version at a path (the newest recorded, if none is)."""
     text = str(ref)
     if text.isdigit():
         c = session.get(Checkpoint, int(text))
         if c is not None:
             return c
+    path = os.path.abspath(os.path.expanduser(text))
+    candidates = {path, str(Path(path).parent.resolve() / Path(path).name)}
     c = session.scalar(
-        select(Checkpoint).where(Checkpoint.path == str(Path(text).resolve())).order_by(Checkpoint.id.desc()).limit(1)
+        select(Checkpoint).where(Checkpoint.path.in_(sorted(candidates)))
+        .order_by(Checkpoint.current.desc(), Checkpoint.id.desc()).limit(1)
     )
     if c is None:
         raise UnknownCheckpoint(text)
@@ -143,8 +163,17 @@ def file_path(ckpt: Checkpoint, f: CheckpointFile) -> str:
 
 
 def mark_vanished(session: Session, ckpt: Checkpoint) -> None:
-    """The local copy is gone (deleted by hand, or moved): record it on the checkpoint and its job."""
+    """The local copy is gone (deleted by hand, by the trainer's own rotation, or moved).
+
+    A checkpoint that was not protected yet ends ``vanished``: nothing is left to protect,
+    and status says so loudly; a protected one keeps its remote copies.
+    """
     ckpt.local_present = False
     job = latest_store_job(session, ckpt.id)
-    if job is not None:
+    if job is None:
+        return
+    if states.allowed(JobKind.STORE, job.state, S.VANISHED):
+        transition(session, job.id, JobKind.STORE, job.state, S.VANISHED, last_error="vanished unprotected",
+                   detail=f"the local copy vanished from {ckpt.path} before it was protected")
+    else:
         note(session, job.id, f"local copy vanished from {ckpt.path}")

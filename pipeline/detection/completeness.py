@@ -1,26 +1,34 @@
-"""Is a checkpoint complete? Structural checks, then stability (docs/design.md, section 2).
+"""Is a checkpoint complete? The facts of its files, judged by the layout table, then stability.
 
-"Size stopped changing" is never enough: every safetensors file must parse with a
-length that matches its header, a directory's known markers must be present (``.metadata``
-for torch DCP, every shard of an HF index, ``trainer_state.json`` for HF Trainer), and
-nothing may have changed for the settle window.
+"Size stopped changing" is never enough (docs/design.md, section 2): each file is read for
+what it says about itself (pipeline.detection.formats), and the entry is judged by the layout
+its writer leaves (pipeline.core.layouts). Only a file without any structure to check (a
+legacy pickle, an unknown format) waits for the root's quiet period. Everything is bounded:
+nesting depth, file count, name encoding; an entry that can never be read as a checkpoint
+raises :class:`~pipeline.errors.UnreadableEntry`, which the watcher reports once and skips.
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.header import MAX_HEADER_BYTES, Header, parse_header
-from pipeline.errors import HeaderError, IncompleteCheckpoint
+from pipeline.core.header import Header
+from pipeline.core.layouts import Entry, FileFacts, Verdict, judge
+from pipeline.detection.formats import file_facts, read_header
+from pipeline.errors import IncompleteCheckpoint, UnreadableEntry
 
-#: Written by the HF Trainer with the model, first thing in ``checkpoint-N/``; the Trainer
-#: writes ``trainer_state.json`` last. Plain ``optimizer.pt`` is not a sign: many trainers
-#: write one without any trainer state.
-HF_TRAINER_FILES = ("training_args.bin",)
+__all__ = ["FileEntry", "Examined", "accept", "examine", "inspect", "list_files", "read_header", "settled",
+           "tree_mtime_ns", "unchanged"]
+
+#: A checkpoint folder nested deeper than this is refused (real writers use one or two levels).
+MAX_DEPTH = 32
+#: A checkpoint folder with more files than this is refused (a 1024-rank DCP step has ~1,000).
+MAX_FILES = 200_000
+#: Paths longer than this cannot be recorded.
+MAX_PATH = 4000
 
 
 @dataclass(frozen=True)
@@ -29,79 +37,139 @@ class FileEntry:
     abspath: str
     size: int
     mtime_ns: int
-    header: Header | None  # parsed safetensors header, None for opaque files
+    header: Header | None  # parsed safetensors header, None for other files
+    facts: FileFacts | None = None
 
     @property
     def format(self) -> str:
+        """How the file is sharded: "safetensors" (at tensor boundaries) or "opaque" (byte chunks)."""
         return "safetensors" if self.header is not None else "opaque"
+
+
+def check_name(path: str) -> None:
+    """Raise :class:`UnreadableEntry` for a path the control plane cannot record."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise UnreadableEntry(shown, "its name is not valid UTF-8; rename it to protect it") from None
+    if len(path) > MAX_PATH:
+        raise UnreadableEntry(path[:200] + "...", f"its path is longer than {MAX_PATH} characters")
+
+
+def _walk(path: Path) -> tuple[list[tuple[str, str]], int]:
+    """``([(relpath, abspath)], newest directory mtime)`` of a folder: regular files only, no
+    symlinks followed, iteratively (a deep tree cannot exhaust the stack), within the bounds."""
+    out: list[tuple[str, str]] = []
+    newest = 0
+    stack: list[tuple[str, int]] = [(str(path), 0)]
+    while stack:
+        directory, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise UnreadableEntry(str(path), f"it is nested deeper than {MAX_DEPTH} directories")
+        try:
+            newest = max(newest, os.stat(directory).st_mtime_ns)
+            with os.scandir(directory) as it:
+                items = sorted(it, key=lambda e: e.name)
+        except FileNotFoundError:
+            continue
+        subdirs = []
+        for e in items:
+            check_name(e.path)
+            if e.is_symlink():
+                continue  # never followed: a link may point anywhere
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append((e.path, depth + 1))
+            elif e.is_file(follow_symlinks=False):
+                out.append((os.path.relpath(e.path, path), e.path))
+                if len(out) > MAX_FILES:
+                    raise UnreadableEntry(str(path), f"it holds more than {MAX_FILES:,} files")
+        stack.extend(reversed(subdirs))
+    out.sort()
+    return out, newest
 
 
 def list_files(path: Path) -> list[tuple[str, str]]:
     """``(relpath, abspath)`` of every regular file of a checkpoint, sorted."""
-    if path.is_file():
+    check_name(str(path))
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode):
         return [("", str(path))]
-    out = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                out.append((os.path.relpath(full, path), full))
-    return out
+    if not stat.S_ISDIR(st.st_mode):
+        return []
+    return _walk(path)[0]
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
-    """Read and validate the header of the safetensors file at ``path``."""
-    p = os.fspath(path)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        if len(first) < 8:
-            raise HeaderError(p, f"file has {size} bytes, fewer than the 8-byte header length")
-        (n,) = struct.unpack("<Q", first)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            return parse_header(first, size, p)  # raises with the precise reason
-        return parse_header(first + f.read(n), size, p)
+@dataclass(frozen=True)
+class Examined:
+    """A checkpoint entry's files and the layout table's verdict on them."""
+
+    path: Path
+    entries: tuple[FileEntry, ...]
+    verdict: Verdict
+    #: Newest change of any file or directory in it (ns): what the settle and quiet windows measure.
+    newest_ns: int
+    commit_marker: str = ""
 
 
-def inspect(path: Path) -> list[FileEntry]:
-    """Validate a checkpoint's structure; return its files.
+def examine(path: Path, *, commit_marker: str = "") -> Examined:
+    """Read every file of the entry at ``path`` and judge it (never follows a symlink).
 
-    Raises :class:`~pipeline.errors.IncompleteCheckpoint` (markers missing, empty) or
-    :class:`~pipeline.errors.HeaderError` (a safetensors file that is malformed or truncated).
+    Raises :class:`UnreadableEntry` for an entry that cannot be a checkpoint as it is, and
+    ``OSError`` when it vanished or changed while being read.
     """
-    if not path.exists():
-        raise IncompleteCheckpoint(str(path), "it does not exist")
-    files = list_files(path)
-    if not files:
-        raise IncompleteCheckpoint(str(path), "the directory is empty")
+    check_name(str(path))
+    st = os.lstat(path)
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if is_dir:
+        files, newest = _walk(path)
+    elif stat.S_ISREG(st.st_mode):
+        files, newest = [("", str(path))], 0
+    else:
+        raise UnreadableEntry(str(path), "it is neither a regular file nor a directory")
     entries = []
     for rel, full in files:
-        st = os.stat(full)
-        header = read_header(full) if full.endswith(".safetensors") else None
-        entries.append(FileEntry(rel, full, st.st_size, st.st_mtime_ns, header))
-    if path.is_dir():
-        _check_markers(path, {e.relpath for e in entries})
-    return entries
+        fst = os.stat(full)
+        facts, header = file_facts(rel, full, fst.st_size, fst.st_mtime_ns)
+        entries.append(FileEntry(rel, full, fst.st_size, fst.st_mtime_ns, header, facts))
+        newest = max(newest, fst.st_mtime_ns)
+    verdict = judge(Entry(path.name, is_dir, tuple(e.facts for e in entries if e.facts is not None),
+                          commit_marker=commit_marker if is_dir else ""))
+    return Examined(path, tuple(entries), verdict, newest, commit_marker if is_dir else "")
 
 
-def _check_markers(path: Path, rels: set[str]) -> None:
-    names = {os.path.basename(r) for r in rels}
-    if any(r.endswith(".distcp") for r in rels) and ".metadata" not in names:
-        raise IncompleteCheckpoint(str(path), "torch DCP shards (*.distcp) without the .metadata file")
-    for rel in sorted(r for r in rels if r.endswith(".index.json")):
-        try:
-            index = json.loads((path / rel).read_text())
-            weight_map = index["weight_map"]
-            needed = set(weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise IncompleteCheckpoint(str(path), f"{rel} is not a readable HF index ({exc})") from None
-        base = os.path.dirname(rel)
-        missing = sorted(n for n in needed if os.path.join(base, n) not in rels)
-        if missing:
-            raise IncompleteCheckpoint(str(path), f"{rel} names missing files: {', '.join(missing[:5])}")
-    if any(n in names for n in HF_TRAINER_FILES) and "trainer_state.json" not in names:
-        raise IncompleteCheckpoint(str(path), "HF Trainer checkpoint without trainer_state.json")
+def inspect(path: Path, *, commit_marker: str = "", quiet_seconds: float | None = None, declared: bool = False,
+            now: float | None = None) -> list[FileEntry]:
+    """The files of a complete checkpoint; raises :class:`IncompleteCheckpoint` otherwise.
+
+    A "quiet" verdict (files without structure) counts as complete once nothing changed for
+    ``quiet_seconds`` (None: never, the caller waits elsewhere). ``declared``: the writer said
+    the checkpoint is complete (``pipeline.protect``): the rules about the writer's order
+    (its last file, a marker) and the quiet period are not needed, but the files an index or
+    a DCP .metadata names must be there, and a file broken by its own structure (a truncated
+    safetensors file, a zip without its end record) is still refused.
+    """
+    if not os.path.lexists(path):
+        raise IncompleteCheckpoint(str(path), "it does not exist")
+    return accept(examine(path, commit_marker=commit_marker), quiet_seconds=quiet_seconds, declared=declared,
+                  now=now)
+
+
+def accept(found: Examined, *, quiet_seconds: float | None = None, declared: bool = False,
+           now: float | None = None) -> list[FileEntry]:
+    """The files of an examined entry if it is complete (see :func:`inspect`)."""
+    path, v = found.path, found.verdict
+    if declared and v.kind in ("incomplete", "quiet"):
+        facts = tuple(e.facts for e in found.entries if e.facts is not None)
+        v = judge(Entry(path.name, path.is_dir(), facts, commit_marker=found.commit_marker), declared=True)
+    if v.complete:
+        return list(found.entries)
+    if v.kind == "quiet" and quiet_seconds is not None:
+        age = (time.time() if now is None else now) - found.newest_ns / 1e9
+        if age >= quiet_seconds:
+            return list(found.entries)
+        raise IncompleteCheckpoint(str(path), f"{v.reason} (quiet for {age:.0f} of {quiet_seconds:.0f} s)")
+    raise IncompleteCheckpoint(str(path), v.reason)
 
 
 def tree_mtime_ns(path: Path) -> int:
@@ -110,18 +178,15 @@ def tree_mtime_ns(path: Path) -> int:
     Adding or removing an entry changes its directory's mtime, not the files': a
     directory being deleted can look like a smaller, valid checkpoint for a moment.
     """
-    if not path.is_dir():
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return 0
+        return _walk(path)[1]
+    except (FileNotFoundError, UnreadableEntry):
         return 0
-    newest = 0
-    for dirpath, _dirs, _files in os.walk(path):
-        try:
-            newest = max(newest, os.stat(dirpath).st_mtime_ns)
-        except FileNotFoundError:
-            pass
-    return newest
 
 
-def settled(entries: list[FileEntry], settle_seconds: float, now: float | None = None,
+def settled(entries: list[FileEntry] | tuple[FileEntry, ...], settle_seconds: float, now: float | None = None,
             tree_ns: int = 0) -> bool:
     """True when no file (and no directory entry) changed during the last ``settle_seconds``."""
     now = time.time() if now is None else now
@@ -129,7 +194,7 @@ def settled(entries: list[FileEntry], settle_seconds: float, now: float | None =
     return now - newest >= settle_seconds
 
 
-def unchanged(entries: list[FileEntry]) -> bool:
+def unchanged(entries: list[FileEntry] | tuple[FileEntry, ...]) -> bool:
     """True when every file still has the size and mtime recorded in ``entries``."""
     for e in entries:
         try:
@@ -139,4 +204,3 @@ def unchanged(entries: list[FileEntry]) -> bool:
         if st.st_size != e.size or st.st_mtime_ns != e.mtime_ns:
             return False
     return True
-

@@ -33,16 +33,20 @@ from watchdog.observers import Observer
 from pipeline import failpoints
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
-from pipeline.detection import catalog, completeness, roots
-from pipeline.errors import HeaderError, IncompleteCheckpoint, SourceChanged
-from pipeline.settings import Settings
+from pipeline.detection import catalog, completeness, problems, roots
+from pipeline.errors import SourceChanged, UnreadableEntry
+from pipeline.service.readiness import mark_ready
+from pipeline.settings import RootOptions, Settings
 from pipeline.steps import Send
 from pipeline.store import trash
 
 log = logging.getLogger("ckpt.watcher")
 
-#: An incomplete checkpoint is reported after it stayed incomplete this many settle windows.
-REPORT_AFTER_SETTLES = 10
+
+
+def shown(path: str) -> str:
+    """``path`` as it can be recorded and printed (a name that is not UTF-8 gets U+FFFD)."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 #: Events that can change what a run holds. Not opens and closes without a write: the
 #: watcher opens every checkpoint it looks at, and its own reads woke it up again at once,
@@ -62,9 +66,10 @@ class _Events(FileSystemEventHandler):
 class Watcher:
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *, use_events: bool = True) -> None:
         self.settings, self.send, self.use_events = settings, send, use_events
-        self.known: dict[str, tuple] = {}       # path -> signature already recorded
-        self.first_incomplete: dict[str, float] = {}
-        self.reported: dict[str, str] = {}      # path -> last problem logged
+        self.known: dict[str, tuple[tuple[str, int, int], ...]] = {}  # path -> signature already recorded
+        #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
+        self.waiting: dict[str, tuple[int, float]] = {}
+        self.reported: dict[str, str] = {}      # path -> last problem reported
         self.dirty: set[Path] = set()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -88,8 +93,10 @@ class Watcher:
     # -- reconciliation ----------------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Startup sweep: remember what is recorded; mark vanished local copies."""
+        """Startup sweep: remember what is recorded; mark vanished local copies. Problems are
+        found again by the first scan (those of entries fixed meanwhile are forgotten)."""
         with session_scope(self.settings.db_url) as s:
+            problems.clear_all(s)
             # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True)).with_for_update()):
                 if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
@@ -99,17 +106,27 @@ class Watcher:
                 self.known[ckpt.path] = tuple((f.relpath, f.size, f.mtime_ns) for f in ckpt.files)
 
     def scan(self, only: set[Path] | None = None) -> float:
-        """Scan runs (all, or ``only``); returns seconds until something needs a new look."""
-        runs = roots.runs(self.settings.roots)
-        self._watch_new_runs(runs)
+        """Scan runs (all, or ``only``); returns seconds until something needs a new look.
+
+        One entry never stops the others: whatever goes wrong with it is reported (once)
+        and the scan goes on with the rest of the run and the other runs.
+        """
+        found = roots.runs_of(self.settings.roots)
+        self._watch_new_runs([run for _root, run in found])
         next_look = self.settings.scan_interval
-        for run in runs:
+        for root, run in found:
             if only is not None and run not in only:
                 continue
+            options = self.settings.options_for(root)
             present = set()
             for path in roots.checkpoints_in(run):
-                present.add(str(path))
-                wait = self.consider(run, path)
+                present.add(shown(str(path)))
+                try:
+                    wait = self.consider(run, path, options)
+                except Exception as exc:  # a bug on one entry must not stop detection of the others
+                    log.exception("detection of %s failed", shown(str(path)))
+                    self._problem(run, shown(str(path)), f"detection failed: {type(exc).__name__}: {exc}")
+                    wait = self.settings.scan_interval
                 if wait is not None:
                     next_look = min(next_look, wait)
             self._vanished(run, present)
@@ -117,9 +134,15 @@ class Watcher:
 
     def _vanished(self, run: Path, present: set[str]) -> None:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
-        if not gone:
+        fixed = [p for p in self.reported if os.path.dirname(p) == str(run) and p not in present]
+        for path in [p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present]:
+            self.waiting.pop(path, None)
+        if not gone and not fixed:
             return
         with session_scope(self.settings.db_url) as s:
+            for path in fixed:
+                self.reported.pop(path, None)
+                problems.clear(s, path)
             for path in gone:
                 self.known.pop(path, None)
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
@@ -131,19 +154,34 @@ class Watcher:
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, path)
 
-    def consider(self, run: Path, path: Path) -> float | None:
+    def consider(self, run: Path, path: Path, options: RootOptions | None = None) -> float | None:
         """Detect ``path`` if it is complete and settled; seconds to wait if it may be soon."""
+        options = options or self.settings.options_for(roots.root_of(run, self.settings.roots))
         key = str(path)
         try:
-            entries = completeness.inspect(path)
-        except (IncompleteCheckpoint, HeaderError) as exc:
-            first = self.first_incomplete.setdefault(key, time.time())
-            # A malformed file may still be being written: report once it had time to settle.
-            if time.time() - first >= self.settings.settle_seconds * REPORT_AFTER_SETTLES:
-                self._report(key, str(exc))
-            return self.settings.settle_seconds
+            found = completeness.examine(path, commit_marker=options.commit_marker)
+        except UnreadableEntry as exc:
+            self._problem(run, exc.path, exc.reason)
+            return None  # looked at again when it changes (an event) or at the next full scan
         except OSError:
             return self.settings.settle_seconds  # vanished or changed while looking
+        verdict = found.verdict
+        if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
+            self._problem(run, key, verdict.reason)
+            return None
+        age = time.time() - found.newest_ns / 1e9
+        if verdict.kind == "incomplete" or (verdict.kind == "quiet" and age < options.quiet_seconds):
+            # A writer still at work. One that makes no progress for a whole quiet period is reported.
+            first = self.waiting.setdefault(key, (found.newest_ns, time.time()))
+            if first[0] != found.newest_ns:
+                self.waiting[key] = (found.newest_ns, time.time())
+            elif verdict.kind == "incomplete" and time.time() - first[1] >= max(options.quiet_seconds,
+                                                                              self.settings.settle_seconds):
+                self._problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
+            if verdict.kind == "quiet":
+                return max(0.05, options.quiet_seconds - age)
+            return max(self.settings.settle_seconds, 0.05)
+        entries = found.entries
         sig = catalog.signature(entries)
         if self.known.get(key) == sig:
             return None
@@ -152,7 +190,9 @@ class Watcher:
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         try:
-            detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size)
+            detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
+                                               layout=verdict.layout,
+                                               completed_by="structure" if verdict.complete else "quiet")
         except (SourceChanged, OSError):
             return self.settings.settle_seconds
         if completeness.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing
@@ -160,20 +200,29 @@ class Watcher:
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
                                                 detail="detected by the watcher")
-            job_id = job.id if job is not None else None
+            problems.clear(s, key)
+            job_id = job.id
         self.known[key] = sig
-        self.first_incomplete.pop(key, None)
+        self.waiting.pop(key, None)
         self.reported.pop(key, None)
-        if created and job_id is not None:
-            log.info("detected %s as checkpoint %d (job %d)", path, ckpt.id, job_id)
+        if created:
+            log.info("detected %s as checkpoint %d (%s, job %d)", path, ckpt.id, verdict.layout, job_id)
             failpoints.hit("watch.recorded")  # committed, not yet enqueued
             self.send([Send("shard", (job_id,))])
         return None
 
-    def _report(self, key: str, problem: str) -> None:
-        if self.reported.get(key) != problem:
-            self.reported[key] = problem
-            log.error("not protecting %s", problem)
+    def _problem(self, run: Path, path: str, reason: str) -> None:
+        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped."""
+        if self.reported.get(path) == reason:
+            return
+        self.reported[path] = reason
+        log.error("not protecting %s: %s", path, reason)
+        try:
+            with session_scope(self.settings.db_url) as s:
+                problems.report(s, path, str(run), reason)
+        except Exception:  # the control plane may be away: the log line above stands
+            log.exception("could not record the problem of %s", path)
+
 
     # -- loop --------------------------------------------------------------------------
 
@@ -183,6 +232,7 @@ class Watcher:
             self.observer.start()
         try:
             wait = self.scan()
+            mark_ready(self.settings, "watcher")
             deadline = time.monotonic() + self.settings.scan_interval
             while not self.stopping.is_set():
                 self.wake.wait(timeout=max(0.01, wait))

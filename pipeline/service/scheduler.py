@@ -38,6 +38,7 @@ from pipeline.db.replicas import good_copies_per_shard, good_copy
 from pipeline.db.transitions import now
 from pipeline.integrity.repair import request_repair
 from pipeline.integrity.scrub import request_scrub
+from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
 from pipeline.states import JobKind, ReplicaState, WorkerState
 from pipeline.steps import Send
@@ -223,6 +224,7 @@ class Scheduler:
         self.stopping = threading.Event()
         self.leader: bool | None = None  # unknown until the first tick, which logs it
         self._last_sweep = float("-inf")
+        self._ready = False
 
     def tick(self) -> None:
         ttl = max(10.0, self.settings.tick_seconds * 5)
@@ -255,6 +257,10 @@ class Scheduler:
                     self.tick()
                 except Exception:
                     log.exception("scheduler tick failed; retrying")
+                else:
+                    if not self._ready:
+                        mark_ready(self.settings, "scheduler")
+                        self._ready = True
                 self.stopping.wait(self.settings.tick_seconds)
         finally:
             if browser is not None:

@@ -10,13 +10,17 @@ only this process, which then stops the children in order, by PID; each child al
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,7 @@ from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.errors import ConfigError
+from pipeline.service.readiness import ready
 from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.up")
@@ -90,8 +95,10 @@ class Child:
 
 class Supervisor:
     def __init__(self, settings: Settings, *, workers: int = 3, processes: int = 2, threads: int = 4) -> None:
-        self.settings, self.n_workers, self.processes, self.threads = settings, workers, processes, threads
         self.home = settings.home.resolve()
+        # The children say here when they are working (pipeline.service.readiness).
+        settings = dataclasses.replace(settings, ready_dir=str(self.home / "run" / f"ready-{os.getpid()}"))
+        self.settings, self.n_workers, self.processes, self.threads = settings, workers, processes, threads
         self.children: list[Child] = []
         self.stopping = False
 
@@ -160,6 +167,7 @@ class Supervisor:
             if not any(ch in root for ch in "*?["):
                 Path(root).mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.home / "run", ignore_errors=True)  # what earlier runs said
         self.settings.key()
         self.settings.admin_token()  # created here, not raced by the children that read it
         if self.settings.embedded_redis:
@@ -172,6 +180,7 @@ class Supervisor:
             _wait_for(lambda: all(a.startswith("w-") for a in probe_all(self.settings).answers.values()), 30,
                       "local storage workers did not answer; see logs/worker-*.log")
         self.start_services()
+        self._wait_ready()
         info = {
             "pid": os.getpid(), "home": str(self.home), "database": self.settings.db_url,
             "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),
@@ -182,6 +191,36 @@ class Supervisor:
         tmp.write_text(json.dumps(info, indent=2))
         os.replace(tmp, self.home / "up.json")
         return info
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until every service said it is working and the web UI answers HTTP."""
+        ready_dir = Path(self.settings.ready_dir)
+        expected = {"watcher": 1, "scheduler": 1, "dramatiq": self.processes}
+
+        web = f"http://{self.settings.web_host}:{self.settings.web_port}/login"
+
+        def missing() -> list[str]:
+            out = []
+            for child in self.children:
+                if child.name not in expected and child.name != "web":
+                    continue
+                if not child.alive():
+                    raise ConfigError(f"{child.name} exited while starting; see {child.log_path}")
+                if child.name == "web":
+                    if not _answers(web):
+                        out.append("web")
+                elif child.proc is not None:
+                    pids = {child.proc.pid, *_descendants(child.proc.pid)}
+                    if ready(ready_dir, child.name, pids) < expected[child.name]:
+                        out.append(child.name)
+            return out
+
+        deadline = time.monotonic() + timeout
+        while (waiting := missing()):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{', '.join(waiting)} did not become ready in {timeout:.0f} s; "
+                                  f"see {self.home / 'logs'}")
+            time.sleep(0.1)
 
     # -- run -----------------------------------------------------------------------------
 
@@ -231,6 +270,30 @@ class Supervisor:
             (self.home / "up.json").unlink()
         except FileNotFoundError:
             pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the Dramatiq master's worker processes)."""
+    out = []
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(x) for x in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    for c in children:
+        out += [c, *_descendants(c)]
+    return out
+
+
+def _answers(url: str) -> bool:
+    """Whether an HTTP GET of ``url`` gets an answer below 500."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status) < 500
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+    except OSError:
+        return False
 
 
 def _with_workers(settings: Settings, urls: list[str]) -> Settings:

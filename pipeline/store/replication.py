@@ -97,8 +97,10 @@ def replicate(settings: Settings, replica_id: int) -> list[Send]:
             return _move_off(settings, replica_id, worker_id, str(exc))
         raise
     except OSError as exc:
+        # The source is gone (vanished, before it was protected) or unreadable (superseded).
+        end = S.VANISHED if isinstance(exc, FileNotFoundError) else S.SUPERSEDED
         with session_scope(settings.db_url) as s:
-            transition(s, job_id, JobKind.STORE, S.SHARDED, S.SUPERSEDED, detail=f"{src}: {exc}", last_error=str(exc))
+            transition(s, job_id, JobKind.STORE, S.SHARDED, end, detail=f"{src}: {exc}", last_error=str(exc))
         return []
 
     with session_scope(settings.db_url) as s:

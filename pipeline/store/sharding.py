@@ -90,9 +90,11 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             plans = plan(read_header(path) if fmt == "safetensors" else None, size, settings.shard_size)
             file_sha, _shard_shas = scan(path, plans, expected_size=size, progress=keep_alive)
             if file_sha != sha:
-                return _supersede(settings, job_id, f"{name}: content changed since detection")
+                return _end(settings, job_id, S.SUPERSEDED, f"{name}: content changed since detection")
+        except FileNotFoundError:
+            return _end(settings, job_id, S.VANISHED, f"{name} was deleted before it was protected")
         except (OSError, ValueError) as exc:
-            return _supersede(settings, job_id, f"{name} can no longer be read as detected ({exc})")
+            return _end(settings, job_id, S.SUPERSEDED, f"{name} can no longer be read as detected ({exc})")
 
     with session_scope(settings.db_url) as s:
         workers = live_candidates(s)
@@ -130,8 +132,9 @@ class _LeaseKeeper:
                 renew_lease(s, self.job_id, self.settings.lease_seconds)
 
 
-def _supersede(settings: Settings, job_id: int, why: str) -> list[Send]:
+def _end(settings: Settings, job_id: int, state: S, why: str) -> list[Send]:
+    """The source is not what was detected any more: ``superseded`` (changed) or ``vanished`` (gone)."""
     with session_scope(settings.db_url) as s:
-        transition(s, job_id, JobKind.STORE, S.DETECTED, S.SUPERSEDED, detail=why, last_error=why)
-    log.warning("job %d superseded: %s", job_id, why)
+        transition(s, job_id, JobKind.STORE, S.DETECTED, state, detail=why, last_error=why)
+    log.warning("job %d %s: %s", job_id, state, why)
     return []

@@ -14,7 +14,7 @@ from dramatiq.middleware import Retries
 
 from pipeline import failpoints
 from pipeline.settings import Settings
-from pipeline.tasks.middleware import Failpoints, JobFailures
+from pipeline.tasks.middleware import Failpoints, JobFailures, Ready
 
 #: A worker whose heartbeat is older than this is presumed dead (ms).
 HEARTBEAT_TIMEOUT_MS = 15_000
@@ -40,6 +40,8 @@ def build_broker(settings: Settings) -> dramatiq.Broker:
     # emit_after runs middleware in reverse: placed before Retries, JobFailures sees
     # the message after Retries decided whether it failed for good.
     broker.add_middleware(JobFailures(), before=Retries)
+    if settings.ready_dir:
+        broker.add_middleware(Ready())
     if failpoints.ENABLED:
         broker.add_middleware(Failpoints())
     return broker

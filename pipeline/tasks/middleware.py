@@ -31,6 +31,16 @@ class JobFailures(Middleware):
             log.exception("could not record the failure of %s%r", message.actor_name, message.args)
 
 
+class Ready(Middleware):
+    """Says that a worker process booted (pipeline.service.readiness), for ``ckpt up``."""
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        from pipeline import settings as settings_mod
+        from pipeline.service.readiness import mark_ready
+
+        mark_ready(settings_mod.current(), "dramatiq")
+
+
 class Failpoints(Middleware):
     """Names the commit failpoints of each message after its actor (tests only:
     installed when ``CKPT_FAILPOINTS`` is set, see :mod:`pipeline.failpoints`)."""

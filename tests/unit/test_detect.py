@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.detection.completeness import inspect, settled, unchanged
+from pipeline.detection.completeness import examine, inspect, settled, unchanged
 from pipeline.detection.roots import locate, runs
-from pipeline.errors import HeaderError, IncompleteCheckpoint, OutsideRoots
+from pipeline.errors import IncompleteCheckpoint, OutsideRoots
 from tests.checkpoints import dcp_folder, hf_folder
 
 
@@ -48,7 +48,7 @@ def test_half_written_safetensors_is_refused_even_when_its_size_is_stable(tmp_pa
     p.write_bytes(p.read_bytes()[:2000])
     old = time.time() - 3600
     os.utime(p, (old, old))  # stable for an hour: still not complete
-    with pytest.raises(HeaderError, match="truncated"):
+    with pytest.raises(IncompleteCheckpoint, match="truncated"):
         inspect(p)
 
 
@@ -57,7 +57,9 @@ def test_optimizer_file_alone_does_not_make_a_folder_an_hf_trainer_checkpoint(tm
     d.mkdir()
     save_file({"w": torch.zeros(4)}, str(d / "model.safetensors"))
     torch.save({"lr": 1.0}, d / "optimizer.pt")
-    assert {e.relpath for e in inspect(d)} == {"model.safetensors", "optimizer.pt"}
+    verdict = examine(d).verdict
+    assert (verdict.kind, verdict.layout) == ("quiet", "folder")  # no known layout: complete once quiet
+    assert {e.relpath for e in inspect(d, quiet_seconds=0)} == {"model.safetensors", "optimizer.pt"}
 
 
 def test_empty_directory_is_incomplete(tmp_path):
@@ -94,7 +96,7 @@ def test_index_that_is_not_json_is_reported(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
     (d / "model.safetensors.index.json").write_text("{")
-    with pytest.raises(IncompleteCheckpoint, match="not a readable HF index"):
+    with pytest.raises(IncompleteCheckpoint, match="not valid JSON"):
         inspect(d)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     assert inspect(d)

@@ -62,3 +62,18 @@ def test_throttle_sleeps_to_hold_the_rate():
     unthrottled = Throttle(0, clock=lambda: 0.0, sleep=lambda d: slept.append(-1))
     unthrottled.consume(10**9)
     assert -1 not in slept
+
+
+def test_health_is_per_content_and_worker_whatever_checkpoint_recorded_the_row():
+    """Checkpoint A's row of content S on w1 says verified; B's row of S on w1 says corrupt:
+    the copy on w1 is corrupt for both. A good copy recorded by B on w2 counts for A."""
+    from pipeline.core.health import worker_healths
+
+    stored, verified = NOW - timedelta(days=1), NOW - timedelta(hours=1)
+    rows = [Copy("w1", "verified", "up", stored, verified), Copy("w1", "corrupt", "up", stored, verified),
+            Copy("w2", "verified", "up", stored, verified), Copy("w3", "pending", "up")]
+    cells = worker_healths(rows, NOW - timedelta(days=2))
+    assert cells == {"w1": "corrupt", "w2": "verified", "w3": "pending"}
+    assert shard_health(list(cells.values()), 2, local_copy=False) == "under-replicated"
+    cells = worker_healths(rows + [Copy("w3", "verified", "up", stored, verified)], NOW - timedelta(days=2))
+    assert shard_health(list(cells.values()), 2, local_copy=False) == "healthy"

@@ -29,10 +29,14 @@ def test_store_happy_path_is_declared():
     assert all(states.allowed("restore", a, b) for a, b in pairwise(path))
 
 
-def test_terminal_states_have_no_way_out_but_requeue():
+def test_terminal_states_have_no_way_out_but_requeue_or_newer_content():
+    """Only a person (requeue from failed) or a new checkpoint at the same path (superseded)
+    moves a job that ended."""
     for kind in ("store", "restore"):
         for state in states.TERMINAL[kind] - {"failed"}:
-            assert not states.TRANSITIONS[kind][state]
+            assert states.TRANSITIONS[kind][state] <= {"superseded"}, (kind, state)
+    assert states.allowed("store", "rotated", "superseded") and states.allowed("store", "verified", "superseded")
+    assert not states.TRANSITIONS["store"]["superseded"] and not states.TRANSITIONS["store"]["vanished"]
 
 
 def _job_in(s, kind: str, state: str) -> int:

@@ -1,0 +1,148 @@
+"""The Python API a training script uses: protect, latest, restore (and load_state_dict).
+
+These run in the trainer's process against the control plane of ``CKPT_HOME`` (or the
+``settings`` given): a ``ckpt up`` on the machine, or a deployment's database and Redis.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import select
+
+from pipeline import settings as settings_mod
+from pipeline import states
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, Job
+from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
+from pipeline.settings import Settings
+from pipeline.states import JobKind
+
+_ready: set[str] = set()
+
+
+def _control_plane(settings: Settings | None) -> Settings:
+    """The settings, with the schema at head and the broker installed (once per process)."""
+    s = settings or settings_mod.current()
+    if s.db_url not in _ready:
+        from pipeline.db.migrate import upgrade
+
+        upgrade(s.db_url)
+        _ready.add(s.db_url)
+    import pipeline.tasks  # noqa: F401  (installs the broker the messages go through)
+
+    return s
+
+
+@dataclass(frozen=True)
+class Protected:
+    """A checkpoint as the control plane records it."""
+
+    id: int
+    path: str
+    run: str
+    step: int | None
+    state: str
+    written_at: datetime  # its newest file's modification time
+    job_id: int | None = None
+
+    @property
+    def protected(self) -> bool:
+        return self.state in states.PROTECTED
+
+
+def protect(path: str | Path, *, settings: Settings | None = None) -> Protected:
+    """Record the checkpoint at ``path`` now, complete by declaration, and start its store.
+
+    Call it when the writer has finished (a Trainer's ``on_save``): no layout marker or quiet
+    period is waited for. The path must be an entry of a watched run. Returns at once; the
+    store goes on in the background (``wait_protected`` waits for it).
+    """
+    from pipeline import operations
+
+    s = _control_plane(settings)
+    r = operations.store(s, str(path), detail="declared complete by pipeline.protect")
+    if r.checkpoint_id is None:
+        raise CkptError(f"{path}: nothing was recorded")
+    return _describe(s, r.checkpoint_id)
+
+
+def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
+                   settings: Settings | None = None) -> Protected:
+    """Wait until the checkpoint is protected (verified, RF copies); raise if its store ended otherwise."""
+    s = _control_plane(settings)
+    deadline = time.monotonic() + timeout
+    while True:
+        p = _describe(s, checkpoint)
+        if p.protected:
+            return p
+        if p.state in states.TERMINAL[JobKind.STORE]:
+            raise CkptError(f"checkpoint {p.id} ({p.path}) ended {p.state}: it is not protected")
+        if time.monotonic() > deadline:
+            raise CkptError(f"checkpoint {p.id} is still {p.state} after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def latest(run: str | Path, *, settings: Settings | None = None) -> Protected | None:
+    """The newest protected checkpoint of ``run`` (by step, then detection order), or None."""
+    s = _control_plane(settings)
+    run_path = str(Path(run).expanduser().resolve())
+    with session_scope(s.db_url) as session:
+        rows = session.execute(
+            select(Checkpoint, Job).join(Job, Job.checkpoint_id == Checkpoint.id)
+            .where(Checkpoint.run == run_path, Checkpoint.current.is_(True), Job.kind == JobKind.STORE)
+            .order_by(Job.id)
+        ).all()
+        newest: dict[int, tuple[Checkpoint, Job]] = {}
+        for ckpt, job in rows:
+            newest[ckpt.id] = (ckpt, job)  # the last store job of each checkpoint decides its state
+        protected = [(c, j) for c, j in newest.values() if j.state in states.PROTECTED]
+        if not protected:
+            return None
+        ckpt, job = max(protected, key=lambda cj: (cj[0].step is not None, cj[0].step or 0, cj[0].id))
+        return _row(ckpt, job)
+
+
+def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwrite: bool = False,
+            wait: bool = True, timeout: float = 3600.0, settings: Settings | None = None) -> Path:
+    """Give a checkpoint back byte for byte at ``to`` (a checkpoint id, a path, which means its
+    current version, or what :func:`latest` returned). Waits until it is in place unless
+    ``wait`` is False."""
+    from pipeline import operations
+
+    s = _control_plane(settings)
+    ref = checkpoint.id if isinstance(checkpoint, Protected) else str(checkpoint)
+    r = operations.restore_to(s, ref, str(to), overwrite=overwrite)
+    dest = Path(r.detail)
+    if not wait:
+        return dest
+    deadline = time.monotonic() + timeout
+    while True:
+        with session_scope(s.db_url) as session:
+            job = session.get(Job, r.job_id)
+            state, error = (job.state, job.last_error) if job is not None else ("unknown", None)
+        if state == states.RestoreState.DONE:
+            return dest
+        if state == states.RestoreState.FAILED:
+            raise RestoreError(f"restore job {r.job_id} failed: {error}")
+        if time.monotonic() > deadline:
+            raise RestoreError(f"restore job {r.job_id} is still {state} after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _describe(s: Settings, ref: str | int | Path) -> Protected:
+    from pipeline.detection.catalog import latest_store_job, resolve
+
+    with session_scope(s.db_url) as session:
+        ckpt = resolve(session, str(ref))
+        job = latest_store_job(session, ckpt.id)
+        if job is None:
+            raise UnknownCheckpoint(str(ref))
+        return _row(ckpt, job)
+
+
+def _row(ckpt: Checkpoint, job: Job) -> Protected:
+    return Protected(ckpt.id, ckpt.path, ckpt.run, ckpt.step, job.state,
+                     datetime.fromtimestamp(ckpt.mtime, tz=UTC), job.id)

@@ -1,0 +1,73 @@
+"""Waiting for a job from the command line: one progress line on a terminal, plain lines otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from pipeline import states
+from pipeline.errors import CkptError
+from pipeline.settings import Settings
+
+
+def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Job
+
+    bar = Progress(sys.stderr)
+    deadline = time.monotonic() + timeout
+    last_state = None
+    while True:
+        with session_scope(s.db_url) as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                raise CkptError(f"no job {job_id}")
+            state, done, total, kind = job.state, job.bytes_done, job.bytes_total, job.kind
+            error, blocked = job.last_error, job.blocked_reason
+        if state != last_state:
+            bar.line(f"job {job_id}: {state}")
+            last_state = state
+        bar.update(state, done, total)
+        if state in ok:
+            bar.line(f"job {job_id}: {state}" + (f" ({blocked})" if blocked else ""))
+            return 0
+        if state in states.TERMINAL[kind]:
+            bar.line(f"job {job_id} ended {state}: {error or 'see `ckpt status`'}")
+            return 1
+        if time.monotonic() > deadline:
+            bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
+            return 2
+        time.sleep(0.05)
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain lines otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.tty = stream, stream.isatty()
+        self.started = time.monotonic()
+
+    def update(self, state: str, done: int, total: int) -> None:
+        if not self.tty or not total:
+            return
+        frac = min(1.0, done / total)
+        width = 30
+        rate = done / max(1e-6, time.monotonic() - self.started) / 1e6
+        self.stream.write(f"\r  {state:<10} [{'#' * int(frac * width):<{width}}] {frac:6.1%} "
+                          f"{done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()

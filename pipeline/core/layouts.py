@@ -1,0 +1,336 @@
+"""What a complete checkpoint looks like, writer by writer: the layout table. Pure.
+
+Every real writer leaves a recognisable trace of having finished. Detection reads the facts
+of each file (pipeline.detection.completeness: its format and whether its own structure is
+complete) and asks :func:`judge` whether the entry is a checkpoint, complete, or not yet:
+
+==================  ============================================  ===============================
+layout              recognised by                                 complete when
+==================  ============================================  ===============================
+commit-marker       a per-root marker name is configured          the marker file is inside
+torch-dcp           ``.metadata`` or ``*.distcp``                 ``.metadata`` names files that
+                                                                  are all present, long enough
+hf-trainer          a ``checkpoint-N/`` name, ``trainer_state.json``  ``trainer_state.json`` (the
+                    or ``training_args.bin``                      Trainer writes it last)
+accelerate          ``random_states_*.pkl``, ``optimizer*.bin``,  ``random_states_0.pkl`` (
+                    ``scheduler*.bin``, ``sampler*.bin``          ``save_state`` writes it last)
+hf-sharded          ``*.index.json`` or ``*-0000K-of-0000N.*``     the index and every file it
+                                                                  names, all N of each group
+hf-pretrained       ``config.json``                               a weights file is there (a
+                                                                  config alone is not a save)
+any other folder    -                                             quiet: no change for the root's
+                                                                  quiet period (more files may come)
+==================  ============================================  ===============================
+
+and for every file, its own format: a safetensors file is exactly as long as its header says;
+a ``torch.save`` zip (``.pt``, ``.bin``, Lightning ``.ckpt``...) ends with a consistent
+end-of-central-directory record; a ``.json`` file parses. A legacy pickle or a file of unknown
+format has no end marker: it counts as complete only after the root's quiet period (no change
+for ``quiet_seconds``), unless the layout's own completion marker already proves the writer
+finished. Run-level files that are not checkpoints (DeepSpeed's ``latest``, Megatron's
+``latest_checkpointed_iteration.txt``, a run's own ``config.json``, log directories) are never
+checkpoints, so never rotated.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FileFormat(StrEnum):
+    SAFETENSORS = "safetensors"  # header parsed: complete when exactly as long as it says
+    TORCH_ZIP = "torch-zip"      # torch.save, Lightning .ckpt: complete with a consistent end record
+    PICKLE = "pickle"            # legacy torch.save: no end marker
+    JSON = "json"                # complete when it parses
+    DCP_METADATA = "dcp-metadata"  # torch DCP .metadata: renamed into place whole, read by a restricted unpickler
+    OTHER = "other"              # no structure to check
+
+
+#: Formats whose own structure says when a file is complete.
+SELF_CHECKING = frozenset({FileFormat.SAFETENSORS, FileFormat.TORCH_ZIP, FileFormat.JSON, FileFormat.DCP_METADATA})
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """One file of an entry, as detection found it."""
+
+    relpath: str        # "" for a single-file checkpoint
+    size: int
+    mtime_ns: int
+    format: str
+    #: Why the file is not complete by its own structure (a truncated safetensors file, a zip
+    #: without its end record, JSON that does not parse); None when it is, or has no structure.
+    problem: str | None = None
+    #: The problem is one no further writing can fix (a header that lies, JSON nested too
+    #: deep, an index naming a file outside the checkpoint): the entry is malformed.
+    permanent: bool = False
+    #: For an index (HF) or DCP metadata: the files it names, relative to the entry.
+    names: tuple[str, ...] = ()
+    #: For DCP metadata: per named file, the bytes it must hold at least.
+    needs_bytes: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What detection should do with an entry."""
+
+    kind: str           # "complete", "incomplete", "quiet" (complete once quiet) or "malformed"
+    layout: str         # the layout recognised ("torch-dcp", "hf-trainer", ...; "file" for one file)
+    reason: str = ""    # for anything but complete: what is missing, in words
+
+    @property
+    def complete(self) -> bool:
+        return self.kind == "complete"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An entry directly inside a run: a file or a directory, with every file it holds."""
+
+    name: str
+    is_dir: bool
+    files: tuple[FileFacts, ...]
+    commit_marker: str = ""  # the root's marker file name, if it has one
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.relpath.rsplit("/", 1)[-1] for f in self.files)
+
+    @property
+    def relpaths(self) -> frozenset[str]:
+        return frozenset(f.relpath for f in self.files)
+
+    def file(self, relpath: str) -> FileFacts | None:
+        return next((f for f in self.files if f.relpath == relpath), None)
+
+
+# -- run-level files ---------------------------------------------------------------------
+
+#: Names in a run that are the run's own files, never a checkpoint (so never rotated).
+RUN_FILES = frozenset({
+    "latest",                              # DeepSpeed: the tag of the newest checkpoint
+    "latest_checkpointed_iteration.txt",   # Megatron-LM
+    "latest_checkpoint",
+    "config.json", "generation_config.json", "preprocessor_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
+    "training_args.bin", "trainer_state.json",
+    "all_results.json", "train_results.json", "eval_results.json",
+    "README.md", "hparams.yaml", "args.json", "metrics.json",
+})
+#: Directories in a run that hold logs, not checkpoints.
+RUN_DIRS = frozenset({"runs", "logs", "lightning_logs", "wandb", "tensorboard", "mlruns", "tb"})
+RUN_GLOBS = ("events.out.tfevents.*", "*.log")
+
+
+def run_file_reason(name: str, is_dir: bool, is_symlink: bool) -> str | None:
+    """Why the entry ``name`` of a run is the run's own file and not a checkpoint, or None."""
+    if is_symlink:
+        return "a symlink (such as `latest`) is a pointer, not a checkpoint"
+    if is_dir and name in RUN_DIRS:
+        return "a log directory"
+    if not is_dir and (name in RUN_FILES or any(fnmatch.fnmatch(name, g) for g in RUN_GLOBS)):
+        return "a run-level file (configuration, tracker or log)"
+    return None
+
+
+# -- steps -------------------------------------------------------------------------------
+
+#: A step number has at most this many digits; a longer run of digits is not a step.
+MAX_STEP_DIGITS = 18
+_STEP_PATTERNS = tuple(re.compile(p) for p in (
+    r"^checkpoint[-_](\d+)(?:$|[^\d])",   # HF Trainer checkpoint-500, accelerate checkpoint_3
+    r"(?:^|[^a-z])global_step(\d+)",      # DeepSpeed global_step500
+    r"(?:^|[^a-z])iter_(\d+)",            # Megatron iter_0000500
+    r"(?:^|[^a-z])step[=_-]?(\d+)",       # step_500, step-500, step500_lr1e-4, epoch=1-step=500.ckpt
+    r"^(\d+)(?:$|\.)",                    # Orbax and friends: 500/, 500.pt
+))
+
+
+def step_of(name: str) -> int | None:
+    """The training step a checkpoint's name says, by the known patterns; None when none matches
+    (retention then orders by detection). Never "the last digits": ``step500_lr1e-4`` is 500."""
+    lowered = name.lower()
+    for pattern in _STEP_PATTERNS:
+        m = pattern.search(lowered)
+        if m and len(m.group(1)) <= MAX_STEP_DIGITS:
+            return int(m.group(1))
+    return None
+
+
+# -- the layouts -------------------------------------------------------------------------
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
+_WEIGHTS = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.msgpack|\.h5|\.gguf)$")
+HF_SIDE_FILES = frozenset({
+    "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "README.md",
+})
+
+
+def _marker(entry: Entry) -> str | None:
+    if entry.commit_marker in entry.relpaths:
+        return None
+    return f"the commit marker {entry.commit_marker!r} is not there yet"
+
+
+def _dcp(entry: Entry) -> str | None:
+    meta = entry.file(".metadata")
+    if meta is None:
+        return "torch DCP data files (*.distcp) without the .metadata file the coordinator writes last"
+    if meta.problem:
+        return f".metadata: {meta.problem}"
+    sizes = {f.relpath: f.size for f in entry.files}
+    for name in meta.names:
+        if name not in sizes:
+            return f".metadata names {name}, which is not there"
+    for name, needed in meta.needs_bytes:
+        if sizes.get(name, 0) < needed:
+            return f"{name} has {sizes.get(name, 0):,} of the {needed:,} bytes .metadata says it holds"
+    return None
+
+
+def _trainer(entry: Entry) -> str | None:
+    if "trainer_state.json" not in entry.relpaths:
+        return "HF Trainer checkpoint without trainer_state.json (the Trainer writes it last)"
+    return None
+
+
+def _accelerate(entry: Entry) -> str | None:
+    if "random_states_0.pkl" not in entry.relpaths:
+        return "accelerate save_state folder without random_states_0.pkl (save_state writes it last)"
+    return None
+
+
+def _sharded(entry: Entry) -> str | None:
+    groups: dict[tuple[str, str, str, int], set[int]] = {}
+    for rel in entry.relpaths:
+        m = _SHARD_NAME.match(rel.rsplit("/", 1)[-1])
+        if m:
+            base = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            groups.setdefault((base, m["stem"], m["ext"], int(m["n"])), set()).add(int(m["k"]))
+    for (base, stem, ext, n), have in sorted(groups.items()):
+        missing = sorted(set(range(1, n + 1)) - have)
+        if missing:
+            where = f"{base}/" if base else ""
+            names = ", ".join(f"{where}{stem}-{k:05d}-of-{n:05d}{ext}" for k in missing[:3])
+            return f"{len(have)} of {n} shards written; missing {names}{'...' if len(missing) > 3 else ''}"
+    indexes = [f for f in entry.files if f.relpath.endswith(".index.json")]
+    if groups and not indexes:
+        return "every shard is there but not yet the index (*.index.json), which is written last"
+    for index in indexes:
+        if index.problem:
+            return f"{index.relpath}: {index.problem}"
+        base = index.relpath.rsplit("/", 1)[0] + "/" if "/" in index.relpath else ""
+        absent = sorted(n for n in index.names if base + n not in entry.relpaths)
+        if absent:
+            return f"{index.relpath} names missing files: {', '.join(absent[:5])}"
+    return None
+
+
+def _pretrained(entry: Entry) -> str | None:
+    if not any(_WEIGHTS.search(rel) and rel.rsplit("/", 1)[-1] not in HF_SIDE_FILES for rel in entry.relpaths):
+        return "only configuration and tokenizer files so far: no weights yet"
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row of the layout table."""
+
+    name: str
+    writer: str
+    recognize: Callable[[Entry], bool]
+    #: None when the entry is complete by this layout's rule, else what is missing.
+    missing: Callable[[Entry], str | None]
+    #: Whether meeting the rule proves the writer finished every file (its last file is
+    #: written last), so files without structure need no quiet period.
+    proves_finished: bool = True
+    #: Whether the rule only reads the writer's order (its last file, a marker): a writer that
+    #: declares the checkpoint complete (pipeline.protect) overrides it. A rule about
+    #: consistency (the files an index or .metadata names are there) always holds.
+    order_only: bool = False
+    doc: str = field(default="", compare=False)
+
+
+def _has(*globs: str) -> Callable[[Entry], bool]:
+    return lambda e: any(fnmatch.fnmatch(n, g) for n in e.names for g in globs)
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("commit-marker", "any writer that drops a marker file when done (Orbax style)",
+           lambda e: bool(e.commit_marker), _marker, order_only=True),
+    Layout("torch-dcp", "torch.distributed.checkpoint (dcp.save)",
+           _has(".metadata", "*.distcp"), _dcp),
+    # By name alone: the Trainer writes config.json and a complete model.safetensors into
+    # checkpoint-N/ seconds before training_args.bin, and that alone looks like a save_pretrained.
+    Layout("hf-trainer", "transformers Trainer (checkpoint-N/)",
+           lambda e: re.match(r"^checkpoint-\d+$", e.name) is not None
+           or _has("trainer_state.json", "training_args.bin")(e),
+           _trainer, order_only=True),
+    Layout("accelerate", "accelerate Accelerator.save_state",
+           _has("random_states_*.pkl", "optimizer*.bin", "scheduler*.bin", "sampler*.bin"), _accelerate,
+           order_only=True),
+    Layout("hf-sharded", "transformers save_pretrained(max_shard_size=...) and other sharded writers",
+           lambda e: _has("*.index.json")(e) or any(_SHARD_NAME.match(n) for n in e.names), _sharded),
+    Layout("hf-pretrained", "transformers save_pretrained (one weights file)",
+           _has("config.json"), _pretrained, proves_finished=False),
+)
+
+
+def file_problem(f: FileFacts, prefix: str = "") -> str | None:
+    return f"{prefix}{f.relpath or 'the file'}: {f.problem}" if f.problem else None
+
+
+def judge(entry: Entry, *, declared: bool = False) -> Verdict:
+    """Whether ``entry`` is a complete checkpoint (:class:`Verdict`).
+
+    ``declared``: the writer said it is complete (pipeline.protect, ``ckpt store``). Then the
+    rules that only read the writer's order (its last file, a marker) and the quiet period
+    give way; consistency (every file an index or a DCP .metadata names is there) and each
+    file's own structure still hold.
+    """
+    if not entry.files:
+        return Verdict("incomplete", "empty", "the directory is empty" if entry.is_dir else "no file")
+    bad = next((f for f in entry.files if f.problem and f.permanent), None)
+    if bad is not None:
+        return Verdict("malformed", "file" if not entry.is_dir else "folder", file_problem(bad) or "")
+    if not entry.is_dir:
+        (f,) = entry.files
+        if f.problem:
+            return Verdict("incomplete", "file", f.problem)
+        if f.format in SELF_CHECKING or declared:
+            return Verdict("complete", "file")
+        return Verdict("quiet", "file", f"a {f.format} file has no end marker: complete once it stops changing")
+    # Every layout the entry shows must be complete: an HF Trainer folder also holds a sharded
+    # model, whose index and shards must all be there too. The first one names the layout.
+    shown = [lay for lay in LAYOUTS if lay.recognize(entry)]
+    name = shown[0].name if shown else "folder"
+    for lay in shown:
+        missing = None if (declared and lay.order_only) else lay.missing(entry)
+        if missing:
+            return Verdict("incomplete", name, missing)
+    broken = next((p for f in entry.files if (p := file_problem(f))), None)
+    if broken:
+        return Verdict("incomplete", name, broken)
+    if declared:
+        return Verdict("complete", name)
+    if not shown:
+        # No writer's trace: more files may still come (accelerate writes model.safetensors,
+        # then pauses before optimizer.bin). Only a quiet folder is taken as finished.
+        return Verdict("quiet", "folder", "no known layout: complete once the folder stops changing")
+    unchecked = [f.relpath for f in entry.files if f.format not in SELF_CHECKING]
+    if unchecked and not any(lay.proves_finished for lay in shown):
+        listed = ", ".join(unchecked[:3]) + ("..." if len(unchecked) > 3 else "")
+        return Verdict("quiet", name, f"{listed} {'have' if len(unchecked) > 1 else 'has'} no end marker: "
+                                      "complete once the folder stops changing")
+    return Verdict("complete", name)
+
+
+def describe() -> Sequence[tuple[str, str]]:
+    """(layout, writer) for every row of the table, for documentation and ``ckpt status``."""
+    return [(lay.name, lay.writer) for lay in LAYOUTS]

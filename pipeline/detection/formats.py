@@ -1,0 +1,254 @@
+"""Reading what each kind of file says about itself: the facts the layout table judges.
+
+Every reader is bounded (sizes checked before reading, nesting and element counts capped) and
+never runs code from the file: a torch DCP ``.metadata`` (a pickle) is read by an unpickler
+that knows only DCP's metadata classes and builds inert stand-ins for them, never a plain
+unpickle. A reader that finds the file unfinished or malformed says why in
+``FileFacts.problem``; it raises only ``OSError`` (the file vanished or cannot be read).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import posixpath
+import struct
+from typing import Any, BinaryIO
+
+from pipeline.core.header import MAX_HEADER_BYTES, Header, parse_header
+from pipeline.core.layouts import FileFacts, FileFormat
+from pipeline.errors import HeaderError
+
+#: JSON files above this size are not parsed (an HF index of a 400B model is a few MB).
+MAX_JSON_BYTES = 64 * 1024 * 1024
+#: A DCP .metadata above this size is not read.
+MAX_DCP_METADATA_BYTES = 256 * 1024 * 1024
+ZIP_MAGIC = b"PK\x03\x04"
+_EOCD, _ZIP64_LOCATOR, _ZIP64_EOCD, _CENTRAL = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06", b"PK\x01\x02"
+
+
+def file_facts(relpath: str, abspath: str, size: int, mtime_ns: int) -> tuple[FileFacts, Header | None]:
+    """The facts of one file, and its safetensors header when it has a valid one."""
+    name = relpath.rsplit("/", 1)[-1] if relpath else os.path.basename(abspath)
+    with open(abspath, "rb") as f:
+        if name.endswith(".safetensors"):
+            try:
+                return FileFacts(relpath, size, mtime_ns, FileFormat.SAFETENSORS), read_header_from(f, abspath, size)
+            except HeaderError as exc:
+                return FileFacts(relpath, size, mtime_ns, FileFormat.SAFETENSORS, problem=exc.reason,
+                                 permanent=not exc.truncated), None
+        if name.endswith(".distcp"):  # DCP data: items back to back; .metadata says how long each file is
+            return FileFacts(relpath, size, mtime_ns, FileFormat.OTHER), None
+        if name == ".metadata":  # renamed into place whole by its writer: any problem is for good
+            problem, names, needs = dcp_metadata(f, size)
+            return FileFacts(relpath, size, mtime_ns, FileFormat.DCP_METADATA, problem, bool(problem), names,
+                             needs), None
+        if name.endswith(".json"):
+            problem, permanent, names = json_facts(f, size, index=name.endswith(".index.json"))
+            return FileFacts(relpath, size, mtime_ns, FileFormat.JSON, problem, permanent, names), None
+        magic = f.read(4)
+        if magic == ZIP_MAGIC:
+            return FileFacts(relpath, size, mtime_ns, FileFormat.TORCH_ZIP, problem=zip_problem(f, size)), None
+        if magic[:1] == b"\x80" and size >= 2:
+            return FileFacts(relpath, size, mtime_ns, FileFormat.PICKLE), None
+    return FileFacts(relpath, size, mtime_ns, FileFormat.OTHER), None
+
+
+# -- safetensors ---------------------------------------------------------------------------
+
+def read_header_from(f: BinaryIO, path: str, size: int) -> Header:
+    """Read and validate a safetensors header from the open file ``f`` of ``size`` bytes."""
+    f.seek(0)
+    first = f.read(8)
+    if len(first) < 8:
+        raise HeaderError(path, f"file has {size} bytes, fewer than the 8-byte header length", truncated=True)
+    (n,) = struct.unpack("<Q", first)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        return parse_header(first, size, path)  # raises with the precise reason
+    return parse_header(first + f.read(n), size, path)
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of the safetensors file at ``path``."""
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        return read_header_from(f, p, os.fstat(f.fileno()).st_size)
+
+
+# -- torch.save (zip) ------------------------------------------------------------------------
+
+def zip_problem(f: BinaryIO, size: int) -> str | None:
+    """Why a zip (``torch.save``, a Lightning ``.ckpt``) is not complete, or None.
+
+    A zip is written front to back and its end-of-central-directory record last: complete
+    means that record is at the very end, and the central directory it points to sits just
+    before it (before the zip64 records, for a large file) and starts with a central header.
+    """
+    if size < 22:
+        return f"{size} bytes: too short to hold a zip's end record (still being written)"
+    tail_len = min(size, 22 + 0xFFFF)
+    f.seek(size - tail_len)
+    tail = f.read(tail_len)
+    pos = len(tail) - 22
+    eocd = None
+    while pos >= 0:  # the record is followed by its comment, which must reach the end exactly
+        pos = tail.rfind(_EOCD, 0, pos + 4)
+        if pos < 0:
+            break
+        if len(tail) >= pos + 22 and pos + 22 + struct.unpack_from("<H", tail, pos + 20)[0] == len(tail):
+            eocd = pos
+            break
+        pos -= 1
+    if eocd is None:
+        return "no zip end-of-central-directory record at the end (still being written, or truncated)"
+    eocd_at = size - tail_len + eocd
+    _disk, _cd_disk, _n_here, n_total, cd_size, cd_offset = struct.unpack_from("<HHHHII", tail, eocd + 4)
+    end_of_cd = eocd_at
+    locator = b""
+    if eocd_at >= 20:
+        f.seek(eocd_at - 20)
+        locator = f.read(20)
+    if locator[:4] == _ZIP64_LOCATOR:  # zip64 (torch.save always writes it): its record has the values
+        (z64_at,) = struct.unpack_from("<Q", locator, 8)
+        if z64_at + 56 > eocd_at - 20:
+            return "zip64 locator points past the end record"
+        f.seek(z64_at)
+        record = f.read(56)
+        if record[:4] != _ZIP64_EOCD:
+            return "zip64 locator does not point to a zip64 end record"
+        n_total, cd_size, cd_offset = struct.unpack_from("<QQQ", record, 32)
+        end_of_cd = z64_at
+    elif n_total == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        return "zip64 end record without its locator"
+    if cd_offset + cd_size != end_of_cd:
+        return (f"zip central directory ({cd_size:,} bytes at {cd_offset:,}) does not end where its end record "
+                f"starts ({end_of_cd:,}): not a complete zip")
+    if n_total:
+        f.seek(cd_offset)
+        if f.read(4) != _CENTRAL:
+            return "zip end record points to no central directory"
+    return None
+
+
+# -- JSON ----------------------------------------------------------------------------------
+
+def json_facts(f: BinaryIO, size: int, *, index: bool) -> tuple[str | None, bool, tuple[str, ...]]:
+    """``(problem, permanent, names)`` of a JSON file; an HF index (``*.index.json``) names its files."""
+    if size > MAX_JSON_BYTES:
+        return None, False, ()  # too large to judge: its folder's layout decides
+    f.seek(0)
+    raw = f.read(size + 1)
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        return "JSON nested too deeply", True, ()
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"not valid JSON yet ({str(exc)[:80]})", False, ()
+    if not index:
+        return None, False, ()
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        return "an index without a weight_map object", True, ()
+    names = set()
+    for value in weight_map.values():
+        if not isinstance(value, str) or not safe_relpath(value):
+            return f"the index names {str(value)[:80]!r}, which is not a file inside the checkpoint", True, ()
+        names.add(posixpath.normpath(value))
+    return None, False, tuple(sorted(names))
+
+
+def safe_relpath(name: str) -> bool:
+    """A relative path that stays inside its folder (no absolute path, no ``..``, no NUL)."""
+    if not name or "\0" in name or name.startswith("/") or "\\" in name:
+        return False
+    return ".." not in posixpath.normpath(name).split("/")
+
+
+# -- torch DCP .metadata: a restricted unpickler ------------------------------------------
+
+#: The globals a DCP .metadata may name (torch 2.x): its metadata classes and the few torch
+#: and standard types they hold. Anything else is refused; nothing is imported or called.
+DCP_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch", "memory_format"),
+    *(("torch", n) for n in (
+        "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "uint16", "uint32",
+        "uint64", "int8", "int16", "int32", "int64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz", "quint8", "qint8", "qint32", "strided", "sparse_coo", "contiguous_format",
+        "channels_last", "channels_last_3d", "preserve_format")),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+})
+
+
+class _Inert:
+    """A stand-in for an allowed class: keeps its constructor arguments and state, runs nothing."""
+
+    _name = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        obj = super().__new__(cls)
+        obj.__dict__["args"] = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of a frozen/slotted dataclass
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # an OrderedDict being filled
+        self.__dict__.setdefault("items", {})[key] = value
+
+
+class _DcpUnpickler(pickle.Unpickler):
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__(stream)
+        self.classes: dict[tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str) -> type:
+        if (module, name) not in DCP_GLOBALS:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a torch DCP metadata class")
+        key = (module, name)
+        if key not in self.classes:
+            self.classes[key] = type(name, (_Inert,), {"_name": f"{module}.{name}"})
+        return self.classes[key]
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")
+
+
+def dcp_metadata(f: BinaryIO, size: int) -> tuple[str | None, tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """``(problem, files, needs)`` of a DCP ``.metadata``: the data files it names, and per
+    file the bytes it must hold at least (the furthest ``offset + length`` it records)."""
+    if size > MAX_DCP_METADATA_BYTES:
+        return f".metadata of {size:,} bytes is larger than {MAX_DCP_METADATA_BYTES:,}", (), ()
+    f.seek(0)
+    try:
+        md = _DcpUnpickler(io.BytesIO(f.read(size))).load()
+    except RecursionError:
+        return ".metadata is nested too deeply", (), ()
+    except Exception as exc:  # any failure to read is a problem of the file, reported as such
+        return f".metadata is not torch DCP metadata ({type(exc).__name__}: {str(exc)[:120]})", (), ()
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        return ".metadata has no storage_data map", (), ()
+    needs: dict[str, int] = {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+        if not isinstance(rel, str) or not safe_relpath(rel):
+            return f".metadata names {str(rel)[:80]!r}, which is not a file inside the checkpoint", (), ()
+        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+            return f".metadata gives {rel} an invalid range", (), ()
+        rel = posixpath.normpath(rel)
+        needs[rel] = max(needs.get(rel, 0), offset + length)
+    return None, tuple(sorted(needs)), tuple(sorted(needs.items()))

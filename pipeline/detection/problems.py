@@ -1,0 +1,45 @@
+"""Entries detection cannot protect as they are, reported once (status, UI, metrics).
+
+A row per path: written when the watcher first finds the entry unreadable (a name that is
+not UTF-8, a tree nested too deep, hostile JSON) or stuck incomplete for a whole quiet
+period, refreshed quietly after that, and removed when the entry is protected or is gone.
+"""
+from __future__ import annotations
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from pipeline.db.models import DetectionProblem
+from pipeline.db.transitions import now
+
+#: Longest reason kept.
+MAX_REASON = 2000
+
+
+def report(session: Session, path: str, run: str, reason: str) -> bool:
+    """Record ``reason`` for ``path``; True when it is new (or changed): the caller logs it then."""
+    reason = reason[:MAX_REASON]
+    t = now()
+    row = session.scalar(select(DetectionProblem).where(DetectionProblem.path == path))
+    if row is None:
+        session.add(DetectionProblem(path=path, run=run, reason=reason, first_seen=t, last_seen=t))
+        return True
+    row.last_seen = t
+    if row.reason != reason:
+        row.reason = reason
+        return True
+    return False
+
+
+def clear(session: Session, path: str) -> None:
+    """``path`` is fine now (protected, or no longer a problem)."""
+    session.execute(delete(DetectionProblem).where(DetectionProblem.path == path))
+
+
+def clear_all(session: Session) -> None:
+    """Forget every problem (a watcher starting finds them again)."""
+    session.execute(delete(DetectionProblem))
+
+
+def listed(session: Session, limit: int = 1000) -> list[DetectionProblem]:
+    return list(session.scalars(select(DetectionProblem).order_by(DetectionProblem.id.desc()).limit(limit)))
