@@ -89,7 +89,7 @@ def latest(run: str | Path, *, settings: Settings | None = None) -> Protected | 
     """The newest protected checkpoint of ``run`` (by step, then detection order), or None."""
     s = _control_plane(settings)
     run_path = str(Path(run).expanduser().resolve())
-    with session_scope(s.db_url) as session:
+    with session_scope(s.db_url, readonly=True) as session:
         rows = session.execute(
             select(Checkpoint, Job).join(Job, Job.checkpoint_id == Checkpoint.id)
             .where(Checkpoint.run == run_path, Checkpoint.current.is_(True), Job.kind == JobKind.STORE)
@@ -120,7 +120,7 @@ def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwri
         return dest
     deadline = time.monotonic() + timeout
     while True:
-        with session_scope(s.db_url) as session:
+        with session_scope(s.db_url, readonly=True) as session:
             job = session.get(Job, r.job_id)
             state, error = (job.state, job.last_error) if job is not None else ("unknown", None)
         if state == states.RestoreState.DONE:
@@ -135,7 +135,7 @@ def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwri
 def _describe(s: Settings, ref: str | int | Path) -> Protected:
     from pipeline.detection.catalog import latest_store_job, resolve
 
-    with session_scope(s.db_url) as session:
+    with session_scope(s.db_url, readonly=True) as session:
         ckpt = resolve(session, str(ref))
         job = latest_store_job(session, ckpt.id)
         if job is None:

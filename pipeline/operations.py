@@ -1,4 +1,5 @@
-"""What a person can ask for (store, restore, scrub), shared by the CLI and the web UI.
+"""What a person can ask for (store, restore, scrub, collect, forget, pin), shared by the CLI
+and the web UI.
 
 Each validates, records the job in one transaction, and only then enqueues (commit, then act).
 """
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pipeline.db.engine import session_scope
 from pipeline.detection import catalog, completeness, roots
 from pipeline.errors import IncompleteCheckpoint
-from pipeline.integrity import scrub
+from pipeline.integrity import gc, retention, scrub
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
 from pipeline.steps import Send
@@ -70,3 +71,40 @@ def scrub_now(settings: Settings, worker_ids: list[str] | None = None, *, reason
         out = [Requested(j.id, None, True, j.state, j.params["worker_id"]) for j in jobs]
     _send([Send("scrub", (r.job_id,)) for r in out])
     return out
+
+
+@dataclass(frozen=True)
+class Collection:
+    """A garbage collection asked for: its jobs, what it condemned now, and per worker what
+    it frees (or, for a dry run, would free)."""
+
+    jobs: list[Requested]
+    condemned: int
+    condemned_bytes: int
+    freed: list[gc.Freed]
+
+
+def collect_garbage(settings: Settings, worker_ids: list[str] | None = None, *, dry_run: bool = False,
+                    reason: str = "requested") -> Collection:
+    """Mark unreferenced content and start one collection job per worker holding some."""
+    with session_scope(settings.db_url) as s:
+        freed = [f for f in gc.preview(s, settings) if not worker_ids or f.worker_id in worker_ids]
+    if dry_run:
+        return Collection([], 0, 0, freed)
+    n, size = gc.mark(settings)
+    with session_scope(settings.db_url) as s:
+        jobs = gc.request_gc(s, settings, worker_ids=worker_ids, reason=reason)
+        out = [Requested(j.id, None, True, j.state, j.params["worker_id"]) for j in jobs]
+    _send(gc.send_for_ids([r.job_id for r in out]))
+    return Collection(out, n, size, freed)
+
+
+def forget(settings: Settings, refs: list[str], *, dry_run: bool = False) -> list[retention.Verdict]:
+    with session_scope(settings.db_url) as s:
+        return retention.forget(s, refs, dry_run=dry_run)
+
+
+def pin(settings: Settings, ref: str, note: str | None = None, *, pinned: bool = True) -> tuple[int, str]:
+    with session_scope(settings.db_url) as s:
+        c = retention.pin(s, ref, note, pinned=pinned)
+        return c.id, c.path

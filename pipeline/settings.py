@@ -7,6 +7,7 @@ explicit overrides (command-line flags). Nothing else in the code base reads ``o
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 import secrets
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.retention import Policy
 from pipeline.durable import fsync_dir
 from pipeline.errors import ConfigError
 
@@ -62,6 +64,26 @@ class Settings:
     #: ``{"<root>": {"quiet_seconds": 120, "commit_marker": "COMMITTED"}}``; in config.toml,
     #: ``[roots."<root>"]`` tables.
     root_options: str = ""
+    #: Remote retention (restic's vocabulary; 0 turns a rule off; with every rule off, the
+    #: default, every protected checkpoint stays restorable for ever). A checkpoint no rule
+    #: keeps is forgotten and its content collected once nothing kept references it; pins and
+    #: each run's newest protected checkpoint are always kept. Per run, ``[runs."<glob>"]``
+    #: tables in config.toml override these (keys without the ``remote_`` prefix).
+    remote_keep_last: int = 0
+    remote_keep_every: int = 0
+    remote_keep_hourly: int = 0
+    remote_keep_daily: int = 0
+    remote_keep_weekly: int = 0
+    remote_keep_monthly: int = 0
+    #: Keep the best K by a metric of the checkpoint's trainer_state.json (min or max).
+    remote_keep_best: int = 0
+    remote_best_metric: str = ""
+    remote_best_mode: str = "min"
+    #: Per-run overrides of the remote policy, as JSON ``{"<run glob>": {"keep_last": 5}}``.
+    run_options: str = ""
+    #: Job history of a forgotten checkpoint is compacted (its events dropped, the jobs kept)
+    #: after this many days.
+    forgotten_history_days: float = 30.0
     #: A run whose newest checkpoint has waited this long without being protected is shown
     #: as falling behind (status, UI, metrics).
     lag_warning_seconds: float = 900.0
@@ -73,6 +95,9 @@ class Settings:
     max_attempts: int = 5
     #: A replica verification older than this no longer allows rotation.
     freshness_seconds: float = 48 * 3600.0
+    #: A storage worker whose disk is fuller than this (used / capacity) is ``full``: it keeps
+    #: serving and counting its copies, and placement gives it nothing new.
+    high_watermark: float = 0.90
     #: A storage worker unseen for this long is ``down``.
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
@@ -98,6 +123,13 @@ class Settings:
     scrub_rate: int = 200 * MiB
     #: Shards re-hashed per scrub request; the cursor is saved after each batch.
     scrub_batch: int = 64
+    #: When the scheduled garbage collection runs (cron, local time); empty disables it.
+    gc_cron: str = "30 3 * * *"
+    #: Content no kept checkpoint references is collected only after this long unreferenced.
+    gc_grace_seconds: float = 3600.0
+    #: Copies deleted per request to a worker, and the most deleted per second (0: unthrottled).
+    gc_batch: int = 200
+    gc_rate: float = 500.0
     #: Browse mDNS for storage workers (``_ckpt-store._tcp.local.``).
     mdns: int = 1
     #: Addresses zeroconf uses, comma-separated, or "all"; loopback only by default.
@@ -134,6 +166,31 @@ class Settings:
             over = json.loads(self.root_options).get(root, {})
         return RootOptions(quiet_seconds=float(over.get("quiet_seconds", self.quiet_seconds)),
                            commit_marker=str(over.get("commit_marker", self.commit_marker)))
+
+    def policy_for(self, run: str) -> Policy:
+        """The remote retention policy of ``run``: the first ``[runs."<glob>"]`` table that
+        matches it over the global ``remote_*`` settings."""
+        over: dict[str, Any] = {}
+        if self.run_options:
+            for pattern, opts in json.loads(self.run_options).items():
+                if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
+                    over = opts
+                    break
+        return self.policy_with(over)
+
+    def policy_with(self, over: Mapping[str, Any]) -> Policy:
+        """The global remote policy with the options of one ``[runs."<glob>"]`` table over it."""
+        return Policy(
+            keep_last=int(over.get("keep_last", self.remote_keep_last)),
+            keep_every=int(over.get("keep_every", self.remote_keep_every)),
+            hourly=int(over.get("keep_hourly", self.remote_keep_hourly)),
+            daily=int(over.get("keep_daily", self.remote_keep_daily)),
+            weekly=int(over.get("keep_weekly", self.remote_keep_weekly)),
+            monthly=int(over.get("keep_monthly", self.remote_keep_monthly)),
+            best=int(over.get("keep_best", self.remote_keep_best)),
+            metric=str(over.get("best_metric", self.remote_best_metric)),
+            mode=str(over.get("best_mode", self.remote_best_mode)),
+        )
 
     def key(self) -> bytes:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
@@ -232,6 +289,9 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
             if k == "roots" and isinstance(v, dict):  # [roots."<root>"] tables: per-root options
                 values["root_options"] = _root_options(v, str(config))
                 continue
+            if k == "runs" and isinstance(v, dict):  # [runs."<glob>"] tables: per-run retention
+                values["run_options"] = _run_options(v, str(config))
+                continue
             if k not in names:
                 raise ConfigError(f"{config}: unknown setting {k!r}")
             values[k] = _coerce(k, v)
@@ -255,6 +315,19 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
         if not isinstance(parsed, dict):
             raise ConfigError("root_options must map each root to its options")
         _root_options(parsed, "root_options")
+    if s.run_options:
+        try:
+            parsed = json.loads(s.run_options)
+        except ValueError as exc:
+            raise ConfigError(f"run_options: not JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError("run_options must map each run glob to its options")
+        _run_options(parsed, "run_options")
+    _check_policy(s.policy_with({}), "remote retention")
+    for pattern, opts in json.loads(s.run_options or "{}").items():
+        _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
+    if not 0 < s.high_watermark <= 1:
+        raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
     if s.quiet_seconds < 0:
         raise ConfigError(f"quiet_seconds must be >= 0, got {s.quiet_seconds}")
     if s.shard_size < 4096:
@@ -262,21 +335,47 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
     return s
 
 
+_ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str}
+_RUN_KEYS: dict[str, type] = {"keep_last": int, "keep_every": int, "keep_hourly": int, "keep_daily": int,
+                              "keep_weekly": int, "keep_monthly": int, "keep_best": int, "best_metric": str,
+                              "best_mode": str}
+
+
 def _root_options(tables: dict[str, Any], where: str) -> str:
     """Validate ``[roots."<root>"]`` tables; the JSON form Settings keeps."""
-    allowed = {"quiet_seconds": float, "commit_marker": str}
+    return _tables(tables, where, "roots", _ROOT_KEYS)
+
+
+def _run_options(tables: dict[str, Any], where: str) -> str:
+    """Validate ``[runs."<glob>"]`` tables; the JSON form Settings keeps."""
+    return _tables(tables, where, "runs", _RUN_KEYS)
+
+
+def _tables(tables: dict[str, Any], where: str, section: str, allowed: dict[str, type]) -> str:
     out: dict[str, dict[str, Any]] = {}
-    for root, opts in tables.items():
+    for name, opts in tables.items():
         if not isinstance(opts, dict):
-            raise ConfigError(f"{where}: roots.{root!r} must be a table of options")
+            raise ConfigError(f"{where}: {section}.{name!r} must be a table of options")
         for k, v in opts.items():
             if k not in allowed:
-                raise ConfigError(f"{where}: roots.{root!r}: unknown option {k!r} (known: {', '.join(allowed)})")
+                raise ConfigError(f"{where}: {section}.{name!r}: unknown option {k!r} (known: {', '.join(allowed)})")
             try:
-                out.setdefault(root, {})[k] = allowed[k](v)
+                out.setdefault(name, {})[k] = allowed[k](v)
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{where}: roots.{root!r}.{k}: {v!r} is not a valid {allowed[k].__name__}") from exc
+                kind = allowed[k].__name__
+                raise ConfigError(f"{where}: {section}.{name!r}.{k}: {v!r} is not a valid {kind}") from exc
     return json.dumps(out, sort_keys=True)
+
+
+def _check_policy(p: Policy, where: str) -> None:
+    counts = (p.keep_last, p.keep_every, p.hourly, p.daily, p.weekly, p.monthly, p.best)
+    if any(n < 0 for n in counts):
+        raise ConfigError(f"{where}: keep counts must be >= 0")
+    if p.mode not in ("min", "max"):
+        raise ConfigError(f"{where}: best_mode must be min or max, got {p.mode!r}")
+    if p.best and not p.metric:
+        raise ConfigError(f"{where}: keep_best needs best_metric (a name in trainer_state.json's log_history, "
+                          "e.g. eval_loss)")
 
 
 _current: Settings | None = None

@@ -12,21 +12,25 @@ from enum import StrEnum
 
 
 class JobKind(StrEnum):
-    STORE = "store"
-    RESTORE = "restore"
-    SCRUB = "scrub"
-    REPAIR = "repair"
+    STORE = "store"          # one checkpoint version: shard, replicate, verify, rotate
+    RESTORE = "restore"      # one checkpoint back to a destination
+    SCRUB = "scrub"          # one storage worker: re-hash every copy it holds
+    REPAIR = "repair"        # one content: back to RF good copies
+    RECONCILE = "reconcile"  # one storage worker that came back: its inventory against the copies
+    GC = "gc"                # one storage worker: delete the copies of condemned content
 
 
 class StoreState(StrEnum):
     DETECTED = "detected"      # watcher / CLI / HTTP: files and whole-file SHA-256 recorded
-    SHARDED = "sharded"        # shard actor: manifest committed, replicas placed
+    WAITING = "waiting"        # shard actor: cannot be placed yet (cluster full); retried when its lease ends
+    SHARDED = "sharded"        # shard actor: manifest committed, copies placed
     REPLICATED = "replicated"  # replicate actors (fan-in decided in the database)
     VERIFIED = "verified"      # verify actor: every replica re-hashed and matched
     ROTATED = "rotated"        # rotate actor: local copy removed, replicas remain
     FAILED = "failed"          # retries exhausted; message in the dead-letter queue
     SUPERSEDED = "superseded"  # catalog, shard, replicate: new content at the path (a newer version)
     VANISHED = "vanished"      # watcher, shard, replicate: the local copy was deleted before it was protected
+    FORGOTTEN = "forgotten"    # retention policy, `ckpt forget`: no longer kept remotely, not restorable
 
 
 class RestoreState(StrEnum):
@@ -44,15 +48,29 @@ class ScrubState(StrEnum):
     FAILED = "failed"          # retries exhausted
 
 
-class RepairState(StrEnum):
-    QUEUED = "queued"          # scrub / verify / scheduler (under-replicated or drained shards)
-    REPAIRING = "repairing"    # repair actor: copying from a replica that matches the manifest
-    DONE = "done"              # repair actor: every shard of the checkpoint back at RF, verified
-    LOST = "lost"              # repair actor: some shard has no copy that matches the manifest
+class ReconcileState(StrEnum):
+    QUEUED = "queued"              # scheduler: a worker came back (or a person asked)
+    RECONCILING = "reconciling"    # reconcile actor: paging through the worker's inventory from a cursor
+    DONE = "done"                  # reconcile actor: every held file matched, quarantined, trimmed or deleted
+    FAILED = "failed"              # retries exhausted
+
+
+class GcState(StrEnum):
+    QUEUED = "queued"          # `ckpt gc`, the scheduled collection: one job per storage worker
+    COLLECTING = "collecting"  # gc actor: deleting the worker's copies of condemned content, throttled
+    DONE = "done"              # gc actor: none left (or the worker is down: it deletes them when it returns)
     FAILED = "failed"          # retries exhausted
 
 
-_S, _R, _C, _P = StoreState, RestoreState, ScrubState, RepairState
+class RepairState(StrEnum):
+    QUEUED = "queued"          # scrub / reconcile / scheduler: one content short of RF good copies
+    REPAIRING = "repairing"    # repair actor: copying from a copy (or local file) that matches its SHA-256
+    DONE = "done"              # repair actor: the content is back at RF copies, verified
+    LOST = "lost"              # repair actor: no copy and no local file matches the content
+    FAILED = "failed"          # retries exhausted
+
+
+_S, _R, _C, _P, _Q, _G = StoreState, RestoreState, ScrubState, RepairState, ReconcileState, GcState
 
 
 def _edges(table: dict) -> dict[str, frozenset[str]]:
@@ -62,17 +80,22 @@ def _edges(table: dict) -> dict[str, frozenset[str]]:
 
 TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
     JobKind.STORE.value: _edges({
-        _S.DETECTED: frozenset({_S.SHARDED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
-        _S.SHARDED: frozenset({_S.REPLICATED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
+        _S.DETECTED: frozenset({_S.SHARDED, _S.WAITING, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
+        # Placement is retried by the scheduler once the wait's lease ends.
+        _S.WAITING: frozenset({_S.DETECTED, _S.SUPERSEDED, _S.VANISHED}),
+        # A copy refused for lack of room, with no other worker to take it: the store waits.
+        _S.SHARDED: frozenset({_S.REPLICATED, _S.WAITING, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
         # A replica found missing, corrupt or unreachable at verify is replaced: back to sharded.
         _S.REPLICATED: frozenset({_S.VERIFIED, _S.SHARDED, _S.FAILED, _S.SUPERSEDED, _S.VANISHED}),
-        # New content at the path makes every older version superseded, protected or not.
-        _S.VERIFIED: frozenset({_S.ROTATED, _S.SUPERSEDED}),
-        _S.ROTATED: frozenset({_S.SUPERSEDED}),
+        # New content at the path makes every older version superseded, protected or not;
+        # the remote retention policy (or `ckpt forget`) forgets protected ones.
+        _S.VERIFIED: frozenset({_S.ROTATED, _S.SUPERSEDED, _S.FORGOTTEN}),
+        _S.ROTATED: frozenset({_S.SUPERSEDED, _S.FORGOTTEN}),
         # A failed job can be requeued from the dead-letter queue: it resumes where it was.
         _S.FAILED: frozenset({_S.DETECTED, _S.SHARDED, _S.REPLICATED, _S.VERIFIED, _S.SUPERSEDED, _S.VANISHED}),
         _S.SUPERSEDED: frozenset(),
         _S.VANISHED: frozenset(),
+        _S.FORGOTTEN: frozenset(),
     }),
     JobKind.RESTORE.value: _edges({
         _R.QUEUED: frozenset({_R.GATHERING, _R.FAILED}),
@@ -87,6 +110,18 @@ TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
         _C.DONE: frozenset(),
         _C.FAILED: frozenset({_C.QUEUED}),
     }),
+    JobKind.RECONCILE.value: _edges({
+        _Q.QUEUED: frozenset({_Q.RECONCILING, _Q.FAILED}),
+        _Q.RECONCILING: frozenset({_Q.DONE, _Q.FAILED}),
+        _Q.DONE: frozenset(),
+        _Q.FAILED: frozenset({_Q.QUEUED}),
+    }),
+    JobKind.GC.value: _edges({
+        _G.QUEUED: frozenset({_G.COLLECTING, _G.FAILED}),
+        _G.COLLECTING: frozenset({_G.DONE, _G.FAILED}),
+        _G.DONE: frozenset(),
+        _G.FAILED: frozenset({_G.QUEUED}),
+    }),
     JobKind.REPAIR.value: _edges({
         _P.QUEUED: frozenset({_P.REPAIRING, _P.FAILED}),
         _P.REPAIRING: frozenset({_P.DONE, _P.LOST, _P.FAILED}),
@@ -98,14 +133,18 @@ TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
 }
 
 INITIAL: dict[str, str] = {JobKind.STORE.value: _S.DETECTED.value, JobKind.RESTORE.value: _R.QUEUED.value,
-                           JobKind.SCRUB.value: _C.QUEUED.value, JobKind.REPAIR.value: _P.QUEUED.value}
+                           JobKind.SCRUB.value: _C.QUEUED.value, JobKind.REPAIR.value: _P.QUEUED.value,
+                           JobKind.RECONCILE.value: _Q.QUEUED.value, JobKind.GC.value: _G.QUEUED.value}
 
 #: States in which nothing more happens without a person (or a new checkpoint) asking.
 TERMINAL: dict[str, frozenset[str]] = {
-    JobKind.STORE.value: frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value, _S.VANISHED.value}),
+    JobKind.STORE.value: frozenset({_S.ROTATED.value, _S.FAILED.value, _S.SUPERSEDED.value, _S.VANISHED.value,
+                                    _S.FORGOTTEN.value}),
     JobKind.RESTORE.value: frozenset({_R.DONE.value, _R.FAILED.value}),
     JobKind.SCRUB.value: frozenset({_C.DONE.value, _C.FAILED.value}),
     JobKind.REPAIR.value: frozenset({_P.DONE.value, _P.LOST.value, _P.FAILED.value}),
+    JobKind.RECONCILE.value: frozenset({_Q.DONE.value, _Q.FAILED.value}),
+    JobKind.GC.value: frozenset({_G.DONE.value, _G.FAILED.value}),
 }
 
 #: States in which an actor is expected to be working, so an expired lease means lost work.
@@ -114,12 +153,17 @@ ACTIVE: dict[str, frozenset[str]] = {
     JobKind.RESTORE.value: frozenset({_R.QUEUED.value, _R.GATHERING.value, _R.VERIFIED.value}),
     JobKind.SCRUB.value: frozenset({_C.QUEUED.value, _C.SCRUBBING.value}),
     JobKind.REPAIR.value: frozenset({_P.QUEUED.value, _P.REPAIRING.value}),
+    JobKind.RECONCILE.value: frozenset({_Q.QUEUED.value, _Q.RECONCILING.value}),
+    JobKind.GC.value: frozenset({_G.QUEUED.value, _G.COLLECTING.value}),
 }
 
 #: Store states of a checkpoint whose remote copies are complete and verified.
 PROTECTED: frozenset[str] = frozenset({_S.VERIFIED.value, _S.ROTATED.value})
 #: Store states from which a checkpoint can be given back.
 RESTORABLE: frozenset[str] = frozenset({_S.REPLICATED.value, _S.VERIFIED.value, _S.ROTATED.value})
+#: Store states in which a checkpoint no longer holds its content (it is garbage once no
+#: other checkpoint references it). Entering one sets ``checkpoints.released_at``.
+RELEASED: frozenset[str] = frozenset({_S.SUPERSEDED.value, _S.VANISHED.value, _S.FORGOTTEN.value})
 
 
 def allowed(kind: str, current: str, target: str) -> bool:
@@ -132,33 +176,50 @@ def all_states(kind: str) -> frozenset[str]:
     return frozenset(TRANSITIONS[str(kind)])
 
 
-class ReplicaState(StrEnum):
-    """One shard's copy on one storage worker (a row of ``replicas``)."""
+class ContentState(StrEnum):
+    """A content object (a row of ``contents``)."""
+
+    LIVE = "live"            # catalog (first referenced), repair and the shard step (reused after collection)
+    CONDEMNED = "condemned"  # garbage collection: no kept checkpoint references it; none of its copies counts
+    DELETED = "deleted"      # garbage collection: every copy of it is gone from the workers
+
+
+class CopyState(StrEnum):
+    """One content's copy on one storage worker (a row of ``copies``)."""
 
     PENDING = "pending"      # shard step, repair, verify (a replacement): placed, not stored yet
     STORED = "stored"        # replicate: stored, but its re-hash did not match yet (verify replaces it)
-    VERIFIED = "verified"    # replicate, verify, scrub, repair: the worker's re-hash matched the manifest
+    VERIFIED = "verified"    # replicate, verify, scrub, repair: the worker's re-hash matched the SHA-256
     CORRUPT = "corrupt"      # verify, scrub, repair: the re-hash did not match (quarantined by repair)
     MISSING = "missing"      # scrub, reconcile, repair: the worker does not hold it
-    ABANDONED = "abandoned"  # replicate, verify: given up for a copy on another worker
+    ABANDONED = "abandoned"  # replicate, verify: given up (worker unreachable or full) for a copy elsewhere
     TRIMMED = "trimmed"      # reconcile: a surplus copy, deleted from its worker
+    DELETING = "deleting"    # garbage collection: its content is condemned; the worker deletes it
 
 
-_Rep = ReplicaState
+#: The old name, kept for readers of earlier code.
+ReplicaState = CopyState
+_Rep = CopyState
 
 #: Copies the worker should hold a file for: scrub and reconcile check them.
 HELD: frozenset[str] = frozenset({_Rep.STORED.value, _Rep.VERIFIED.value, _Rep.CORRUPT.value,
                                   _Rep.MISSING.value})
-#: Copies the manifest expects on a worker (reconcile): held ones and those being sent.
+#: Copies the control plane expects on a worker (reconcile): held ones and those being sent.
 EXPECTED: frozenset[str] = HELD | {_Rep.PENDING.value}
 #: Copies a restore may read, best first (the file's and each shard's SHA-256 check them).
 READABLE_COPIES: tuple[str, ...] = (_Rep.VERIFIED.value, _Rep.STORED.value)
-#: Copies that are done being sent (replicate's fan-in waits for no PENDING).
+#: Copies that are done being sent.
 SENT: frozenset[str] = frozenset({_Rep.STORED.value, _Rep.VERIFIED.value})
-#: Copies found damaged: whatever other rows of the same content say, that worker's copy is not good.
+#: Copies on their way to RF: sent or being sent (placement counts them).
+PLACED: frozenset[str] = SENT | {_Rep.PENDING.value}
+#: Copies found damaged.
 DAMAGED: frozenset[str] = frozenset({_Rep.CORRUPT.value, _Rep.MISSING.value})
-#: Rows kept for the history only: not shown as copies, never counted.
-RETIRED: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value})
+#: Rows that stand for no file the worker should hold: not shown as copies, never counted;
+#: placement may put a new copy on that worker again (see REUSABLE).
+RETIRED: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value, _Rep.DELETING.value})
+#: Retired rows placement may reuse for a new copy on the same worker. A ``deleting`` row is
+#: not one: its file is being deleted, and only the deletion removes the row.
+REUSABLE: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value})
 
 
 class WorkerState(StrEnum):
@@ -166,6 +227,7 @@ class WorkerState(StrEnum):
 
     CANDIDATE = "candidate"  # discovery (mDNS): found, not yet challenged
     UP = "up"                # membership: proved it holds the cluster key and answers
+    FULL = "full"            # membership, replicate (a 507): above the high watermark; serves, counts, gets nothing new
     DOWN = "down"            # membership (unseen for worker_down_seconds); replicate, verify (unreachable)
     REJECTED = "rejected"    # membership: failed the cluster-key challenge
     DRAINING = "draining"    # an operator (`ckpt worker drain`): its copies are being moved away
@@ -174,10 +236,12 @@ class WorkerState(StrEnum):
 
 _W = WorkerState
 
-#: Workers whose copies count toward RF, and that placement may choose.
-COUNTING_WORKERS: frozenset[str] = frozenset({_W.UP.value})
+#: Workers whose copies count toward RF.
+COUNTING_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.FULL.value})
+#: Workers placement may choose for a new copy.
+PLACEABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value})
 #: Workers a copy can be read from (a draining worker still serves its copies).
-READABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.DRAINING.value})
+READABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.FULL.value, _W.DRAINING.value})
 #: Workers a scrub re-hashes.
 SCRUBBED_WORKERS: frozenset[str] = READABLE_WORKERS
 #: States an operator decided: a probe does not override them.

@@ -4,11 +4,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.core.health import shard_health, worker_healths
+from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
     Checkpoint,
@@ -17,7 +18,6 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.replicas import content_copies, fresh_after, good_copies_per_shard
 from pipeline.db.transitions import now
 from pipeline.detection import problems
 from pipeline.settings import Settings
@@ -75,7 +75,7 @@ def latest_store_jobs(session: Session) -> dict[int, Job]:
 def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint],
                     jobs: dict[int, Job] | None = None) -> list[dict[str, Any]]:
     """What `ckpt status`, the web UI and the API show of each checkpoint."""
-    jobs = latest_store_jobs(session) if jobs is None else jobs
+    jobs = store_jobs_of(session, [c.id for c in ckpts]) if jobs is None else jobs
     counts = replica_counts(session, [c.id for c in ckpts])
     health = checkpoint_health(session, settings, ckpts)
     out = []
@@ -85,6 +85,7 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
             "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
             "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
             "current": c.current, "layout": c.layout, "completed_by": c.completed_by,
+            "pinned": c.pinned, "pin_note": c.pin_note, "metrics": c.metrics or {},
             "written_at": datetime.fromtimestamp(c.mtime, tz=UTC),
             "state": job.state if job else "unknown", "job_id": job.id if job else None,
             "blocked_reason": job.blocked_reason if job else None,
@@ -97,40 +98,68 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
 
 def worker_dict(w: StorageWorker) -> dict[str, Any]:
     return {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
-            "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "last_seen": w.last_seen,
+            "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "used_bytes": w.used_bytes,
+            "last_seen": w.last_seen,
             "last_error": w.last_error}
 
 
-def run_summaries(rows: list[dict[str, Any]], settings: Settings, at: datetime | None = None) -> list[dict[str, Any]]:
-    """Per run, from the current versions' rows: the newest protected step and its age (the
-    recovery point a node loss would give), and whether protection is falling behind the writer."""
+def _newest_first() -> tuple[Any, ...]:
+    return (Checkpoint.step.is_not(None).desc(), Checkpoint.step.desc(), Checkpoint.id.desc())
+
+
+def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per run (current versions only): how many checkpoints, the newest, the newest protected,
+    and how many vanished unprotected, in a few indexed queries whatever the run's length."""
+    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
+    state_of = (select(Job.checkpoint_id.label("cid"), Job.state.label("state"))
+                .where(Job.id.in_(latest))).subquery()
+    q = (select(Checkpoint.run, state_of.c.state, func.count(Checkpoint.id))
+         .join(state_of, state_of.c.cid == Checkpoint.id).where(Checkpoint.current.is_(True))
+         .group_by(Checkpoint.run, state_of.c.state))
+    if runs is not None:
+        q = q.where(Checkpoint.run.in_(runs))
+    out: dict[str, dict[str, Any]] = {}
+    for run, state, n in session.execute(q):
+        entry = out.setdefault(run, {"count": 0, "by_state": {}})
+        entry["count"] += n
+        entry["by_state"][state] = n
+    for run, entry in out.items():
+        base = select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True))
+        entry["newest"] = session.scalar(base.order_by(*_newest_first()).limit(1))
+        entry["protected"] = session.scalar(
+            base.join(state_of, state_of.c.cid == Checkpoint.id)
+            .where(state_of.c.state.in_(sorted(states.PROTECTED))).order_by(*_newest_first()).limit(1))
+    return out
+
+
+def run_summaries(session: Session, settings: Settings, at: datetime | None = None,
+                  runs: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per run: the newest protected step and its age (the recovery point a node loss would
+    give), whether protection is falling behind the writer, and the remote retention policy."""
     t = at or now()
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["current"]:
-            by_run.setdefault(r["run"], []).append(r)
-
-    def order(r: dict[str, Any]) -> tuple[bool, int, int]:
-        return (r["step"] is not None, r["step"] or 0, r["id"])
-
+    facts = run_facts(session, runs)
+    shown = [c for f in facts.values() for c in (f["newest"], f["protected"]) if c is not None]
+    rows = {r["id"]: r for r in checkpoint_rows(session, settings, list({c.id: c for c in shown}.values()))}
     out = []
-    for run, items in sorted(by_run.items()):
-        newest = max(items, key=order)
-        protected = [r for r in items if r["state"] in states.PROTECTED]
-        best = max(protected, key=order) if protected else None
+    for run, f in sorted(facts.items()):
+        newest = rows[f["newest"].id]
+        best = rows[f["protected"].id] if f["protected"] is not None else None
+        items = {"count": f["count"]}
         waiting = (t - newest["detected_at"]).total_seconds()
         behind = None
         if newest["state"] not in states.PROTECTED and newest["state"] not in states.TERMINAL[JobKind.STORE] \
                 and waiting >= settings.lag_warning_seconds:
             behind = (f"protection is behind: {newest['name']} was written {waiting / 60:.0f} min ago and is "
                       f"still {newest['state']}")
+        policy = settings.policy_for(run)
         out.append({
-            "run": run, "checkpoints": len(items),
+            "run": run, "checkpoints": items["count"], "by_state": f["by_state"],
+            "policy": policy.describe(), "policy_set": policy.is_set,
             "newest_step": newest["step"], "newest_name": newest["name"], "newest_state": newest["state"],
             "protected_step": best["step"] if best else None, "protected_name": best["name"] if best else None,
             "protected_id": best["id"] if best else None,
             "protected_age_s": (t - best["written_at"]).total_seconds() if best else None,
-            "vanished_unprotected": sum(1 for r in items if r["state"] == StoreState.VANISHED),
+            "vanished_unprotected": f["by_state"].get(StoreState.VANISHED.value, 0),
             "behind": behind,
         })
     return out
@@ -141,18 +170,52 @@ def problem_dicts(session: Session) -> list[dict[str, Any]]:
             for p in problems.listed(session)]
 
 
-def status(settings: Settings, *, all_versions: bool = False) -> dict[str, Any]:
-    """Everything ``ckpt status`` shows: the current version of each checkpoint (every
-    version with ``all_versions``), runs, jobs, storage workers and detection problems."""
-    with session_scope(settings.db_url) as s:
-        q = select(Checkpoint).order_by(Checkpoint.id)
-        if not all_versions:
-            q = q.where(Checkpoint.current.is_(True))
-        rows = checkpoint_rows(s, settings, list(s.scalars(q)))
+def checkpoint_page(session: Session, *, all_versions: bool = False, run: str | None = None,
+                    state: str | None = None, before: int | None = None, limit: int = 50) -> list[Checkpoint]:
+    """Checkpoints newest first (by id), filtered, one page: ids below ``before``."""
+    q = select(Checkpoint).order_by(Checkpoint.id.desc()).limit(limit)
+    if not all_versions:
+        q = q.where(Checkpoint.current.is_(True))
+    if run:
+        q = q.where(Checkpoint.run == run)
+    if before:
+        q = q.where(Checkpoint.id < before)
+    if state:
+        latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
+        q = q.where(Checkpoint.id.in_(select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state == state)))
+    return list(session.scalars(q))
+
+
+def status(settings: Settings, *, all_versions: bool = False, run: str | None = None, state: str | None = None,
+           before: int | None = None, limit: int = 50) -> dict[str, Any]:
+    """Everything ``ckpt status`` shows: runs, one page of checkpoints (the current versions,
+    every version with ``all_versions``; newest first), unfinished jobs, storage workers,
+    capacity and detection problems."""
+    from pipeline import capacity
+
+    with session_scope(settings.db_url, readonly=True) as s:
+        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit)
+        rows = checkpoint_rows(s, settings, page, jobs=store_jobs_of(s, [c.id for c in page]))
+        active = or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
+        jobs = s.scalars(select(Job).where(active | (Job.state == "failed")).order_by(Job.id.desc()).limit(200))
+        usage = capacity.usage(s, settings)
         return {
             "checkpoints": rows,
-            "runs": run_summaries(rows if not all_versions else [r for r in rows if r["current"]], settings),
-            "jobs": [job_dict(j) for j in s.scalars(select(Job).order_by(Job.id))],
+            "next_before": rows[-1]["id"] if len(rows) == limit else None,
+            "runs": run_summaries(s, settings, runs=[run] if run else None),
+            "jobs": [job_dict(j) for j in jobs],
             "workers": [worker_dict(w) for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))],
+            "capacity": usage.as_dict(),
+            "run_usage": capacity.per_run(s),
             "problems": problem_dicts(s),
         }
+
+
+def store_jobs_of(session: Session, checkpoint_ids: list[int]) -> dict[int, Job]:
+    """checkpoint id -> its newest store job, for the given checkpoints only."""
+    if not checkpoint_ids:
+        return {}
+    latest = (select(func.max(Job.id)).where(Job.kind == JobKind.STORE, Job.checkpoint_id.in_(checkpoint_ids))
+              .group_by(Job.checkpoint_id))
+    return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))
+            if j.checkpoint_id is not None}

@@ -72,8 +72,9 @@ def alive(pid: int) -> bool:
 
 
 class StorageWorker:
-    def __init__(self, data: Path, env: dict[str, str], log: Path, key: str = KEY) -> None:
-        self.data, self.env, self.log, self.key = data, env, log, key
+    def __init__(self, data: Path, env: dict[str, str], log: Path, key: str = KEY,
+                 args: tuple[str, ...] = ()) -> None:
+        self.data, self.env, self.log, self.key, self.args = data, env, log, key, args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -81,7 +82,8 @@ class StorageWorker:
     def start(self) -> StorageWorker:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port)],
+                [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port),
+                 *self.args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         client = WorkerClient(self.url, self.key.encode())
 
@@ -190,17 +192,19 @@ class Cluster:
     def worker(self, node_id: str) -> StorageWorker:
         return next(w for w in self.workers if w.node_id == node_id)
 
-    def replicas(self, checkpoint_path: Path, states: tuple[str, ...] = ("verified",)) -> list[tuple[str, str, int]]:
-        """(worker id, shard sha256, shard seq) of the checkpoint's tensor-shard replicas."""
+    def copies(self, checkpoint_path: Path, states: tuple[str, ...] = ("verified",)) -> list[tuple[str, str, int]]:
+        """(worker id, shard sha256, shard seq) per copy of the checkpoint's tensor shards."""
         from sqlalchemy import select
 
-        from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard
+        from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard
 
         with session_scope(self.settings.db_url) as s:
-            return [(r.worker_id, r.shard.sha256, r.shard.seq) for r in s.scalars(
-                select(Replica).join(Shard).join(CheckpointFile).join(Checkpoint)
-                .where(Checkpoint.path == str(checkpoint_path.resolve()), Replica.state.in_(states),
-                       Shard.kind == "safetensors").order_by(Shard.seq, Replica.worker_id))]
+            return [(worker_id, sha, seq) for worker_id, sha, seq in s.execute(
+                select(ContentCopy.worker_id, Shard.sha256, Shard.seq)
+                .join(Shard, Shard.sha256 == ContentCopy.sha256).join(CheckpointFile).join(Checkpoint)
+                .where(Checkpoint.path == str(checkpoint_path.resolve()), Checkpoint.current.is_(True),
+                       ContentCopy.state.in_(states), Shard.kind == "safetensors")
+                .order_by(Shard.seq, ContentCopy.worker_id))]
 
     def dramatiq_workers(self) -> list[int]:
         master = self.up_info()["children"]["dramatiq"]

@@ -38,10 +38,25 @@ def body(*required: str) -> dict[str, Any]:
     return doc
 
 
+def page_args() -> dict[str, Any]:
+    """``before`` (an id: rows older than it) and ``limit`` (1..1000) of a paginated list."""
+    limit = request.args.get("limit", data.PAGE, type=int)
+    if not 1 <= limit <= 1000:
+        raise ApiError(400, "limit must be between 1 and 1000")
+    return {"before": request.args.get("before", type=int), "limit": limit}
+
+
+def page(name: str, rows: list[dict[str, Any]], limit: int) -> ResponseReturnValue:
+    nxt = rows[-1]["id"] if len(rows) == limit else None
+    return jsonify({name: rows, "next_before": nxt})
+
+
 @bp.get("/checkpoints")
 def checkpoints() -> ResponseReturnValue:
-    return jsonify(checkpoints=data.checkpoints(settings(), state=request.args.get("state") or None,
-                                                run=request.args.get("run") or None))
+    args = page_args()
+    rows = data.checkpoints(settings(), state=request.args.get("state") or None,
+                            run=request.args.get("run") or None, **args)
+    return page("checkpoints", rows, args["limit"])
 
 
 @bp.get("/checkpoints/<int:checkpoint_id>")
@@ -54,7 +69,8 @@ def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
     if kind and kind not in states.TRANSITIONS:
         raise ApiError(400, f"unknown job kind {kind!r}; one of {', '.join(sorted(states.TRANSITIONS))}")
-    return jsonify(jobs=data.jobs(settings(), state=state, kind=kind))
+    args = page_args()
+    return page("jobs", data.jobs(settings(), state=state, kind=kind, **args), args["limit"])
 
 
 @bp.get("/jobs/<int:job_id>")
@@ -70,6 +86,12 @@ def workers() -> ResponseReturnValue:
 @bp.get("/health")
 def health() -> ResponseReturnValue:
     return jsonify(data.health(settings()))
+
+
+@bp.get("/capacity")
+def capacity() -> ResponseReturnValue:
+    doc = data.overview(settings(), 0)
+    return jsonify(capacity=doc["capacity"], runs=doc["run_usage"], history=doc["capacity_history"])
 
 
 @bp.get("/dead-letters")
@@ -118,6 +140,41 @@ def scrub() -> ResponseReturnValue:
     resp.status_code = 202
     resp.headers["Location"] = url_for("api.job", job_id=started[0].job_id)
     return resp
+
+
+@bp.post("/gc")
+@api_admin
+def gc() -> ResponseReturnValue:
+    """``{"dry_run": true}``: what a collection would free per worker; otherwise start one."""
+    doc = json_body() if request.get_data() else {}
+    if not isinstance(doc, dict):
+        raise ApiError(400, 'the body must be empty or a JSON object {"dry_run": bool, "workers": [...]}')
+    workers = doc.get("workers")
+    if workers is not None and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
+        raise ApiError(400, '"workers" must be a list of storage worker ids')
+    r = operations.collect_garbage(settings(), workers or None, dry_run=bool(doc.get("dry_run")),
+                                   reason="requested over HTTP")
+    resp = jsonify(jobs=[data.job(settings(), j.job_id) for j in r.jobs], condemned=r.condemned,
+                   condemned_bytes=r.condemned_bytes, freed=[f.__dict__ for f in r.freed])
+    resp.status_code = 200 if doc.get("dry_run") else 202
+    return resp
+
+
+@bp.post("/checkpoints/<int:checkpoint_id>/<any(pin, unpin, forget):action>")
+@api_admin
+def checkpoint_action(checkpoint_id: int, action: str) -> ResponseReturnValue:
+    """Pin (``{"note": ...}``), unpin or forget (``{"dry_run": true}`` to see) one checkpoint."""
+    doc = json_body() if request.get_data() else {}
+    if not isinstance(doc, dict):
+        raise ApiError(400, "the body must be empty or a JSON object")
+    if action == "forget":
+        verdicts = operations.forget(settings(), [str(checkpoint_id)], dry_run=bool(doc.get("dry_run")))
+        return jsonify(forgotten=[v.__dict__ for v in verdicts], dry_run=bool(doc.get("dry_run")))
+    note = doc.get("note")
+    if note is not None and not isinstance(note, str):
+        raise ApiError(400, '"note" must be text')
+    operations.pin(settings(), str(checkpoint_id), note, pinned=action == "pin")
+    return jsonify(data.checkpoint(settings(), checkpoint_id))
 
 
 @bp.post("/dead-letters/<letter_id>/requeue")

@@ -41,3 +41,36 @@ def transfers_chart(transfers: list[dict[str, Any]]) -> str:
     parts.append(f'<text x="{PAD}" y="{H - 10}" class="label">oldest</text>'
                  f'<text x="{W - PAD - 40}" y="{H - 10}" class="label">newest</text></svg>')
     return "".join(parts)
+
+
+def capacity_chart(history: list[dict[str, Any]], limit: int | None = None) -> str:
+    """Lines over time: bytes the storage workers hold (blue) and the control plane's stored
+    copies (green); a dashed line at the high watermark when it is known."""
+    if len(history) < 2:
+        return ('<svg class="chart" viewBox="0 0 720 60" role="img" aria-label="no usage history yet">'
+                '<text x="10" y="35">The usage history starts with the scheduler (a sample every 10 minutes).'
+                '</text></svg>')
+    t0, t1 = history[0]["at"], history[-1]["at"]
+    span = max(1.0, (t1 - t0).total_seconds())
+    top = max(max(h["used"], h["stored"]) for h in history)
+    top = max(top, limit or 0) or 1
+
+    def xy(h: dict[str, Any], key: str) -> str:
+        x = PAD + (W - 2 * PAD) * (h["at"] - t0).total_seconds() / span
+        y = H - PAD - (H - 2 * PAD) * h[key] / top
+        return f"{x:.1f},{y:.1f}"
+
+    parts = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="cluster usage over time">',
+             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" class="axis"/>',
+             f'<text x="4" y="14" class="label">{top / 1e9:,.1f} GB</text>']
+    for key, cls in (("used", "line-used"), ("stored", "line-stored")):
+        points = " ".join(xy(h, key) for h in history)
+        parts.append(f'<polyline class="{cls}" fill="none" points="{points}"><title>{key}</title></polyline>')
+    if limit:
+        y = H - PAD - (H - 2 * PAD) * limit / top
+        parts.append(f'<line class="watermark" x1="{PAD}" y1="{y:.1f}" x2="{W - PAD}" y2="{y:.1f}">'
+                     f'<title>high watermark: {limit / 1e9:,.1f} GB</title></line>')
+    parts.append(f'<text x="{PAD}" y="{H - 10}" class="label">{escape(t0.strftime("%Y-%m-%d %H:%M"))}</text>'
+                 f'<text x="{W - PAD - 110}" y="{H - 10}" class="label">{escape(t1.strftime("%Y-%m-%d %H:%M"))}'
+                 '</text></svg>')
+    return "".join(parts)

@@ -7,80 +7,79 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import capacity, states
 from pipeline.core.health import shard_health, worker_healths
+from pipeline.db.copies import content_copies, fresh_after, good_copy, held_per_worker
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
+    Content,
+    ContentCopy,
     Job,
     JobEvent,
-    Replica,
     Shard,
     StorageWorker,
 )
-from pipeline.db.replicas import content_copies, fresh_after
 from pipeline.db.transitions import now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
 from pipeline.settings import Settings
-from pipeline.states import RETIRED, JobKind, StoreState, WorkerState
+from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
 from pipeline.status import (
+    checkpoint_page,
     checkpoint_rows,
     job_dict,
-    latest_store_jobs,
     problem_dicts,
     run_summaries,
     worker_dict,
 )
 
+#: Rows per page of the checkpoint and job lists.
+PAGE = 100
+
 
 def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None,
-                all_versions: bool = False) -> list[dict[str, Any]]:
-    """The current version of each checkpoint (every version with ``all_versions``), newest first."""
-    with session_scope(settings.db_url) as s:
-        q = select(Checkpoint).order_by(Checkpoint.id.desc())
-        if not all_versions:
-            q = q.where(Checkpoint.current.is_(True))
-        if run:
-            q = q.where(Checkpoint.run == run)
-        ckpts = list(s.scalars(q))
-        jobs = latest_store_jobs(s)
-        if state:
-            ckpts = [c for c in ckpts if c.id in jobs and jobs[c.id].state == state]
-        return checkpoint_rows(s, settings, ckpts, jobs)
+                all_versions: bool = False, before: int | None = None, limit: int = PAGE) -> list[dict[str, Any]]:
+    """One page of the current version of each checkpoint (every version with
+    ``all_versions``), newest first: ids below ``before``."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit)
+        return checkpoint_rows(s, settings, page)
 
 
 def runs(settings: Settings) -> list[str]:
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
         return list(s.scalars(select(Checkpoint.run).distinct().order_by(Checkpoint.run)))
 
 
 def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
     """One checkpoint with its files, shard manifest and every replica's health."""
     since = fresh_after(settings.freshness_seconds)
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
         c = s.get(Checkpoint, checkpoint_id)
         if c is None:
             raise UnknownCheckpoint(str(checkpoint_id))
         (out,) = checkpoint_rows(s, settings, [c])
         shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id))
         per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, set(shas)).items()}
+        rows_of: dict[str, list[ContentCopy]] = {}
+        for r in s.scalars(select(ContentCopy).where(ContentCopy.sha256.in_(list(per_worker)),
+                                                     ContentCopy.state.not_in(sorted(RETIRED)))
+                           .order_by(ContentCopy.worker_id)):
+            rows_of.setdefault(r.sha256, []).append(r)
         files = []
         for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)
                            .order_by(CheckpointFile.relpath)):
             shards = []
             for sh in s.scalars(select(Shard).where(Shard.file_id == f.id).order_by(Shard.seq)):
-                reps: list[dict[str, Any]] = []
-                for r in s.scalars(select(Replica).where(Replica.shard_id == sh.id).order_by(Replica.worker_id)):
-                    if r.state in RETIRED:
-                        continue
-                    reps.append({
-                        "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
-                        "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
-                        "health": per_worker[sh.sha256].get(r.worker_id, "missing"),
-                    })
+                reps = [{
+                    "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
+                    "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
+                    "health": per_worker[sh.sha256].get(r.worker_id, "missing"),
+                } for r in rows_of.get(sh.sha256, [])]
                 shards.append({
                     "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
@@ -98,7 +97,7 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
 def health(settings: Settings) -> dict[str, Any]:
     """Shard x replica matrices of every checkpoint, and cluster-wide counts."""
     since = fresh_after(settings.freshness_seconds)
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.current.is_(True))
                                .order_by(Checkpoint.id.desc()).limit(50)))
         shas = {sh.sha256 for c in ckpts for f in c.files for sh in f.shards}
@@ -125,9 +124,13 @@ def health(settings: Settings) -> dict[str, Any]:
         return {"checkpoints": matrices, "replicas": replica_totals, "shards": shard_totals}
 
 
-def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, limit: int = 200) -> list[dict]:
-    with session_scope(settings.db_url) as s:
+def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, before: int | None = None,
+         limit: int = PAGE) -> list[dict]:
+    """One page of jobs, newest first: ids below ``before``."""
+    with session_scope(settings.db_url, readonly=True) as s:
         q = select(Job).order_by(Job.id.desc()).limit(limit)
+        if before:
+            q = q.where(Job.id < before)
         if state:
             q = q.where(Job.state == state)
         if kind:
@@ -144,7 +147,7 @@ def jobs(settings: Settings, *, state: str | None = None, kind: str | None = Non
 
 
 def job(settings: Settings, job_id: int) -> dict[str, Any]:
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
         j = s.get(Job, job_id)
         if j is None:
             raise UnknownJob(job_id)
@@ -160,22 +163,15 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
 
 
 def workers(settings: Settings) -> list[dict[str, Any]]:
-    with session_scope(settings.db_url) as s:
-        held = dict(s.execute(
-            select(Replica.worker_id, func.count(func.distinct(Shard.sha256))).join(Shard)
-            .where(Replica.state.in_(sorted(states.SENT))).group_by(Replica.worker_id)).all())
-        held_bytes: dict[str, int] = {}
-        for wid, size in s.execute(
-                select(Replica.worker_id, Shard.size).join(Shard).where(Replica.state.in_(sorted(states.SENT)))
-                .group_by(Replica.worker_id, Shard.sha256, Shard.size)):
-            held_bytes[wid] = held_bytes.get(wid, 0) + size
-        return [worker_dict(w) | {"shards": held.get(w.id, 0), "bytes": held_bytes.get(w.id, 0)}
+    with session_scope(settings.db_url, readonly=True) as s:
+        held = held_per_worker(s)
+        return [worker_dict(w) | {"shards": held.get(w.id, (0, 0))[0], "bytes": held.get(w.id, (0, 0))[1]}
                 for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))]
 
 
 def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]]:
     """Finished stores and restores, oldest first: throughput and time to protection."""
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
         out = []
         q = (select(Job, JobEvent.at).join(JobEvent, JobEvent.job_id == Job.id)
              .where(((Job.kind == JobKind.STORE) & (JobEvent.to_state == "verified"))
@@ -197,36 +193,61 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
 
 
 def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
-    ckpts = checkpoints(settings)
+    """The front page: runs, totals by state, capacity and its history, workers, transfers.
+    Aggregates in SQL: its cost does not grow with the number of checkpoints listed."""
     ws = workers(settings)
-    by_state: dict[str, int] = {}
-    protected = unprotected = lost = 0
-    for c in ckpts:
-        by_state[c["state"]] = by_state.get(c["state"], 0) + 1
-        if c["state"] in states.PROTECTED and c["health"] != "lost":
-            protected += c["total_bytes"]
-        elif c["local_present"]:
-            unprotected += c["total_bytes"]
-        if c["health"] == "lost":
-            lost += 1
-    with session_scope(settings.db_url) as s:
+    with session_scope(settings.db_url, readonly=True) as s:
+        by_state: dict[str, int] = {}
+        protected = unprotected = 0
+        for state, local, n, size in s.execute(
+                select(Job.state, Checkpoint.local_present, func.count(Checkpoint.id), func.sum(Checkpoint.total_bytes))
+                .join(Job, Job.checkpoint_id == Checkpoint.id)
+                .where(Checkpoint.current.is_(True), Job.id.in_(latest_store_ids()))
+                .group_by(Job.state, Checkpoint.local_present)):
+            by_state[state] = by_state.get(state, 0) + n
+            if state in states.PROTECTED:
+                protected += int(size or 0)
+            elif local:
+                unprotected += int(size or 0)
+        lost = lost_checkpoints(s)
         active = or_active()
         running = s.scalar(select(func.count(Job.id)).where(active)) or 0
         failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
         last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
-    with session_scope(settings.db_url) as s:
         found_problems = problem_dicts(s)
+        summaries = run_summaries(s, settings)
+        usage = capacity.usage(s, settings)
+        run_usage = capacity.per_run(s)
+        chart = capacity.history(s, limit=400)
     return {
-        "runs": run_summaries(ckpts, settings), "problems": found_problems,
+        "runs": summaries, "problems": found_problems, "capacity": usage.as_dict(), "run_usage": run_usage,
+        "capacity_history": chart,
         "vanished_unprotected": by_state.get(StoreState.VANISHED, 0),
         "protected_bytes": protected, "unprotected_bytes": unprotected, "lost_checkpoints": lost,
         "checkpoints_by_state": by_state, "jobs_running": running, "jobs_failed": failed,
         "dead_letters": dead_letters,
         "workers_up": sum(1 for w in ws if w["state"] == WorkerState.UP),
-        "workers_down": sum(1 for w in ws if w["state"] != WorkerState.UP), "workers": ws,
+        "workers_down": sum(1 for w in ws if w["state"] not in (WorkerState.UP, WorkerState.FULL)), "workers": ws,
         "last_scrub": last_scrub, "next_scrub": next_scrub(settings),
         "transfers": recent_transfers(settings),
     }
+
+
+def latest_store_ids() -> Select[Any]:
+    return select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
+
+
+def lost_checkpoints(s: Session) -> int:
+    """Current protected checkpoints without a local copy that reference a content no worker
+    holds a good copy of."""
+    good = (select(ContentCopy.sha256).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256).where(good_copy()))
+    lost = select(Content.sha256).where(Content.state == ContentState.LIVE, Content.sha256.not_in(good))
+    return s.scalar(
+        select(func.count(func.distinct(Checkpoint.id))).join(CheckpointFile).join(Shard)
+        .join(Job, Job.checkpoint_id == Checkpoint.id)
+        .where(Checkpoint.current.is_(True), Checkpoint.local_present.is_(False), Job.id.in_(latest_store_ids()),
+               Job.state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(lost))) or 0
 
 
 def or_active() -> ColumnElement[bool]:

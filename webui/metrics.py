@@ -37,7 +37,7 @@ class ControlPlaneCollector:
     def collect(self) -> Iterator[Any]:
         s = self.settings
         jobs = GaugeMetricFamily("ckpt_jobs", "Jobs by kind and state", labels=["kind", "state"])
-        with session_scope(s.db_url) as session:
+        with session_scope(s.db_url, readonly=True) as session:
             for kind, state, n in session.execute(select(Job.kind, Job.state, func.count(Job.id))
                                                   .group_by(Job.kind, Job.state)):
                 jobs.add_metric([kind, state], n)
@@ -75,13 +75,39 @@ class ControlPlaneCollector:
             free.add_metric([w["id"]], w["free_bytes"])
         yield up
         yield free
-        yield from _detection_metrics(s)
+        doc = status(s, limit=1)
+        yield from _detection_metrics(doc)
+        yield from _capacity_metrics(doc)
 
 
-def _detection_metrics(settings: Any) -> Iterator[Any]:
+def _capacity_metrics(doc: dict[str, Any]) -> Iterator[Any]:
+    """Cluster usage, its forecast, and per run the stored bytes of the content it keeps."""
+    cap = doc["capacity"]
+    for name, key, text in (("ckpt_cluster_used_bytes", "used", "Bytes the storage workers' shards use"),
+                            ("ckpt_cluster_capacity_bytes", "capacity", "Capacity of the readable storage workers"),
+                            ("ckpt_cluster_limit_bytes", "limit", "Usage at which the cluster is full "
+                             "(the high watermark)"),
+                            ("ckpt_cluster_stored_bytes", "stored", "Bytes of the copies the control plane knows"),
+                            ("ckpt_garbage_bytes", "garbage", "Stored bytes of content being collected")):
+        g = GaugeMetricFamily(name, text)
+        g.add_metric([], cap[key])
+        yield g
+    g = GaugeMetricFamily("ckpt_cluster_days_until_full", "Days until the high watermark at the recent rate "
+                          "(absent when usage is not growing)")
+    if cap["days_until_full"] is not None:
+        g.add_metric([], cap["days_until_full"])
+    yield g
+    usage = GaugeMetricFamily("ckpt_run_stored_bytes", "Stored bytes of the content a run's kept checkpoints "
+                              "reference (unique: no other run references it)", labels=["run", "kind"])
+    for run, u in sorted(doc["run_usage"].items()):
+        usage.add_metric([run, "unique"], u["unique"])
+        usage.add_metric([run, "shared"], u["shared"])
+    yield usage
+
+
+def _detection_metrics(doc: dict[str, Any]) -> Iterator[Any]:
     """Per run: the newest protected step, its age, whether protection is behind; and the
     entries detection cannot protect, and the checkpoints that vanished unprotected."""
-    doc = status(settings)
     step = GaugeMetricFamily("ckpt_run_protected_step", "Newest protected step of the run (-1: none yet)",
                              labels=["run"])
     age = GaugeMetricFamily("ckpt_run_protected_age_seconds",
@@ -105,9 +131,12 @@ def _detection_metrics(settings: Any) -> Iterator[Any]:
 
 def _step_durations(session: Session) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"transfer": [], "verify": [], "restore": []}
+    # The most recent events (the histograms describe recent transfers, and a month of
+    # history must not be read at every scrape).
+    recent = select(JobEvent.id).order_by(JobEvent.id.desc()).limit(20_000).subquery()
     rows = session.execute(select(JobEvent.job_id, Job.kind, JobEvent.to_state, JobEvent.at)
-                           .join(Job, Job.id == JobEvent.job_id)
-                           .where(Job.kind.in_(("store", "restore"))).order_by(JobEvent.id).limit(50_000))
+                           .join(Job, Job.id == JobEvent.job_id).where(JobEvent.id.in_(select(recent.c.id)))
+                           .where(Job.kind.in_(("store", "restore"))).order_by(JobEvent.id))
     seen: dict[int, dict[str, Any]] = {}
     for job_id, kind, to_state, at in rows:
         seen.setdefault(job_id, {"kind": kind})[to_state] = at

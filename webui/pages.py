@@ -23,7 +23,7 @@ from pipeline import operations, states
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
 from webui import data
-from webui.charts import transfers_chart
+from webui.charts import capacity_chart, transfers_chart
 from webui.security import form_admin
 
 bp = Blueprint("pages", __name__)
@@ -43,15 +43,18 @@ def dead_letter_count() -> int:
 @bp.route("/")
 def overview() -> ResponseReturnValue:
     doc = data.overview(settings(), dead_letter_count())
-    return render_template("overview.html", o=doc, chart=Markup(transfers_chart(doc["transfers"])))
+    return render_template("overview.html", o=doc, chart=Markup(transfers_chart(doc["transfers"])),
+                           capacity_chart=Markup(capacity_chart(doc["capacity_history"], doc["capacity"]["limit"])))
 
 
 @bp.route("/checkpoints")
 def checkpoints() -> ResponseReturnValue:
     state, run = request.args.get("state") or None, request.args.get("run") or None
-    return render_template("checkpoints.html", items=data.checkpoints(settings(), state=state, run=run),
-                           runs=data.runs(settings()), state=state, run=run,
-                           states=sorted(states.all_states("store")))
+    before = request.args.get("before", type=int)
+    items = data.checkpoints(settings(), state=state, run=run, before=before)
+    return render_template("checkpoints.html", items=items, runs=data.runs(settings()), state=state, run=run,
+                           states=sorted(states.all_states("store")),
+                           older=items[-1]["id"] if len(items) == data.PAGE else None)
 
 
 @bp.route("/checkpoints/<int:checkpoint_id>")
@@ -67,8 +70,9 @@ def health() -> ResponseReturnValue:
 @bp.route("/jobs")
 def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
-    return render_template("jobs.html", items=data.jobs(settings(), state=state, kind=kind), state=state, kind=kind,
-                           kinds=sorted(states.TRANSITIONS))
+    items = data.jobs(settings(), state=state, kind=kind, before=request.args.get("before", type=int))
+    return render_template("jobs.html", items=items, state=state, kind=kind, kinds=sorted(states.TRANSITIONS),
+                           older=items[-1]["id"] if len(items) == data.PAGE else None)
 
 
 @bp.route("/jobs/<int:job_id>")

@@ -11,7 +11,9 @@
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
     POST   /v1/quarantine          {"shards": [...]} -> move aside (not served, not counted)
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
-    GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}
+    POST   /v1/delete              {"shards": [...]} -> delete them (garbage collection)
+    GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}; with
+                                   ?after=<sha256>&limit=<n>, one page in hash order (no quarantine)
 
 Every request must be signed with the cluster key, once (pipeline.cluster.auth: a replayed request
 or a JSON body other than the signed one is refused with 401); answers are JSON.
@@ -23,6 +25,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+from urllib.parse import parse_qs
 
 from pipeline import failpoints
 from pipeline.cluster import auth
@@ -69,10 +72,12 @@ class WorkerApp:
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
         path = environ.get("PATH_INFO", "")
+        query = environ.get("QUERY_STRING", "")
+        signed = f"{path}?{query}" if query else path  # the query is signed too
         try:
             headers = {h: environ.get("HTTP_" + h.upper().replace("-", "_"))
                        for h in (auth.TIME_HEADER, auth.REQUEST_HEADER, auth.BODY_HEADER, auth.SIGNATURE_HEADER)}
-            environ["ckpt.body_digest"] = auth.check(self.key, method, path, headers, self.max_skew, self.replay)
+            environ["ckpt.body_digest"] = auth.check(self.key, method, signed, headers, self.max_skew, self.replay)
         except AuthError as exc:
             return _error(start, 401, str(exc), auth.clock_hint(self.key))
         try:
@@ -131,7 +136,20 @@ class WorkerApp:
         if path == "/v1/stat" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"sizes": {n: self.store.has(n) for n in names}})
+        if path == "/v1/delete" and method == "POST":
+            names = self._names(environ)
+            return _json(start, 200, {"deleted": {n: self.store.delete(n) for n in names}})
         if path == "/v1/inventory" and method == "GET":
+            query = parse_qs(environ.get("QUERY_STRING", ""))
+            if "limit" in query or "after" in query:
+                after = query.get("after", [""])[0]
+                try:
+                    limit = int(query.get("limit", ["1000"])[0])
+                except ValueError:
+                    raise ShardRefused(400, "limit must be a whole number") from None
+                if (after and not valid_name(after)) or not 0 < limit <= MAX_NAMES:
+                    raise ShardRefused(400, f"after must be a shard name and 0 < limit <= {MAX_NAMES}")
+                return _json(start, 200, {"shards": [[n, s] for n, s in self.store.inventory_page(after, limit)]})
             return _json(start, 200, {"shards": [[n, s] for n, s in self.store.inventory()],
                                       "quarantined": self.store.quarantined()})
         return _error(start, 404, f"no such endpoint: {method} {path}")

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +40,9 @@ class PutResult:
 
 
 class ShardStore:
+    """Shards of one worker. ``capacity`` (bytes, 0: the whole disk) caps what the shards may
+    use: an operator gives the pipeline a share of a disk others use too."""
+
     def __init__(self, root: str | os.PathLike[str], *, capacity: int = 0) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.shards = os.path.join(self.root, "shards")
@@ -50,6 +54,15 @@ class ShardStore:
         # Leftovers of uploads that a crash interrupted: never visible, safe to drop.
         for name in os.listdir(self.tmp):
             os.unlink(os.path.join(self.tmp, name))
+        # Counted once here, then kept up to date: a status answer never walks the store.
+        self._lock = threading.Lock()
+        self._count = self._used = 0
+        for _name, size in self.inventory():
+            self._count, self._used = self._count + 1, self._used + size
+
+    def _counted(self, count: int, size: int) -> None:
+        with self._lock:
+            self._count, self._used = self._count + count, self._used + size
 
     def path(self, name: str) -> str:
         if not valid_name(name):
@@ -64,8 +77,8 @@ class ShardStore:
             return None
 
     def free_bytes(self) -> int:
-        usage = shutil.disk_usage(self.root)
-        return usage.free
+        free = shutil.disk_usage(self.root).free
+        return max(0, min(free, self.capacity - self._used)) if self.capacity else free
 
     def capacity_bytes(self) -> int:
         return self.capacity or shutil.disk_usage(self.root).total
@@ -82,8 +95,9 @@ class ShardStore:
             return PutResult(created=False, size=os.stat(final).st_size)
         if length < 0:
             raise ShardRefused(411, "Content-Length is required")
-        if length > self.free_bytes():
-            raise ShardRefused(507, f"shard of {length:,} bytes exceeds the {self.free_bytes():,} bytes free")
+        free = self.free_bytes()
+        if length > free:
+            raise ShardRefused(507, f"shard of {length:,} bytes exceeds the {free:,} bytes free")
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=name[:16] + ".")
         try:
@@ -116,8 +130,12 @@ class ShardStore:
                 # leave the memory to the next uploads.
                 os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.rename(tmp, final)
-            tmp = ""
+            try:
+                # A link, not a rename: of two uploads of one name, exactly one creates it.
+                os.link(tmp, final)
+            except FileExistsError:
+                return PutResult(created=False, size=os.stat(final).st_size)
+            self._counted(1, length)
             failpoints.hit("worker.put.renamed")  # visible, not yet answered
             fsync_dir(os.path.dirname(final))
             return PutResult(created=True, size=length)
@@ -146,7 +164,8 @@ class ShardStore:
             fd = f.fileno()
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             h = hashlib.sha256()
-            buf = bytearray(BLOCK)
+            # No bigger than the file: a reconcile re-hashes millions of small shards.
+            buf = bytearray(min(BLOCK, os.fstat(fd).st_size + 1))
             view = memoryview(buf)
             size = 0
             while n := f.readinto(buf):
@@ -174,9 +193,11 @@ class ShardStore:
         src = self.path(name)
         dst = os.path.join(self.quarantine, f"{name}.{uuid.uuid4().hex[:8]}")
         try:
+            size = os.stat(src).st_size
             os.rename(src, dst)
         except FileNotFoundError:
             return None
+        self._counted(-1, -size)
         fsync_dir(os.path.dirname(src))
         fsync_dir(self.quarantine)
         return dst
@@ -200,9 +221,11 @@ class ShardStore:
         """Remove a (surplus) shard; True if it was there."""
         path = self.path(name)
         try:
+            size = os.stat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
             return False
+        self._counted(-1, -size)
         fsync_dir(os.path.dirname(path))
         return True
 
@@ -212,12 +235,35 @@ class ShardStore:
                 if valid_name(name):
                     yield name, os.stat(os.path.join(dirpath, name)).st_size
 
+    def inventory_page(self, after: str, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` held shards with a name after ``after``, in name order.
+
+        The layout (``ab/cd/<name>``) sorts the same as the names: the walk skips whole
+        directories before ``after`` and stops once the page is full.
+        """
+        out: list[tuple[str, int]] = []
+        for top in sorted(os.listdir(self.shards)):
+            if len(top) != 2 or top < after[:2]:
+                continue
+            top_dir = os.path.join(self.shards, top)
+            for mid in sorted(os.listdir(top_dir)):
+                if len(mid) != 2 or top + mid < after[:4]:
+                    continue
+                leaf = os.path.join(top_dir, mid)
+                for name in sorted(os.listdir(leaf)):
+                    if name > after and valid_name(name):
+                        try:
+                            out.append((name, os.stat(os.path.join(leaf, name)).st_size))
+                        except FileNotFoundError:
+                            continue
+                        if len(out) >= limit:
+                            return out
+        return out
+
     def usage(self) -> tuple[int, int]:
-        count = used = 0
-        for _name, size in self.inventory():
-            count += 1
-            used += size
-        return count, used
+        """``(shards, bytes)`` held."""
+        with self._lock:
+            return self._count, self._used
 
 
 class Throttle:

@@ -42,3 +42,17 @@ def stop_on_signals(stop: Callable[[], object]) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``500M``, ``2GiB``, ``1.5T``, ``1048576`` (decimal units, binary with i)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; try 500M, 2GiB or 1T")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])

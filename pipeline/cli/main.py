@@ -4,7 +4,12 @@
     ckpt worker --data DIR --port P [--host H]           a storage worker daemon
     ckpt store PATH [--wait]                             protect a checkpoint now
     ckpt restore ID|PATH --to DEST [--wait]              give a checkpoint back
-    ckpt status [--json]                                 checkpoints and jobs
+    ckpt status [--json] [--all]                         runs, checkpoints, jobs, capacity
+    ckpt scrub [--wait]                                  re-hash every copy now
+    ckpt pin ID [--note T] | ckpt unpin ID               keep a checkpoint whatever the policy
+    ckpt forget ID... [--dry-run]                        stop keeping checkpoints remotely
+    ckpt policy [RUN]                                    what the retention policy keeps, and why
+    ckpt gc [--dry-run] [--wait]                         delete unreferenced content from workers
     ckpt dead-letters [--requeue ID|all]                 failed messages
     ckpt scheduler | ckpt watch | ckpt migrate           the services ckpt up runs
 """
@@ -21,8 +26,9 @@ from typing import TYPE_CHECKING
 
 from pipeline import settings as settings_mod
 from pipeline import states
-from pipeline.cli.common import control_plane, send, settings_from, stop_on_signals
+from pipeline.cli.common import control_plane, parse_size, send, settings_from, stop_on_signals
 from pipeline.cli.progress import wait_job
+from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
@@ -89,7 +95,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
     serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
-          threads=args.threads, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
+          threads=args.threads, capacity=args.capacity, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
           advertise_on=advertise)
     return 0
 
@@ -261,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     w.add_argument("--zone", help="failure zone advertised to placement")
     w.add_argument("--threads", type=int, default=8)
+    w.add_argument("--capacity", type=parse_size, default=0,
+                   help="most bytes this worker's shards may use, e.g. 500G (default: the whole disk)")
     w.set_defaults(func=cmd_worker)
 
     st = sub.add_parser("store", help="protect one checkpoint now")
@@ -288,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="runs, checkpoints, jobs and storage workers")
     s.add_argument("--json", action="store_true")
     s.add_argument("--all", action="store_true", help="every version of each checkpoint, not only the current one")
+    s.add_argument("--run", help="only this run directory")
+    s.add_argument("--state", help="only checkpoints in this state (e.g. waiting, failed, forgotten)")
+    s.add_argument("--limit", type=int, default=50, help="checkpoints per page, newest first (default 50)")
+    s.add_argument("--before", type=int, help="the page of checkpoints older than this id")
     s.set_defaults(func=cmd_status)
 
     d = sub.add_parser("dead-letters", help="list or requeue failed messages")
@@ -300,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument("--port", type=int, help="port (default 8080)")
     web.add_argument("--threads", type=int, default=8)
     web.set_defaults(func=cmd_web)
+
+    add_retention_parsers(sub)
 
     for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
                              ("watch", cmd_watch, "run the watcher on the roots"),

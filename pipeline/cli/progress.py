@@ -18,7 +18,7 @@ def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -
     deadline = time.monotonic() + timeout
     last_state = None
     while True:
-        with session_scope(s.db_url) as session:
+        with session_scope(s.db_url, readonly=True) as session:
             job = session.get(Job, job_id)
             if job is None:
                 raise CkptError(f"no job {job_id}")

@@ -10,6 +10,10 @@ from pipeline.cli.progress import age
 from pipeline.states import WorkerState
 
 
+def gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.status import status
 
@@ -17,25 +21,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
     upgrade(s.db_url)
-    doc = status(s, all_versions=args.all)
+    doc = status(s, all_versions=args.all, run=args.run, state=args.state, before=args.before, limit=args.limit)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
         return 0
     if doc["runs"]:
         print("runs:")
+        usage = doc["run_usage"]
         for r in doc["runs"]:
             if r["protected_name"] is None:
                 point = "nothing protected yet"
             else:
                 step = f"step {r['protected_step']}" if r["protected_step"] is not None else r["protected_name"]
                 point = f"newest protected {step}, written {age(r['protected_age_s'])} ago"
-            print(f"  {r['run']}: {r['checkpoints']} checkpoint(s); {point}")
+            u = usage.get(r["run"], {"unique": 0, "shared": 0})
+            print(f"  {r['run']}: {r['checkpoints']} checkpoint(s); {point}; "
+                  f"stores {gb(u['unique'])} unique + {gb(u['shared'])} shared")
+            if r["policy_set"]:
+                print(f"    remote retention: {r['policy']}")
+            else:
+                print("    remote retention: none set, every protected checkpoint is kept on the workers for ever "
+                      "(set CKPT_REMOTE_KEEP_LAST, or a [runs] table in config.toml; `ckpt policy` previews it)")
             if r["behind"]:
                 print(f"    !! {r['behind']}")
             if r["vanished_unprotected"]:
                 print(f"    !! {r['vanished_unprotected']} checkpoint(s) vanished unprotected "
                       "(deleted before their copies were verified)")
         print()
+    cap = doc["capacity"]
+    forecast = (f"full in {cap['days_until_full']:.1f} days at the recent rate" if cap["days_until_full"] is not None
+                else "not filling up")
+    print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['workers']} worker(s), "
+          f"high watermark at {gb(cap['limit'])}; {forecast}"
+          + (f"; {cap['full_workers']} worker(s) FULL" if cap["full_workers"] else "")
+          + (f"; {gb(cap['garbage'])} being collected" if cap["garbage"] else ""))
+    print()
     print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} {'SIZE':>10}  PATH")
     for c in doc["checkpoints"]:
         reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
@@ -46,6 +66,11 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}" + ("" if c["current"] else "  (older version)"))
         if c.get("blocked_reason"):
             print(f"      {c['blocked_reason']}")
+        if c.get("pinned"):
+            print("      pinned" + (f": {c['pin_note']}" if c.get("pin_note") else ""))
+    if doc["next_before"]:
+        print(f"  ... older checkpoints: `ckpt status --before {doc['next_before']}` (or --limit N, --run RUN, "
+              "--state STATE)")
     if doc["problems"]:
         print(f"\nnot protected ({len(doc['problems'])}):")
         for prob in doc["problems"]:
@@ -64,6 +89,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     for w in doc["workers"]:
         failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]
         why = f"  ({w['last_error']})" if failing else ""
-        print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} free {w['free_bytes'] / 1e9:,.1f} GB"
-              + why)
+        print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} "
+              f"used {gb(w['used_bytes'])}, free {gb(w['free_bytes'])} of {gb(w['capacity_bytes'])}" + why)
     return 0

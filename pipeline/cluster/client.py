@@ -226,6 +226,17 @@ class WorkerClient:
     def stat(self, names: list[str]) -> dict[str, int | None]:
         return self._request_json("POST", "/v1/stat", {"shards": names})[1]["sizes"]
 
+    def delete_many(self, names: list[str]) -> dict[str, bool]:
+        """Delete shards (garbage collection); name -> whether it was there."""
+        return self._request_json("POST", "/v1/delete", {"shards": names})[1]["deleted"]
+
+    def inventory_page(self, after: str = "", limit: int = 1000) -> list[tuple[str, int]]:
+        """Up to ``limit`` held shards named after ``after``, in name order (empty: the end)."""
+        path = f"/v1/inventory?after={after}&limit={limit}"
+        resp, data = self._exchange("GET", path)
+        doc = _decode(self.url, "GET", path, resp.status, data, (200,))[1]
+        return [(str(n), int(s)) for n, s in doc["shards"]]
+
     def inventory(self) -> list[tuple[str, int]]:
         return [(n, s) for n, s in self._request_json("GET", "/v1/inventory")[1]["shards"]]
 

@@ -4,7 +4,8 @@ Workers come from the static list (``CKPT_WORKERS``), from ``ckpt up``, or from 
 discovery (recorded as ``candidate``). Every probe is a status request carrying a fresh
 nonce: a worker is admitted (``up``) only if it answers with a proof computed from the
 cluster key; one that cannot is ``rejected`` and never receives a shard (docs/design.md, invariant 5).
-A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back is
+A worker whose disk is above the high watermark is ``full`` (it keeps and serves its
+copies, gets no new ones). A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back is
 reconciled (pipeline.integrity.reconcile) before its copies count again.
 """
 from __future__ import annotations
@@ -53,6 +54,11 @@ def _ask(url: str, key: bytes) -> tuple[str, dict[str, Any] | str, bool]:
     return url, doc, False
 
 
+def is_full(capacity: int, free: int, high_watermark: float) -> bool:
+    """Whether a worker is above the high watermark: it gets no new copies, keeps its own."""
+    return capacity > 0 and (capacity - free) >= high_watermark * capacity
+
+
 def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResult:
     """Challenge every known worker and record what it proved."""
     with session_scope(settings.db_url) as s:
@@ -93,20 +99,28 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResu
                 for other in rows:  # an mDNS candidate recorded under another name
                     if other.id != node and other.state in (WorkerState.CANDIDATE, WorkerState.REJECTED):
                         s.delete(other)
-                if w.state not in STICKY_WORKERS and w.state != WorkerState.UP:
+                w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
+                w.used_bytes = int(answer.get("used", 0))
+                if w.state not in STICKY_WORKERS:
+                    full = is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark)
+                    live = WorkerState.FULL if full else WorkerState.UP
                     if w.state == WorkerState.DOWN:
                         result.returned.append(node)
-                    log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
-                    w.state = WorkerState.UP
+                    if w.state not in (WorkerState.UP, WorkerState.FULL):
+                        log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
+                    elif w.state != live:
+                        log.warning("storage worker %s is %s: %s of %s bytes free (high watermark %.0f%%)",
+                                    node, live, f"{w.free_bytes:,}", f"{w.capacity_bytes:,}",
+                                    100 * settings.high_watermark)
+                    w.state = live
                 w.url, w.zone, w.last_seen, w.last_error = url, answer.get("zone", ""), t, None
-                w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
                 result.answers[url] = node
                 continue
             result.answers[url] = answer
             for w in rows:
                 w.last_error = answer
                 silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-                if w.state == WorkerState.UP and silent:
+                if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
                     w.state = WorkerState.DOWN
                     result.went_down.append(w.id)
                     log.warning("storage worker %s at %s is down: %s", w.id, url, answer)

@@ -1,14 +1,14 @@
 """Copies of a shard: which ones are good, and when a local checkpoint may be deleted. Pure.
 
 **The one rule for a good copy** (docs/design.md, invariant 1): a copy counts toward the
-replication factor when its worker's re-hash from disk matched the manifest (state
-``verified``) after the copy was stored, and its worker counts (``up``: not down, draining,
-rejected or removable). Deleting a local copy also needs every good copy to be *fresh*:
-re-hashed within the freshness window. Shards are content-addressed, so one file on a
-worker can be the copy of several shard rows (of several checkpoints): a copy that any of
-those rows records as corrupt or missing is not good for any of them. :func:`good_workers`
-is that rule; its SQL form is :func:`pipeline.db.replicas.good_copy`, and a test holds the
-two to the same answers.
+replication factor when its worker's re-hash from disk matched the content's SHA-256
+(state ``verified``) after the copy was stored, its worker counts (``up`` or ``full``: not
+down, draining, rejected or removable), and its content is live (not condemned by garbage
+collection). Deleting a local copy also needs every good copy to be *fresh*: re-hashed
+within the freshness window. Content is the unit of storage: one copy per (content, worker),
+shared by every checkpoint whose shards have that SHA-256, so they all see the same truth.
+:func:`good_workers` is that rule; its SQL form is :func:`pipeline.db.copies.good_copy`, and
+a test holds the two to the same answers.
 
 Every place that asks "is this copy good?" goes through it: the rotation decision below,
 the confirmation with the workers before a deletion, the replica counts of ``ckpt status``
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from pipeline.states import COUNTING_WORKERS, DAMAGED, ReplicaState
+from pipeline.states import COUNTING_WORKERS, DAMAGED, ContentState, CopyState
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Copy:
     worker_state: str
     stored_at: datetime | None = None
     verified_at: datetime | None = None
+    #: The content's state: only a live content's copies count (a condemned one is being collected).
+    content_state: str = "live"
 
 
 def is_good(copy: Copy, fresh_after: datetime | None = None) -> bool:
@@ -39,8 +41,9 @@ def is_good(copy: Copy, fresh_after: datetime | None = None) -> bool:
     was re-hashed at or after that time (what a deletion needs). :func:`good_workers`
     adds what the other rows of the same content say."""
     return (
-        copy.state == ReplicaState.VERIFIED
+        copy.state == CopyState.VERIFIED
         and copy.worker_state in COUNTING_WORKERS
+        and copy.content_state == ContentState.LIVE
         and copy.verified_at is not None
         and copy.stored_at is not None
         and copy.verified_at >= copy.stored_at

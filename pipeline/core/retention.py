@@ -1,13 +1,22 @@
-"""Retention: which local checkpoints of a run the policy wants gone. Pure.
+"""Retention, pure: which local checkpoints of a run rotate away, and which protected
+checkpoints stay restorable from the storage workers.
 
-Keep the newest ``keep_last`` checkpoints of each run; "newest" is by the step number in
-the name (pipeline.core.layouts.step_of) when both have one, then by detection order (the
-checkpoint id), never by the last digits of a name or a modification time a copy can change.
-Whether a candidate may really be deleted is decided elsewhere (pipeline.store.rotation).
+Locally, keep the newest ``keep_last`` checkpoints of each run; "newest" is by the step
+number in the name (pipeline.core.layouts.step_of) when both have one, then by detection
+order (the checkpoint id), never by the last digits of a name or a modification time a copy
+can change. Whether a candidate may really be deleted is decided elsewhere
+(pipeline.store.rotation).
+
+Remotely, a :class:`Policy` keeps checkpoints by count, step, calendar bucket and metric;
+the ones it drops are forgotten (pipeline.integrity.retention) and their content collected
+once nothing kept references it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 
 @dataclass(frozen=True)
@@ -24,3 +33,115 @@ def newest_first(items: list[LocalCheckpoint]) -> list[LocalCheckpoint]:
 def to_rotate(items: list[LocalCheckpoint], keep_last: int) -> list[int]:
     """Ids of the checkpoints beyond the newest ``keep_last``, oldest last."""
     return [c.id for c in newest_first(items)[keep_last:]]
+
+
+# -- remote retention: which protected checkpoints stay restorable -------------------------
+
+#: Time buckets of the calendar rules, as restic forms them (in UTC here).
+_BUCKETS: dict[str, Callable[[datetime], tuple[int, ...]]] = {
+    "hourly": lambda t: (t.year, t.month, t.day, t.hour),
+    "daily": lambda t: (t.year, t.month, t.day),
+    "weekly": lambda t: tuple(t.isocalendar()[:2]),
+    "monthly": lambda t: (t.year, t.month),
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which remote copies a run keeps (restic's and Orbax's vocabulary). 0 means a rule is off;
+    a policy with every rule off keeps everything."""
+
+    keep_last: int = 0
+    keep_every: int = 0   # every checkpoint whose step is a multiple of this
+    hourly: int = 0
+    daily: int = 0
+    weekly: int = 0
+    monthly: int = 0
+    best: int = 0         # the best ``best`` by ``metric`` (``mode`` min or max)
+    metric: str = ""
+    mode: str = "min"
+
+    @property
+    def is_set(self) -> bool:
+        return any((self.keep_last, self.keep_every, self.hourly, self.daily, self.weekly, self.monthly, self.best))
+
+    def describe(self) -> str:
+        if not self.is_set:
+            return "none (every protected checkpoint is kept)"
+        parts = [f"last {self.keep_last}" if self.keep_last else "",
+                 f"every {self.keep_every} steps" if self.keep_every else "",
+                 *(f"{n} {name}" for name, n in (("hourly", self.hourly), ("daily", self.daily),
+                                                  ("weekly", self.weekly), ("monthly", self.monthly)) if n),
+                 f"best {self.best} by {self.mode} {self.metric}" if self.best else ""]
+        return ", ".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class Protected:
+    """A protected checkpoint of one run, as the remote policy sees it."""
+
+    id: int
+    step: int | None
+    saved_at: datetime
+    pinned: bool = False
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+def _newest_first(items: Iterable[Protected]) -> list[Protected]:
+    return sorted(items, key=lambda c: (c.step is not None, c.step or 0, c.saved_at, c.id), reverse=True)
+
+
+def kept(items: Iterable[Protected], policy: Policy) -> dict[int, list[str]]:
+    """Per kept checkpoint, why (every rule that keeps it). Deterministic.
+
+    A checkpoint is kept when any rule keeps it (the rules add up, as restic's do); pins and
+    the newest checkpoint of the run are always kept, and so is everything when no rule is set.
+    """
+    ordered = _newest_first(items)
+    why: dict[int, list[str]] = {}
+
+    def keep(c: Protected, reason: str) -> None:
+        why.setdefault(c.id, []).append(reason)
+
+    if not ordered:
+        return why
+    keep(ordered[0], "newest")
+    for c in ordered:
+        if c.pinned:
+            keep(c, "pinned")
+    if not policy.is_set:
+        for c in ordered:
+            keep(c, "no policy")
+        return why
+    for c in ordered[:policy.keep_last]:
+        keep(c, "last")
+    if policy.keep_every:
+        for c in ordered:
+            if c.step is not None and c.step % policy.keep_every == 0:
+                keep(c, f"every {policy.keep_every}")
+    for name, n in (("hourly", policy.hourly), ("daily", policy.daily), ("weekly", policy.weekly),
+                    ("monthly", policy.monthly)):
+        seen: set[tuple[int, ...]] = set()
+        bucket = _BUCKETS[name]
+        for c in sorted(ordered, key=lambda c: (c.saved_at, c.step or 0, c.id), reverse=True):
+            if len(seen) >= n:
+                break
+            b = bucket(c.saved_at.astimezone(UTC))
+            if b not in seen:  # the newest checkpoint of each of the last n buckets
+                seen.add(b)
+                keep(c, name)
+    if policy.best and policy.metric:
+        scored = [c for c in ordered if isinstance(c.metrics.get(policy.metric), (int, float))
+                  and math.isfinite(c.metrics[policy.metric])]
+        sign = 1 if policy.mode == "min" else -1
+        # Ties go to the newer checkpoint (``ordered`` is newest first and the sort is stable).
+        for c in sorted(scored, key=lambda c: sign * c.metrics[policy.metric])[:policy.best]:
+            keep(c, f"best {policy.metric}")
+    return why
+
+
+def to_forget(items: Iterable[Protected], policy: Policy) -> list[int]:
+    """Ids of the checkpoints the policy drops, oldest first."""
+    items = list(items)
+    keep = kept(items, policy)
+    return [c.id for c in reversed(_newest_first(items)) if c.id not in keep]

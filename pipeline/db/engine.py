@@ -30,10 +30,10 @@ BUSY_TIMEOUT_MS = 30_000
 MAX_PAUSE = 0.002
 
 _lock = threading.Lock()
-_engines: dict[tuple[int, str], Engine] = {}
+_engines: dict[tuple[int, str, bool], Engine] = {}
 
 
-def _sqlite_setup(engine: Engine) -> None:
+def _sqlite_setup(engine: Engine, *, readonly: bool = False) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
         # Let SQLAlchemy's BEGIN (below) own transactions instead of the driver.
@@ -43,11 +43,19 @@ def _sqlite_setup(engine: Engine) -> None:
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA synchronous=NORMAL")
+        if readonly:  # a write through this engine is an error, not a lock taken
+            cur.execute("PRAGMA query_only=ON")
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        begin_immediate(conn.connection.dbapi_connection)
+        dbapi_conn = conn.connection.dbapi_connection
+        if readonly and dbapi_conn is not None:
+            # A deferred transaction: in WAL mode it reads a snapshot and never takes the
+            # write lock, so pages and /metrics never hold up the pipeline's writes.
+            dbapi_conn.execute("BEGIN")
+        else:
+            begin_immediate(dbapi_conn)
 
 
 def begin_immediate(dbapi_conn: Any, timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:
@@ -74,25 +82,27 @@ def begin_immediate(dbapi_conn: Any, timeout: float = BUSY_TIMEOUT_MS / 1000) ->
         dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
-def make_engine(url: str) -> Engine:
-    """Create an engine for ``url`` with the control plane's connection rules."""
+def make_engine(url: str, *, readonly: bool = False) -> Engine:
+    """Create an engine for ``url`` with the control plane's connection rules; a ``readonly``
+    one never writes (SQLite: deferred transactions, query_only; PostgreSQL: READ ONLY)."""
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(u.database)), exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False})
-        _sqlite_setup(engine)
+        _sqlite_setup(engine, readonly=readonly)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    return engine.execution_options(postgresql_readonly=True) if readonly else engine
 
 
-def get_engine(url: str) -> Engine:
-    """The engine of this process for ``url``."""
-    key = (os.getpid(), url)
+def get_engine(url: str, *, readonly: bool = False) -> Engine:
+    """The engine of this process for ``url`` (its read-only twin with ``readonly``)."""
+    key = (os.getpid(), url, readonly)
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = make_engine(url)
+            engine = _engines[key] = make_engine(url, readonly=readonly)
         return engine
 
 
@@ -117,12 +127,13 @@ def one(session: Session, model: type[T], key: object) -> T:
 
 
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
+def session_scope(url: str, *, readonly: bool = False) -> Iterator[Session]:
     """One short transaction: commit on success, roll back on error.
 
     Entry points own transactions; library functions take a ``session`` and never commit.
+    ``readonly`` sessions (pages, status, metrics) never take the write lock and cannot write.
     """
-    factory = sessionmaker(get_engine(url), expire_on_commit=False)
+    factory = sessionmaker(get_engine(url, readonly=readonly), expire_on_commit=False)
     session = factory()
     try:
         with session.begin():

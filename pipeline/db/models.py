@@ -1,5 +1,9 @@
-"""The control plane's tables: checkpoints, their files and shard manifest, storage
-workers, replicas, jobs and the job timeline.
+"""The control plane's tables: checkpoints, their files and shard manifest, the content
+the shards reference and its copies on storage workers, jobs and the job timeline.
+
+Content is the unit of storage (docs/design.md, section 3): a content (SHA-256, size) has at
+most one copy per storage worker, and every shard of every checkpoint with that SHA-256
+references it, so every checkpoint sharing it sees the same truth about its copies.
 
 The database is the single source of truth (docs/design.md, invariant 3). Alembic
 owns the schema: every change here needs a new revision under ``migrations/versions``.
@@ -22,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -90,6 +95,14 @@ class Checkpoint(Base):
     #: What proved it complete: "structure" (its layout and files), "quiet" (no change for the
     #: root's quiet period), "declared" (the writer said so: pipeline.protect).
     completed_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    #: When it stopped holding its content (superseded, vanished or forgotten): from then on its
+    #: shards no longer keep their content from garbage collection.
+    released_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True, index=True)
+    #: A pinned checkpoint is never forgotten by the remote retention policy.
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    pin_note: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Numbers the trainer logged for its step (trainer_state.json): what "keep the best K" reads.
+    metrics: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"
@@ -133,7 +146,7 @@ class Shard(Base):
     seq: Mapped[int] = mapped_column(Integer)
     #: "raw" (a byte range) or "safetensors" (a valid safetensors file of whole tensors).
     kind: Mapped[str] = mapped_column(String(16))
-    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("contents.sha256"), index=True)
     size: Mapped[int] = mapped_column(BigInteger)
     src_offset: Mapped[int] = mapped_column(BigInteger)
     length: Mapped[int] = mapped_column(BigInteger)
@@ -142,7 +155,26 @@ class Shard(Base):
     tensors: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
     file: Mapped[CheckpointFile] = relationship(back_populates="shards")
-    replicas: Mapped[list[Replica]] = relationship(back_populates="shard", cascade="all, delete-orphan")
+    content: Mapped[Content] = relationship()
+
+
+class Content(Base):
+    """A content object: bytes with one SHA-256, stored as copies on workers, referenced by shards."""
+
+    __tablename__ = "contents"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    #: "live", "condemned" (garbage collection decided to delete it: no copy counts) or
+    #: "deleted" (every copy is gone); see pipeline.states.ContentState.
+    state: Mapped[str] = mapped_column(String(16), default="live", server_default="live", index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: Last time a checkpoint referenced it or stopped referencing it: garbage collection
+    #: waits a grace period after that.
+    last_referenced_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    condemned_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+
+    copies: Mapped[list[ContentCopy]] = relationship(back_populates="content", cascade="all, delete-orphan")
 
 
 class StorageWorker(Base):
@@ -155,35 +187,43 @@ class StorageWorker(Base):
     zone: Mapped[str] = mapped_column(String(128), default="")
     #: "local" (started by ckpt up), "static" (CKPT_WORKERS) or "mdns".
     source: Mapped[str] = mapped_column(String(16))
-    #: "up", "down", "candidate" (found, not yet admitted), "rejected" (failed the key
-    #: challenge), "draining" (copying its shards away) or "removable" (drained).
+    #: pipeline.states.WorkerState: "up", "full" (above the high watermark: keeps serving and
+    #: counting, receives nothing new), "down", "candidate", "rejected", "draining", "removable".
     state: Mapped[str] = mapped_column(String(16), default="up")
     capacity_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: Bytes its shards take (the worker's own count).
+    used_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     last_seen: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
-class Replica(Base):
-    """One shard on one storage worker."""
+class ContentCopy(Base):
+    """One content's copy on one storage worker (at most one per pair)."""
 
-    __tablename__ = "replicas"
-    __table_args__ = (UniqueConstraint("shard_id", "worker_id", name="uq_replicas_shard_worker"),)
+    __tablename__ = "copies"
+    __table_args__ = (
+        UniqueConstraint("sha256", "worker_id", name="uq_copies_sha256_worker"),
+        Index("ix_copies_worker_state", "worker_id", "state"),
+        # A worker's copies in hash order: the scrub's and the reconcile's pages.
+        Index("ix_copies_worker_sha256", "worker_id", "sha256"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
-    worker_id: Mapped[str] = mapped_column(ForeignKey("storage_workers.id"), index=True)
-    #: "pending", "stored", "verified", "corrupt", "missing", "abandoned" or "trimmed".
+    sha256: Mapped[str] = mapped_column(ForeignKey("contents.sha256", ondelete="CASCADE"), index=True)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("storage_workers.id"))
+    #: pipeline.states.CopyState: "pending", "stored", "verified", "corrupt", "missing",
+    #: "abandoned", "trimmed" or "deleting".
     state: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     stored_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
-    #: Last time the worker's re-hash matched the manifest.
+    #: Last time the worker's re-hash matched the content's SHA-256.
     verified_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
-    #: Last time the replica was checked (verify or scrub), whatever the result.
+    #: Last time the copy was checked (verify or scrub), whatever the result.
     checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
-    shard: Mapped[Shard] = relationship(back_populates="replicas")
+    content: Mapped[Content] = relationship(back_populates="copies")
     worker: Mapped[StorageWorker] = relationship()
 
 
@@ -191,13 +231,22 @@ class Job(Base):
     """A unit of durable work: storing or restoring one checkpoint."""
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_state_lease", "state", "lease_until"),)
+    __table_args__ = (
+        Index("ix_jobs_state_lease", "state", "lease_until"),
+        # One active repair per content: two repairs of one content would set aside each
+        # other's new copy (pipeline.integrity.repair).
+        Index("uq_jobs_active_repair", "sha256", unique=True,
+              sqlite_where=text("kind = 'repair' AND state IN ('queued', 'repairing')"),
+              postgresql_where=text("kind = 'repair' AND state IN ('queued', 'repairing')")),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(16), index=True)
     checkpoint_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=True, index=True
     )
+    #: The content a repair job works on.
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     state: Mapped[str] = mapped_column(String(16))
     #: Executions of the current step (crash redeliveries included).
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -243,6 +292,21 @@ class DetectionProblem(Base):
     reason: Mapped[str] = mapped_column(Text)
     first_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class CapacitySample(Base):
+    """The cluster's usage at one time (the scheduler samples it): what "days until full"
+    and the usage chart are computed from."""
+
+    __tablename__ = "capacity_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow, index=True)
+    #: bytes the storage workers' disks hold (their own report), and their capacity
+    used_bytes: Mapped[int] = mapped_column(BigInteger)
+    capacity_bytes: Mapped[int] = mapped_column(BigInteger)
+    #: bytes of the copies the control plane knows (content size x sent copies)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger)
 
 
 class Lock(Base):

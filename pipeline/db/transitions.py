@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import failpoints, states
 from pipeline.db.engine import rowcount
-from pipeline.db.models import Job, JobEvent
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, Job, JobEvent, Shard
 from pipeline.errors import InvalidTransition, UnknownJob
 
 
@@ -59,6 +59,8 @@ def transition(
     )
     if rowcount(result) == 1:
         session.add(JobEvent(job_id=job_id, at=t, from_state=expected, to_state=target, detail=detail))
+        if kind == states.JobKind.STORE and target in states.RELEASED:
+            release(session, job_id, t)
         return True
     current = session.scalar(select(Job.state).where(Job.id == job_id))
     if current is None:
@@ -66,6 +68,19 @@ def transition(
     if current == target:
         return False
     raise InvalidTransition(kind, job_id, current, target)
+
+
+def release(session: Session, job_id: int, at: datetime) -> None:
+    """The checkpoint of store job ``job_id`` no longer holds its content (superseded, vanished,
+    forgotten): record when, and start its contents' garbage-collection grace period now."""
+    checkpoint_id = session.scalar(select(Job.checkpoint_id).where(Job.id == job_id))
+    if checkpoint_id is None:
+        return
+    session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.released_at.is_(None))
+                    .values(released_at=at).execution_options(synchronize_session=False))
+    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
+    session.execute(update(Content).where(Content.sha256.in_(shas)).values(last_referenced_at=at)
+                    .execution_options(synchronize_session=False))
 
 
 def create_job(
@@ -78,6 +93,7 @@ def create_job(
     bytes_total: int = 0,
     detail: str | None = None,
     dedupe_key: str | None = None,
+    sha256: str | None = None,
 ) -> Job:
     """Insert a job in its kind's initial state, with the first timeline row.
 
@@ -97,6 +113,7 @@ def create_job(
         updated_at=t,
         lease_until=t + timedelta(seconds=lease_seconds),
         dedupe_key=dedupe_key,
+        sha256=sha256,
     )
     session.add(job)
     session.flush()
@@ -113,6 +130,20 @@ def create_job_once(session: Session, kind: str, dedupe_key: str, **kwargs: Any)
             return create_job(session, kind, dedupe_key=dedupe_key, **kwargs)
     except IntegrityError:  # a concurrent scheduler (or double fire) created it first
         return None
+
+
+def create_worker_jobs(session: Session, kind: str, worker_ids: list[str], params: dict[str, Any], detail: str,
+                       *, lease_seconds: float, dedupe: str | None = None) -> list[Job]:
+    """One job of ``kind`` per worker (``params`` and ``detail`` with the worker filled in);
+    with ``dedupe``, none for a worker that already has the job ``{dedupe}:{worker}``."""
+    jobs = []
+    for w in worker_ids:
+        kw: dict[str, Any] = {"checkpoint_id": None, "params": {"worker_id": w, **params},
+                              "lease_seconds": lease_seconds, "detail": detail.format(worker=w)}
+        job = create_job_once(session, kind, f"{dedupe}:{w}", **kw) if dedupe else create_job(session, kind, **kw)
+        if job is not None:
+            jobs.append(job)
+    return jobs
 
 
 def note(session: Session, job_id: int, detail: str) -> None:

@@ -19,12 +19,12 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.core.planner import ShardPlan, plan
-from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
-from pipeline.db.transitions import create_job, note, transition
-from pipeline.detection import completeness, roots
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, Job, Shard
+from pipeline.db.transitions import create_job, note, now, transition
+from pipeline.detection import completeness, metrics, roots
 from pipeline.errors import SourceChanged, UnknownCheckpoint
 from pipeline.hashing import scan
-from pipeline.states import JobKind
+from pipeline.states import ContentState, JobKind
 from pipeline.states import StoreState as S
 
 
@@ -39,6 +39,8 @@ class Detected:
     #: the layout detection recognised, and what proved the checkpoint complete
     layout: str = ""
     completed_by: str = "structure"
+    #: training metrics the checkpoint carries (pipeline.detection.metrics)
+    metrics: dict[str, float] | None = None
 
     @property
     def version(self) -> str:
@@ -70,7 +72,8 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
     if not completeness.unchanged(entries):
         raise SourceChanged(str(path), "a file changed while it was being hashed")
     return Detected(run=run, path=path, entries=tuple(entries), shas=tuple(shas), shards=tuple(shards),
-                    layout=layout, completed_by=completed_by)
+                    layout=layout, completed_by=completed_by,
+                    metrics=metrics.read((e.relpath, e.abspath, e.size) for e in entries) or None)
 
 
 def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int, int], ...]:
@@ -91,11 +94,13 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
     version = d.version
     existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version))
     _supersede_others(session, str(d.path), keep=existing.id if existing is not None else None)
+    _reference(session, {sha: p.size for shards in d.shards for p, sha in shards})
     if existing is not None:
         existing.current = True
         existing.local_present = True
         job = latest_store_job(session, existing.id)
         if job is None or job.state in (S.SUPERSEDED, S.VANISHED):
+            existing.released_at = None  # (a forgotten checkpoint stays forgotten)
             job = create_job(session, JobKind.STORE, checkpoint_id=existing.id, lease_seconds=lease_seconds,
                              bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path")
             return existing, job, True
@@ -105,7 +110,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
         path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
         step=roots.step_of(d.path.name), mtime=max(e.mtime_ns for e in d.entries) / 1e9,
         total_bytes=d.total_bytes, local_present=True, current=True, layout=d.layout or None,
-        completed_by=d.completed_by,
+        completed_by=d.completed_by, metrics=d.metrics,
     )
     session.add(ckpt)
     session.flush()
@@ -119,6 +124,22 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
     job = create_job(session, JobKind.STORE, checkpoint_id=ckpt.id, lease_seconds=lease_seconds,
                      bytes_total=d.total_bytes, detail=detail)
     return ckpt, job, True
+
+
+def _reference(session: Session, sizes: dict[str, int]) -> None:
+    """The contents a checkpoint is about to reference: created live, or touched (locked, so a
+    garbage collection deciding at the same moment either sees this reference or condemned
+    the content first, and the shard step then revives it: docs/design.md, section 5)."""
+    t = now()
+    existing = {c.sha256: c for c in session.scalars(
+        select(Content).where(Content.sha256.in_(sorted(sizes))).with_for_update())}
+    for sha, size in sizes.items():
+        c = existing.get(sha)
+        if c is None:
+            session.add(Content(sha256=sha, size=size, state=ContentState.LIVE, created_at=t, last_referenced_at=t))
+        else:
+            c.last_referenced_at = t
+    session.flush()
 
 
 def _supersede_others(session: Session, path: str, keep: int | None) -> None:

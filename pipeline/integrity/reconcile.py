@@ -1,79 +1,154 @@
 """Reconciling a storage worker that came back: what it holds is checked before it counts.
 
-Replicas the manifest expects there are re-hashed and count again if they match; files
-that match nothing the manifest expects there, or that hash wrong, are quarantined; copies
-that are now surplus (every shard with that content has more than RF verified copies on
-live workers) are trimmed from the returning worker.
+A reconcile is a job (one active per worker) that pages through the worker's inventory in
+hash order from a cursor saved after every page, so a worker holding millions of shards
+returns to service and a reconcile killed anywhere resumes where it was. Per page:
+
+- copies the control plane expects there are re-hashed (throttled, in batches) and count
+  again if they match; expected copies the worker does not hold are ``missing`` and their
+  content is repaired;
+- files of content that is being garbage-collected (or whose copy there was trimmed) are
+  deleted: garbage collection ends on a worker that was down while it ran;
+- any other file the worker holds that nothing expects there, or that hashes wrong, is
+  quarantined (set aside, not deleted);
+- a copy that is surplus (its content has more than RF good copies) is trimmed, decided
+  with the content's row locked so two reconciles never both trim the same content.
 """
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.engine import session_scope
-from pipeline.db.models import Replica, Shard, StorageWorker
-from pipeline.db.replicas import mark, shas_on
-from pipeline.db.transitions import now
+from pipeline.db.copies import good_count, good_counts, mark
+from pipeline.db.engine import one, session_scope
+from pipeline.db.models import Content, ContentCopy, Job, StorageWorker
+from pipeline.db.transitions import create_job, now, renew_lease, transition
+from pipeline.integrity.gc import copy_deleted
 from pipeline.integrity.repair import request_repair
-from pipeline.integrity.scrub import checkpoints_of, record_rehash
+from pipeline.integrity.scrub import record_rehash
 from pipeline.settings import Settings
-from pipeline.states import ReplicaState, WorkerState
-from pipeline.steps import Send
+from pipeline.states import ContentState, CopyState, JobKind
+from pipeline.steps import Send, start_job
 
 log = logging.getLogger("ckpt.reconcile")
+Q = states.ReconcileState
+#: Names per inventory page.
+PAGE = 1000
 
 
-def reconcile_worker(settings: Settings, worker_id: str) -> list[Send]:
+def request_reconcile(session: Session, settings: Settings, worker_id: str, reason: str) -> Job | None:
+    """A reconcile job for ``worker_id`` unless one is already active."""
+    for job in session.scalars(select(Job).where(Job.kind == JobKind.RECONCILE,
+                                                 Job.state.in_(sorted(states.ACTIVE[JobKind.RECONCILE])))):
+        if job.params.get("worker_id") == worker_id:
+            return None
+    params = {"worker_id": worker_id, "cursor": "", "held": 0, "matched": 0, "bad": 0, "unknown": 0,
+              "trimmed": 0, "deleted": 0}
+    return create_job(session, JobKind.RECONCILE, checkpoint_id=None, params=params,
+                      lease_seconds=settings.lease_seconds, detail=f"reconcile of {worker_id} ({reason})")
+
+
+def reconcile(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        worker = s.get(StorageWorker, worker_id)
-        if worker is None or worker.state != WorkerState.UP:
+        job = start_job(s, settings, job_id, JobKind.RECONCILE, Q.QUEUED, Q.RECONCILING)
+        if job is None:
+            return []
+        worker_id = job.params["worker_id"]
+        worker = one(s, StorageWorker, worker_id)
+        if worker.state not in states.READABLE_WORKERS:
+            transition(s, job_id, JobKind.RECONCILE, Q.RECONCILING, Q.DONE, detail=f"{worker_id} is {worker.state}")
             return []
         client = WorkerClient(worker.url, settings.key())
-        expected = set(shas_on(s, worker_id, states.EXPECTED))
-    held = {name for name, _size in client.inventory()}
-    unknown = sorted(held - expected)
-    check = sorted(held & expected)
-    answers = {r["name"]: r for r in client.verify(check, rate=settings.scrub_rate)} if check else {}
-    absent = sorted(expected - held)
 
     sends: list[Send] = []
-    with session_scope(settings.db_url) as s:
-        t = now()
-        bad = record_rehash(s, worker_id, answers, t)
-        for name in absent:
-            mark(s, worker_id, name, states=states.SENT, state=ReplicaState.MISSING, checked_at=t,
-                 last_error="absent when the worker came back")
-        for checkpoint_id in checkpoints_of(s, worker_id, bad + absent):
-            job = request_repair(s, settings, checkpoint_id, f"{worker_id} came back without good copies")
-            if job is not None:
-                sends.append(Send("repair", (job.id,)))
-        corrupt = [n for n in bad if answers[n]["sha256"] is not None]
-        surplus = [n for n in check if n not in bad and _surplus(s, n, settings.rf)]
-        for name in surplus:
-            mark(s, worker_id, name, states=(ReplicaState.VERIFIED,), state=ReplicaState.TRIMMED,
-                 last_error="surplus copy trimmed")
-    if unknown or corrupt:
-        client.quarantine(unknown + corrupt)
-    for name in surplus:
-        client.delete(name)
-    log.info("reconciled %s: %d held, %d matched, %d bad, %d unknown quarantined, %d surplus trimmed",
-             worker_id, len(held), len(check) - len(bad), len(bad), len(unknown), len(surplus))
-    return sends
+    while True:
+        with session_scope(settings.db_url) as s:
+            params = dict(one(s, Job, job_id).params)
+        cursor = params["cursor"]
+        page = client.inventory_page(after=cursor, limit=PAGE)
+        end = page[-1][0] if page else None  # None: the inventory is over
+        with session_scope(settings.db_url) as s:
+            q = (select(ContentCopy.sha256, ContentCopy.state, Content.state)
+                 .join(Content, Content.sha256 == ContentCopy.sha256)
+                 .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256 > cursor))
+            if end is not None:
+                q = q.where(ContentCopy.sha256 <= end)
+            rows = {sha: (state, cstate) for sha, state, cstate in s.execute(q)}
+        held = {name for name, _size in page}
+        expected = {sha for sha, (state, cstate) in rows.items()
+                    if state in states.EXPECTED and cstate == ContentState.LIVE}
+        garbage = sorted(sha for sha in held if sha in rows and sha not in expected)
+        unknown = sorted(held - set(rows))
+        check = sorted(held & expected)
+        answers: dict[str, dict[str, Any]] = {}
+        for i in range(0, len(check), settings.scrub_batch):
+            batch = check[i:i + settings.scrub_batch]
+            answers.update({r["name"]: r for r in client.verify(batch, rate=settings.scrub_rate)})
+            with session_scope(settings.db_url) as s:
+                renew_lease(s, job_id, settings.lease_seconds)
+        absent = sorted(expected - held)
+        with session_scope(settings.db_url) as s:
+            t = now()
+            bad = record_rehash(s, worker_id, answers, t)
+            for sha in absent:
+                mark(s, worker_id, sha, states=states.SENT, state=CopyState.MISSING, checked_at=t,
+                     last_error="absent when the worker came back")
+            for sha in bad + absent:
+                repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy")
+                if repair is not None:
+                    sends.append(Send("repair", (repair.id,)))
+            corrupt = [n for n in bad if answers[n]["sha256"] is not None]
+            # Counted for the whole page first; only the few above RF are decided one by one.
+            counts = good_counts(s, check)
+            surplus = [n for n in check if n not in bad and counts.get(n, 0) > settings.rf
+                       and _trim_if_surplus(s, worker_id, n, settings.rf)]
+            # Decided under the contents' row locks (as the collection's sweep does): every row
+            # of condemned content goes; of live content only a retired row (not one placement
+            # reused for a new upload meanwhile).
+            now_state = dict(s.execute(select(Content.sha256, Content.state).where(Content.sha256.in_(garbage))
+                                       .with_for_update()).all())
+            garbage = [sha for sha in garbage
+                       if mark(s, worker_id, sha, state=CopyState.DELETING,
+                               states=set(CopyState) if now_state.get(sha) == ContentState.CONDEMNED
+                               else states.REUSABLE | {CopyState.DELETING.value}) == 1]
+        if unknown or corrupt:
+            client.quarantine(unknown + corrupt)
+        for name in surplus + garbage:
+            client.delete(name)
+        with session_scope(settings.db_url) as s:
+            for sha in surplus + garbage:
+                copy_deleted(s, worker_id, sha)
+            params.update(cursor=end if end is not None else cursor, held=params["held"] + len(held),
+                          matched=params["matched"] + len(check) - len(bad), bad=params["bad"] + len(bad) + len(absent),
+                          unknown=params["unknown"] + len(unknown), trimmed=params["trimmed"] + len(surplus),
+                          deleted=params["deleted"] + len(garbage))
+            if end is None:
+                detail = (f"{params['held']} held: {params['matched']} matched, {params['bad']} bad or absent, "
+                          f"{params['unknown']} unknown quarantined, {params['trimmed']} surplus trimmed, "
+                          f"{params['deleted']} garbage deleted")
+                transition(s, job_id, JobKind.RECONCILE, Q.RECONCILING, Q.DONE, detail=detail, params=params)
+                log.info("reconciled %s: %s", worker_id, detail)
+                return sends
+            renew_lease(s, job_id, settings.lease_seconds, params=params)
 
 
-def _surplus(s: Session, sha: str, rf: int) -> bool:
-    """True when every shard with this content keeps more than RF verified copies on live workers."""
-    per_shard = (
-        select(Shard.id, func.count(func.distinct(Replica.worker_id)).label("n"))
-        .join(Replica, Replica.shard_id == Shard.id)
-        .join(StorageWorker, StorageWorker.id == Replica.worker_id)
-        .where(Shard.sha256 == sha, Replica.state == ReplicaState.VERIFIED, StorageWorker.state == WorkerState.UP)
-        .group_by(Shard.id)
-    ).subquery()
-    counts = list(s.scalars(select(per_shard.c.n)))
-    total = s.scalar(select(func.count(Shard.id)).where(Shard.sha256 == sha))
-    return bool(counts) and len(counts) == total and min(counts) > rf
+def _trim_if_surplus(s: Session, worker_id: str, sha: str, rf: int) -> bool:
+    """Trim this worker's copy if the content keeps more than RF good copies without it.
+
+    The content's row is locked first (PostgreSQL; SQLite has one writer): two reconciles of
+    two workers holding the same surplus content decide one after the other, and the second
+    sees the first's trim.
+    """
+    content = s.scalar(select(Content).where(Content.sha256 == sha).with_for_update())
+    if content is None or content.state != ContentState.LIVE or good_count(s, sha) <= rf:
+        return False
+    # ``deleting`` (not ``trimmed``) until the file is gone: placement never reuses the row of
+    # a file about to be deleted.
+    return mark(s, worker_id, sha, states=(CopyState.VERIFIED,), state=CopyState.DELETING,
+                last_error="surplus copy trimmed") == 1
+

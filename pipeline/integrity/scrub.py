@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.db.copies import mark, shas_on
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import CheckpointFile, Job, Replica, Shard, StorageWorker
-from pipeline.db.replicas import HELD, mark, shas_on
+from pipeline.db.models import ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import (
-    create_job,
-    create_job_once,
+    create_worker_jobs,
     now,
     renew_lease,
     transition,
@@ -28,7 +28,7 @@ from pipeline.db.transitions import (
 from pipeline.errors import CkptError
 from pipeline.integrity.repair import request_repair
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState
+from pipeline.states import HELD, CopyState, JobKind
 from pipeline.steps import Send, start_job
 
 log = logging.getLogger("ckpt.scrub")
@@ -45,17 +45,8 @@ def request_scrub(session: Session, settings: Settings, *, worker_ids: list[str]
     if worker_ids and len(workers) != len(set(worker_ids)):
         missing = sorted(set(worker_ids) - {w.id for w in workers})
         raise CkptError(f"unknown storage worker {', '.join(missing)}; `ckpt status` lists them")
-    jobs = []
-    for w in workers:
-        params = {"worker_id": w.id, "cursor": "", "checked": 0, "bad": 0}
-        detail = f"scrub of {w.id} ({reason})"
-        job = (create_job_once(session, JobKind.SCRUB, f"{dedupe}:{w.id}", checkpoint_id=None, params=params,
-                               lease_seconds=settings.lease_seconds, detail=detail) if dedupe
-               else create_job(session, JobKind.SCRUB, checkpoint_id=None, params=params,
-                               lease_seconds=settings.lease_seconds, detail=detail))
-        if job is not None:
-            jobs.append(job)
-    return jobs
+    return create_worker_jobs(session, JobKind.SCRUB, [w.id for w in workers], {"cursor": "", "checked": 0, "bad": 0},
+                              f"scrub of {{worker}} ({reason})", lease_seconds=settings.lease_seconds, dedupe=dedupe)
 
 
 def scrub(settings: Settings, job_id: int) -> list[Send]:
@@ -81,8 +72,8 @@ def scrub(settings: Settings, job_id: int) -> list[Send]:
         with session_scope(settings.db_url) as s:
             t = now()
             bad = record_rehash(s, worker_id, answers, t)
-            for checkpoint_id in checkpoints_of(s, worker_id, bad):
-                repair = request_repair(s, settings, checkpoint_id, f"scrub of {worker_id} found bad replicas")
+            for sha in bad:
+                repair = request_repair(s, settings, sha, f"scrub of {worker_id} found its copy bad")
                 if repair is not None:
                     sends.append(Send("repair", (repair.id,)))
             params.update(cursor=batch[-1], checked=params["checked"] + len(batch), bad=params["bad"] + len(bad))
@@ -90,26 +81,28 @@ def scrub(settings: Settings, job_id: int) -> list[Send]:
                         bytes_done=Job.bytes_done + sum(a["size"] or 0 for a in answers.values()))
 
 
-def record_rehash(s: Session, worker_id: str, answers: dict[str, dict], t: datetime) -> list[str]:
-    """Record a worker's re-hash answers against the manifest; the hashes that are bad."""
+def record_rehash(s: Session, worker_id: str, answers: dict[str, dict[str, Any]], t: datetime) -> list[str]:
+    """Record a worker's re-hash answers against each content's SHA-256; the hashes that are bad.
+
+    The matches (nearly all of them) are recorded in a few bulk updates: a reconcile of a
+    worker holding millions of shards records a page at a time, not a row at a time.
+    """
     bad = []
+    good = [name for name, answer in answers.items() if answer.get("sha256") == name]  # the name is the SHA-256
+    for i in range(0, len(good), 500):
+        s.execute(update(ContentCopy)
+                  .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(good[i:i + 500]),
+                         ContentCopy.state.in_(sorted(HELD)))
+                  .values(verified_at=t, checked_at=t, state=CopyState.VERIFIED, last_error=None)
+                  .execution_options(synchronize_session=False))
     for name, answer in answers.items():
         actual = answer.get("sha256")
-        if actual == name:  # the name is the manifest's SHA-256 of the shard
-            mark(s, worker_id, name, verified_at=t, checked_at=t, state=ReplicaState.VERIFIED, last_error=None)
-        elif actual is None:
-            mark(s, worker_id, name, checked_at=t, state=ReplicaState.MISSING, last_error="absent at scrub")
+        if actual == name:
+            continue
+        if actual is None:
+            mark(s, worker_id, name, checked_at=t, state=CopyState.MISSING, last_error="absent at scrub")
             bad.append(name)
         else:
-            mark(s, worker_id, name, checked_at=t, state=ReplicaState.CORRUPT, last_error=f"re-hash gave {actual}")
+            mark(s, worker_id, name, checked_at=t, state=CopyState.CORRUPT, last_error=f"re-hash gave {actual}")
             bad.append(name)
     return bad
-
-
-def checkpoints_of(s: Session, worker_id: str, shas: list[str]) -> list[int]:
-    if not shas:
-        return []
-    return list(s.scalars(
-        select(CheckpointFile.checkpoint_id).join(Shard).join(Replica)
-        .where(Replica.worker_id == worker_id, Shard.sha256.in_(shas)).distinct()
-    ))

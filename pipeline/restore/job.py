@@ -44,8 +44,13 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
     if not target.parent.is_dir():
         raise RestoreError(f"{target.parent} is not a directory; create it first")
     store = latest_store_job(session, ckpt.id)
-    if store is None or store.state not in (states.StoreState.VERIFIED, states.StoreState.ROTATED,
-                                            states.StoreState.REPLICATED):
+    if store is not None and store.state == states.StoreState.FORGOTTEN:
+        when = ckpt.released_at.isoformat(timespec="seconds") if ckpt.released_at else "earlier"
+        local = " (its local copy is still there)" if ckpt.local_present else ""
+        raise RestoreError(f"checkpoint {ckpt.id} ({ckpt.path}) was forgotten {when} by the remote retention "
+                           f"policy or `ckpt forget`: its remote copies are deleted or being deleted, so it cannot "
+                           f"be restored{local}; `ckpt status --all` lists the checkpoints that can")
+    if store is None or store.state not in states.RESTORABLE:
         state = store.state if store else "unknown"
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
     return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,

@@ -79,7 +79,7 @@ def write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None =
     try:
         _write_file(f, out, key, progress, check=False)
     except HashMismatch as exc:
-        log.warning("%s; rebuilding it checking every shard, to skip the bad replica", exc)
+        log.warning("%s; rebuilding it checking every shard, to skip the bad copy", exc)
         _write_file(f, out, key, progress, check=True)
 
 

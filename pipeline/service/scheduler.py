@@ -21,31 +21,38 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import capacity, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import probe_all
+from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, place
 from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
+    Content,
+    ContentCopy,
     Job,
     Lock,
-    Replica,
     Shard,
     StorageWorker,
 )
-from pipeline.db.replicas import good_copies_per_shard, good_copy
-from pipeline.db.transitions import now
+from pipeline.db.transitions import now, transition
+from pipeline.errors import PlacementError
+from pipeline.integrity.gc import mark, request_gc, send_for
+from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import request_repair
+from pipeline.integrity.retention import apply_policy, compact_history
 from pipeline.integrity.scrub import request_scrub
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState, WorkerState
+from pipeline.states import ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
 
 log = logging.getLogger("ckpt.scheduler")
 S, R = states.StoreState, states.RestoreState
 LEADER = "scheduler"
+#: The row of the locks table that holds the last scheduled collection's fire time.
+GC_MARKER = "gc:last-fire"
 
 
 def holder_is_dead(holder: str) -> bool:
@@ -110,27 +117,58 @@ def expired_work(settings: Settings) -> list[Send]:
             expired = job.lease_until is None or job.lease_until < t
             why = "expired" if expired else "ends too far ahead (a fast clock wrote it)"
             job.lease_until = t + timedelta(seconds=settings.lease_seconds)
-            sends.extend(resume(s, job))
+            sends.extend(resume(s, settings, job))
             log.warning("job %d (%s %s): lease %s, re-driving", job.id, job.kind, job.state, why)
     return sends
 
 
-def resume(session: Session, job: Job) -> list[Send]:
+#: The actor that runs each job kind (store jobs are resumed step by step).
+ACTOR = {JobKind.RESTORE: "restore", JobKind.SCRUB: "scrub", JobKind.REPAIR: "repair",
+         JobKind.RECONCILE: "reconcile", JobKind.GC: "gc"}
+
+
+def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
     """The messages that continue ``job`` from its current state."""
-    if job.kind in (JobKind.RESTORE, JobKind.SCRUB, JobKind.REPAIR):
-        return [Send(job.kind, (job.id,))]
+    if job.kind in ACTOR:
+        return [Send(ACTOR[JobKind(job.kind)], (job.id,))]
     if job.state == S.DETECTED:
         return [Send("shard", (job.id,))]
     if job.state == S.REPLICATED:
         return [Send("verify", (job.id,))]
     if job.state == S.SHARDED:
-        pending = session.scalars(
-            select(Replica.id).join(Shard).join(CheckpointFile)
-            .where(CheckpointFile.checkpoint_id == job.checkpoint_id,
-                   Replica.state.in_((ReplicaState.PENDING, ReplicaState.STORED)))
-        ).all()
-        return [Send("replicate", (rid,)) for rid in pending]
+        # Copies placed on a worker that went down meanwhile no longer count: place others.
+        for content in contents_of(session, job.checkpoint_id or 0):
+            for cp in content.copies:
+                if cp.state == CopyState.PENDING and cp.worker.state not in states.PLACEABLE_WORKERS:
+                    cp.state, cp.last_error = CopyState.ABANDONED, f"{cp.worker_id} is {cp.worker.state}"
+            if content.state == ContentState.LIVE:
+                try:
+                    place(session, content, settings.rf)
+                except PlacementError as exc:
+                    log.warning("job %d: content %s cannot be placed again yet: %s", job.id, content.sha256[:12], exc)
+        shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == job.checkpoint_id)
+        pending = session.scalars(select(ContentCopy.id).where(ContentCopy.sha256.in_(shas),
+                                                               ContentCopy.state == CopyState.PENDING)).all()
+        if pending:
+            return [Send("replicate", (cid,)) for cid in pending]
+        # Nothing left to send (a crash came between the last upload and its fan-in): a
+        # replicate message of any sent copy runs the fan-in again.
+        any_copy = session.scalar(select(ContentCopy.id).where(ContentCopy.sha256.in_(shas)).limit(1))
+        return [Send("replicate", (any_copy,))] if any_copy is not None else []
     return []
+
+
+def retry_waiting(settings: Settings) -> list[Send]:
+    """Stores waiting for room (or for their content's collection) try placement again, each
+    once its wait (a lease) is over."""
+    sends = []
+    with session_scope(settings.db_url) as s:
+        for job in s.scalars(select(Job).where(Job.kind == JobKind.STORE, Job.state == S.WAITING,
+                                               (Job.lease_until.is_(None)) | (Job.lease_until < now()))):
+            transition(s, job.id, JobKind.STORE, S.WAITING, S.DETECTED, lease_seconds=settings.lease_seconds,
+                       detail="trying placement again")
+            sends.append(Send("shard", (job.id,)))
+    return sends
 
 
 def rotation_sweep(settings: Settings) -> list[Send]:
@@ -174,39 +212,81 @@ def nightly_scrub(settings: Settings, at: datetime, timezone: tzinfo | None = No
         return [Send("scrub", (j.id,)) for j in jobs]
 
 
-def under_replicated(settings: Settings) -> list[Send]:
-    """Repair jobs for protected checkpoints with a shard short of RF verified copies on up workers."""
+def reconcile_returned(settings: Settings, worker_ids: list[str]) -> list[Send]:
+    """A reconcile job for each worker that came back."""
     sends = []
     with session_scope(settings.db_url) as s:
-        for checkpoint_id in short_checkpoints(s, settings.rf):
-            job = request_repair(s, settings, checkpoint_id,
-                                 "under-replicated: a worker is down, draining or lost copies")
+        for worker_id in worker_ids:
+            job = request_reconcile(s, settings, worker_id, "it came back")
+            if job is not None:
+                sends.append(Send("reconcile", (job.id,)))
+    return sends
+
+
+def scheduled_gc(settings: Settings, at: datetime, timezone: tzinfo | None = None) -> list[Send]:
+    """The scheduled garbage collection, once per fire time (like the nightly scrub)."""
+    if not settings.gc_cron:
+        return []
+    fire = last_fire(settings.gc_cron, at, timezone)
+    if fire is None:
+        return []
+    due = fire.isoformat(timespec="minutes")
+    with session_scope(settings.db_url) as s:
+        # The fire time handled last, in a row of the locks table: one mark per fire time,
+        # whatever the restarts (only the leader runs this).
+        done = s.get(Lock, GC_MARKER)
+        if done is not None and done.holder >= due:
+            return []
+        if done is None:
+            s.add(Lock(name=GC_MARKER, holder=due, expires_at=fire))
+        else:
+            done.holder, done.expires_at = due, fire
+    mark(settings)
+    with session_scope(settings.db_url) as s:
+        return send_for(request_gc(s, settings, dedupe=f"gc:{due}", reason=f"scheduled, due {due}"))
+
+
+def retention_sweep(settings: Settings) -> None:
+    """Forget what each run's remote policy drops; compact old history of forgotten ones."""
+    with session_scope(settings.db_url) as s:
+        apply_policy(s, settings)
+    with session_scope(settings.db_url) as s:
+        compact_history(s, settings)
+
+
+def under_replicated(settings: Settings) -> list[Send]:
+    """Repair jobs for the contents of protected checkpoints that are short of RF good copies."""
+    sends = []
+    with session_scope(settings.db_url) as s:
+        for sha in short_contents(s, settings.rf):
+            job = request_repair(s, settings, sha, "under-replicated: a worker is down, draining or lost its copy")
             if job is not None:
                 sends.append(Send("repair", (job.id,)))
     return sends
 
 
-def short_checkpoints(s: Session, rf: int) -> list[int]:
-    """Protected checkpoints with a shard short of RF good copies."""
+def short_contents(s: Session, rf: int) -> list[str]:
+    """Contents of protected checkpoints short of RF good copies."""
     latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
     protected = select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state.in_(sorted(states.PROTECTED)))
     per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
-    return list(s.scalars(select(per_shard.c.cid).where(per_shard.c.n < rf).distinct()))
+    short = select(per_shard.c.sid).where(per_shard.c.n < rf)
+    return list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()))
 
 
 def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
         for w in s.scalars(select(StorageWorker).where(StorageWorker.state == WorkerState.DRAINING)):
-            its_content = (select(Shard.sha256).join(Replica, Replica.shard_id == Shard.id)
-                           .where(Replica.worker_id == w.id, Replica.state.in_(sorted(states.SENT)))
-                           .distinct().subquery())
+            its_content = (select(ContentCopy.sha256).join(Content, Content.sha256 == ContentCopy.sha256)
+                           .where(ContentCopy.worker_id == w.id, ContentCopy.state.in_(sorted(states.SENT)),
+                                  Content.state == ContentState.LIVE).subquery())
             elsewhere = (
-                select(Shard.sha256, func.count(func.distinct(Replica.worker_id)).label("n"))
-                .join(Replica, Replica.shard_id == Shard.id)
-                .join(StorageWorker, StorageWorker.id == Replica.worker_id)
-                .where(Shard.sha256.in_(select(its_content.c.sha256)), good_copy())
-                .group_by(Shard.sha256)
+                select(ContentCopy.sha256, func.count(ContentCopy.worker_id).label("n"))
+                .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+                .join(Content, Content.sha256 == ContentCopy.sha256)
+                .where(ContentCopy.sha256.in_(select(its_content.c.sha256)), good_copy())
+                .group_by(ContentCopy.sha256)
             ).subquery()
             total = s.scalar(select(func.count()).select_from(its_content))
             covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
@@ -235,14 +315,19 @@ class Scheduler:
         if not leader:
             return
         probe = probe_all(self.settings)
-        self.send([Send("reconcile_worker", (w,)) for w in probe.returned])
+        self.send(reconcile_returned(self.settings, probe.returned))
         self.send(expired_work(self.settings))
         if probe.went_down or self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
             self._last_sweep = self.clock()
             self.send(rotation_sweep(self.settings))
+            retention_sweep(self.settings)
+            with session_scope(self.settings.db_url) as s:
+                capacity.sample(s, self.settings)
             self.send(under_replicated(self.settings))
+            self.send(retry_waiting(self.settings))
             finish_drains(self.settings)
             self.send(nightly_scrub(self.settings, now()))
+            self.send(scheduled_gc(self.settings, now()))
 
     def run(self) -> None:
         browser = None

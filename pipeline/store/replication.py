@@ -1,150 +1,216 @@
-"""The replicate step: one replica of one shard onto one storage worker, then fan-in.
+"""The replicate step: one copy of one content onto one storage worker, then fan-in.
 
-Once stored, the worker re-hashes the replica from its disk (page cache dropped) and the
-answer is compared to the manifest: a match makes the replica ``verified`` here, so the
-verify step only has to re-hash what was not verified yet.
+A copy is of a content, not of one checkpoint's shard: every store that references the
+content waits for the same copies. The bytes come from a local file that holds the content
+(pipeline.store.source), the store that needs them first. Once stored, the worker re-hashes
+the copy from its disk (page cache dropped) and the answer is compared to the content's
+SHA-256: a match makes the copy ``verified`` here, so the verify step only has to confirm it.
 
-Fan-in is decided in the database: the replica that completes the set moves the job
-``sharded -> replicated`` with a compare-and-set, so exactly one delivery enqueues verify.
-A worker that cannot be reached, or whose disk is full, is marked down and the replica
-moves to another live worker (a down worker never blocks a store while RF distinct live
-workers remain).
+Fan-in is decided in the database: every store job waiting in ``sharded`` for this content
+moves to ``replicated`` (compare-and-set, exactly once) when each of its contents has RF
+copies stored on counting workers. A worker that cannot be reached is marked down, one that
+answers 507 full; the copy is abandoned for one on another worker.
 """
 from __future__ import annotations
 
 import logging
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 
 from pipeline import states
+from pipeline.capacity import capacity_reason
 from pipeline.cluster.client import WorkerClient
+from pipeline.db.copies import place_one
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import (
-    Checkpoint,
-    CheckpointFile,
-    Job,
-    Replica,
-    Shard,
-    StorageWorker,
-)
-from pipeline.db.replicas import place_replacement
+from pipeline.db.models import CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
-from pipeline.detection.catalog import file_path
 from pipeline.errors import AttemptsExhausted, PlacementError, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState, WorkerState
+from pipeline.states import COUNTING_WORKERS, ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
-from pipeline.store.sharding import shard_prefix, source_matches
+from pipeline.store.source import Source, local_source, shard_prefix, source_matches
 
 log = logging.getLogger("ckpt.replicate")
 S = states.StoreState
 
 
-def job_of_replica(session: Session, replica_id: int) -> Job | None:
-    return session.scalar(
-        select(Job).join(Checkpoint, Job.checkpoint_id == Checkpoint.id)
-        .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
-        .join(Shard, Shard.file_id == CheckpointFile.id)
-        .join(Replica, Replica.shard_id == Shard.id)
-        .where(Replica.id == replica_id, Job.kind == JobKind.STORE)
-        .order_by(Job.id.desc()).limit(1)
-    )
+def waiting_jobs(session: Session, sha: str, state: str = S.SHARDED) -> list[Job]:
+    """The store jobs in ``state`` (by default waiting for copies) whose checkpoint references
+    content ``sha``."""
+    referencing = (select(CheckpointFile.checkpoint_id).join(Shard, Shard.file_id == CheckpointFile.id)
+                   .where(Shard.sha256 == sha))
+    return list(session.scalars(
+        select(Job).where(Job.checkpoint_id.in_(referencing), Job.kind == JobKind.STORE, Job.state == state)
+        .order_by(Job.id)
+    ))
 
 
-def replicate(settings: Settings, replica_id: int) -> list[Send]:
+def replicate(settings: Settings, copy_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        rep = s.get(Replica, replica_id)
-        if rep is None:
+        cp = s.get(ContentCopy, copy_id)
+        if cp is None:
             return []
-        job = job_of_replica(s, replica_id)
-        if job is None or job.state != S.SHARDED:
-            return []  # finished, superseded or failed meanwhile
-        if rep.state in states.SENT:
-            return _fan_in(s, settings, job.id)
-        if rep.state != ReplicaState.PENDING:
-            return []
-        rep.attempts += 1
-        if rep.attempts > settings.max_attempts:
-            raise AttemptsExhausted(f"replica {replica_id}", rep.attempts - 1, rep.last_error)
-        renew_lease(s, job.id, settings.lease_seconds)
-        shard, worker = rep.shard, rep.worker
-        f = shard.file
-        src = file_path(f.checkpoint, f)
-        kind, tensors = shard.kind, tuple(shard.tensors or ())
-        job_id, url, sha, size = job.id, worker.url, shard.sha256, shard.size
-        src_offset, length, worker_id = shard.src_offset, shard.length, worker.id
+        if cp.state != CopyState.PENDING:
+            return fan_in(s, settings, cp.sha256)
+        if cp.content.state != ContentState.LIVE:
+            return []  # condemned meanwhile: a store that references it again revives it
+        cp.attempts += 1
+        if cp.attempts > settings.max_attempts:
+            raise AttemptsExhausted(f"copy {copy_id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
+                                    cp.last_error)
+        for job in waiting_jobs(s, cp.sha256):
+            renew_lease(s, job.id, settings.lease_seconds)
+        src = local_source(s, cp.sha256)
+        sha, size, worker_id, url = cp.sha256, cp.content.size, cp.worker_id, cp.worker.url
+        if src is None:
+            peers = [(c.worker.url, c.worker_id) for c in cp.content.copies
+                     if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
 
     client = WorkerClient(url, settings.key())
     try:
         held = client.head(sha)
         if held != size:
-            client.put_range(sha, shard_prefix(src, kind, tensors), src, src_offset, length)
-        # Re-hashed from the worker's disk now, while other replicas are still uploading,
+            if src is not None:
+                client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
+                                 src.length)
+            elif not _copy_from_peer(settings, client, sha, size, peers):
+                return _abandon(settings, copy_id, "no local file and no good copy holds its bytes")
+        # Re-hashed from the worker's disk now, while other copies are still uploading,
         # rather than all together in the verify step once the last upload is done.
         rehashed = client.verify([sha])[0]["sha256"]
     except WorkerError as exc:
-        if exc.status == 422:
-            # What the worker received does not hash to the manifest. Either the source
-            # changed under us, or the bytes were damaged on the way: read it again here.
-            if source_matches(src, kind, tensors, src_offset, length, sha):
-                raise WorkerError(url, f"shard {sha[:12]} arrived damaged (the source is intact); "
+        if exc.status == 422 and src is not None:
+            # What the worker received does not hash to the content. Either the source changed
+            # under us, or the bytes were damaged on the way: read it again here.
+            if source_matches(src.path, src.kind, src.tensors, src.offset, src.length, sha):
+                raise WorkerError(url, f"content {sha[:12]} arrived damaged (the source is intact); "
                                        "sending it again") from exc
-            with session_scope(settings.db_url) as s:
-                transition(s, job_id, JobKind.STORE, S.SHARDED, S.SUPERSEDED, detail=str(exc), last_error=str(exc))
-            return []
-        if exc.status is None or exc.status == 507:  # unreachable or full: place this replica elsewhere
-            return _move_off(settings, replica_id, worker_id, str(exc))
+            return _source_gone(settings, copy_id, src, S.SUPERSEDED, str(exc))
+        if exc.status is None or exc.status == 507:  # unreachable or full: place this copy elsewhere
+            return _move_off(settings, copy_id, worker_id, str(exc), full=exc.status == 507)
         raise
     except OSError as exc:
         # The source is gone (vanished, before it was protected) or unreadable (superseded).
+        assert src is not None
         end = S.VANISHED if isinstance(exc, FileNotFoundError) else S.SUPERSEDED
-        with session_scope(settings.db_url) as s:
-            transition(s, job_id, JobKind.STORE, S.SHARDED, end, detail=f"{src}: {exc}", last_error=str(exc))
-        return []
+        return _source_gone(settings, copy_id, src, end, f"{src.path}: {exc}")
 
     with session_scope(settings.db_url) as s:
         t = now()
         # A copy that does not re-hash to its name stays "stored": the verify step finds it
         # corrupt and replaces it.
-        done = ({"state": ReplicaState.VERIFIED, "verified_at": t} if rehashed == sha
-                else {"state": ReplicaState.STORED})
-        s.execute(update(Replica).where(Replica.id == replica_id, Replica.state == ReplicaState.PENDING)
+        done = ({"state": CopyState.VERIFIED, "verified_at": t} if rehashed == sha
+                else {"state": CopyState.STORED})
+        s.execute(update(ContentCopy).where(ContentCopy.id == copy_id, ContentCopy.state == CopyState.PENDING)
                   .values(stored_at=t, checked_at=t, last_error=None, **done))
-        s.execute(update(Job).where(Job.id == job_id).values(bytes_done=Job.bytes_done + size))
-        return _fan_in(s, settings, job_id)
+        for job in waiting_jobs(s, sha):
+            grown = Job.bytes_done + size
+            s.execute(update(Job).where(Job.id == job.id)
+                      .values(bytes_done=case((grown > Job.bytes_total, Job.bytes_total), else_=grown)))
+        return fan_in(s, settings, sha)
 
 
-def _fan_in(s: Session, settings: Settings, job_id: int) -> list[Send]:
+def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: int,
+                    peers: list[tuple[str, str]]) -> bool:
+    """Copy the content from a worker that holds a verified copy (the target checks its hash)."""
+    key = settings.key()
+    for url, worker_id in peers:
+        try:
+            target.copy_from(WorkerClient(url, key), sha, size)
+            return True
+        except WorkerError as exc:
+            if exc.worker == target.url and exc.status is None:
+                raise
+            log.warning("copy of %s from %s failed: %s", sha[:12], worker_id, exc)
+    return False
+
+
+def short_contents(session: Session, checkpoint_id: int, rf: int) -> int:
+    """How many of a checkpoint's contents have fewer than ``rf`` copies stored on counting workers."""
+    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
+    stored = (
+        select(ContentCopy.sha256, func.count(ContentCopy.id).label("n"))
+        .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(states.SENT)),
+               StorageWorker.state.in_(sorted(COUNTING_WORKERS)))
+        .group_by(ContentCopy.sha256)
+    ).subquery()
+    return int(session.scalar(
+        select(func.count(Content.sha256)).outerjoin(stored, stored.c.sha256 == Content.sha256)
+        .where(Content.sha256.in_(shas), func.coalesce(stored.c.n, 0) < rf)
+    ) or 0)
+
+
+def fan_in_job(s: Session, settings: Settings, job_id: int) -> list[Send]:
+    """Move one ``sharded`` store job on when every content of its checkpoint has RF copies stored."""
     job = one(s, Job, job_id)
-    pending = s.scalar(
-        select(func.count(Replica.id)).join(Shard).join(CheckpointFile)
-        .where(CheckpointFile.checkpoint_id == job.checkpoint_id, Replica.state == ReplicaState.PENDING)
-    )
-    if pending:
+    if job.state != S.SHARDED or job.checkpoint_id is None or short_contents(s, job.checkpoint_id, settings.rf):
         return []
     if transition(s, job_id, JobKind.STORE, S.SHARDED, S.REPLICATED, lease_seconds=settings.lease_seconds,
-                  detail="every shard has RF stored replicas", bytes_done=job.bytes_total):
+                  detail="every content has RF stored copies", bytes_done=job.bytes_total):
         return [Send("verify", (job_id,))]
     return []
 
 
-def _move_off(settings: Settings, replica_id: int, worker_id: str, error: str) -> list[Send]:
+def fan_in(s: Session, settings: Settings, sha: str) -> list[Send]:
+    """Fan-in for every store waiting on content ``sha``."""
+    sends: list[Send] = []
+    for job in waiting_jobs(s, sha):
+        sends += fan_in_job(s, settings, job.id)
+    return sends
+
+
+def _abandon(settings: Settings, copy_id: int, why: str) -> list[Send]:
+    with session_scope(settings.db_url) as s:
+        cp = one(s, ContentCopy, copy_id)
+        cp.state, cp.last_error = CopyState.ABANDONED, why
+        log.error("copy %d of %s abandoned: %s", copy_id, cp.sha256[:12], why)
+        for job in waiting_jobs(s, cp.sha256):
+            note(s, job.id, f"content {cp.sha256[:12]}: {why}")
+        return []
+
+
+def _source_gone(settings: Settings, copy_id: int, src: Source, end: S, why: str) -> list[Send]:
+    """The local file the copy was sent from changed or vanished: that store ends; the copy is
+    sent again from another source if one exists (the next attempt looks)."""
+    with session_scope(settings.db_url) as s:
+        if src.job_id is not None:
+            job = one(s, Job, src.job_id)
+            if states.allowed(JobKind.STORE, job.state, end):
+                transition(s, src.job_id, JobKind.STORE, job.state, end, detail=why, last_error=why)
+        cp = one(s, ContentCopy, copy_id)
+        others = waiting_jobs(s, cp.sha256)
+    return [Send("replicate", (copy_id,))] if others else []
+
+
+def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, full: bool) -> list[Send]:
     with session_scope(settings.db_url) as s:
         worker = one(s, StorageWorker, worker_id)
-        worker.state, worker.last_error = WorkerState.DOWN, error
-        rep = one(s, Replica, replica_id)
-        if rep.state != ReplicaState.PENDING:
+        if worker.state not in states.STICKY_WORKERS:
+            worker.state = WorkerState.FULL if full else WorkerState.DOWN
+        worker.last_error = error
+        cp = one(s, ContentCopy, copy_id)
+        if cp.state != CopyState.PENDING:
             return []
-        rep.state, rep.last_error = ReplicaState.ABANDONED, error
+        cp.state, cp.last_error = CopyState.ABANDONED, error
         try:
-            moved = place_replacement(s, rep.shard)
-        except PlacementError:  # nowhere else to go: roll back, and let the retry wait for a worker
-            raise WorkerError(worker.url, f"{error}; no other live worker to take the replica") from None
-        target = moved.worker_id
-        job = job_of_replica(s, replica_id)
-        if job is not None:
-            note(s, job.id, f"worker {worker_id} unreachable ({error}); shard {rep.shard.sha256[:12]} "
-                            f"moves to {target}")
-        log.warning("replica %d: %s unreachable, moved to %s", replica_id, worker_id, target)
+            with s.begin_nested():
+                moved = place_one(s, cp.content)
+        except PlacementError:
+            if not full:  # unreachable, nowhere else to go: roll back; the retry may find the worker back
+                raise WorkerError(worker.url, f"{error}; no other worker can take the copy") from None
+            # Full, and every other worker too: the stores waiting on this content wait for room
+            # (the scheduler places them again once their wait ends: pipeline.store.sharding).
+            reason = capacity_reason(s, settings, [cp.content])
+            for job in waiting_jobs(s, cp.sha256):
+                transition(s, job.id, JobKind.STORE, S.SHARDED, S.WAITING, detail=reason, blocked_reason=reason,
+                           lease_seconds=settings.lease_seconds)
+            log.warning("copy %d: %s full and no other worker has room; its stores wait", copy_id, worker_id)
+            return []
+        what = "full" if full else "unreachable"
+        for job in waiting_jobs(s, cp.sha256):
+            note(s, job.id, f"worker {worker_id} {what} ({error}); content {cp.sha256[:12]} moves to "
+                            f"{moved.worker_id}")
+        log.warning("copy %d: %s %s, moved to %s", copy_id, worker_id, what, moved.worker_id)
         return [Send("replicate", (moved.id,))]

@@ -19,9 +19,9 @@ from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.core import copies
 from pipeline.core.retention import LocalCheckpoint, to_rotate
+from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Job, StorageWorker
-from pipeline.db.replicas import fresh_after, shard_copies
 from pipeline.db.transitions import note, transition
 from pipeline.detection.catalog import latest_store_job
 from pipeline.errors import WorkerError

@@ -9,66 +9,31 @@ whose size or mtime moved is re-hashed (a ``touch`` is not a change).
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import os
 import time
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from pipeline import states
-from pipeline.core import placement
-from pipeline.core.header import Header, shard_header
+from pipeline.capacity import capacity_reason
 from pipeline.core.planner import plan
+from pipeline.db.copies import contents_of, place
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, Replica, Shard
-from pipeline.db.replicas import live_candidates
+from pipeline.db.models import Checkpoint, Content
 from pipeline.db.transitions import renew_lease, transition
 from pipeline.detection.catalog import file_path
 from pipeline.detection.completeness import read_header
+from pipeline.errors import PlacementError
 from pipeline.hashing import scan
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState
+from pipeline.states import ContentState, CopyState, JobKind
 from pipeline.steps import Send, begin_step
+from pipeline.store.replication import fan_in_job
 
 log = logging.getLogger("ckpt.shard")
 S = states.StoreState
-
-
-@functools.lru_cache(maxsize=64)
-def _header_of(path: str, size: int, mtime_ns: int) -> Header:
-    return read_header(path)
-
-
-def shard_prefix(path: str, kind: str, tensors: tuple[str, ...] | list[str]) -> bytes:
-    """The bytes a shard has before its payload: its own safetensors header (b"" for raw).
-
-    Rebuilt from the source file's header, parsed once per file version (path, size and
-    mtime) in this process rather than once per replica. Deterministic: the same bytes the
-    planner hashed.
-    """
-    if kind != "safetensors":
-        return b""
-    st = os.stat(path)
-    names = set(tensors)
-    return shard_header([t for t in _header_of(path, st.st_size, st.st_mtime_ns).tensors if t.name in names])
-
-
-def source_matches(src: str, kind: str, tensors: tuple[str, ...], offset: int, length: int, sha: str) -> bool:
-    """Whether the shard's bytes in the source file still hash to ``sha`` (a worker that
-    refused them got them damaged on the way, or the source changed: this tells which)."""
-    try:
-        h = hashlib.sha256(shard_prefix(src, kind, tensors))
-        with open(src, "rb") as f:
-            f.seek(offset)
-            remaining = length
-            while remaining and (chunk := f.read(min(remaining, 4 << 20))):
-                h.update(chunk)
-                remaining -= len(chunk)
-        return not remaining and h.hexdigest() == sha
-    except (OSError, ValueError):
-        return False
 
 
 def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
@@ -77,6 +42,7 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         if job is None:
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
+        ckpt_id = ckpt.id
         files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256)
                  for f in ckpt.files]
 
@@ -97,23 +63,55 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             return _end(settings, job_id, S.SUPERSEDED, f"{name} can no longer be read as detected ({exc})")
 
     with session_scope(settings.db_url) as s:
-        workers = live_candidates(s)
-        file_ids = [f[0] for f in files]
-        shards = s.scalars(select(Shard).where(Shard.file_id.in_(file_ids)).order_by(Shard.file_id, Shard.seq)).all()
-        for shard in shards:
-            if not shard.replicas:
-                shard.replicas = [Replica(worker_id=w, state=ReplicaState.PENDING)
-                                  for w in placement.place(shard.sha256, workers, settings.rf)]
-        s.flush()
+        contents = revive(s, contents_of(s, ckpt_id))
+        try:
+            with s.begin_nested():  # all contents placed, or none
+                for c in contents:
+                    place(s, c, settings.rf)
+        except PlacementError:
+            s.expire_all()
+            return _wait(s, settings, job_id, capacity_reason(s, settings, contents_of(s, ckpt_id)))
+        pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
-                           detail=f"{len(shards)} shards, RF {settings.rf}", bytes_done=0,
-                           bytes_total=settings.rf * sum(sh.size for sh in shards))
+                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}",
+                           bytes_done=0, bytes_total=sum(cp.content.size for cp in pending), blocked_reason=None)
         if not moved:
             raise RuntimeError("job left 'detected' while sharding; rolling back this placement")
-        replica_ids = s.scalars(select(Replica.id).join(Shard).where(Shard.file_id.in_(file_ids))).all()
-        sends = [Send("replicate", (rid,)) for rid in replica_ids]
-    log.info("job %d: %d shards, %d replicas to send", job_id, len(shards), len(sends))
+        sends = [Send("replicate", (cp.id,)) for cp in pending]
+        if not pending:  # every content already has RF copies (a step that changed nothing)
+            sends = fan_in_job(s, settings, job_id)
+    log.info("job %d: %d contents, %d copies to send", job_id, len(contents), len(pending))
     return sends
+
+
+def revive(s: Session, contents: list[Content]) -> list[Content]:
+    """Content being collected (or collected) that this store references is live again.
+
+    Under the content's row lock, which the collection's sweep also takes before it marks
+    copies ``deleting`` (pipeline.integrity.gc): copies it marked before are never counted
+    again and placement puts new ones elsewhere; copies it did not mark yet it never will
+    (it re-checks under the lock), so they count again. docs/design.md, section 5.
+    """
+    stale = [c.sha256 for c in contents if c.state != ContentState.LIVE]
+    if not stale:
+        return contents
+    for c in s.scalars(select(Content).where(Content.sha256.in_(stale)).with_for_update()
+                       .execution_options(populate_existing=True)):
+        if c.state != ContentState.LIVE:
+            log.info("content %s was %s; referenced again, it is live and uploaded anew where needed",
+                     c.sha256[:12], c.state)
+            c.state, c.condemned_at = ContentState.LIVE, None
+    s.flush()
+    return contents
+
+
+def _wait(s: Session, settings: Settings, job_id: int, reason: str) -> list[Send]:
+    """The checkpoint cannot be placed now: it waits, saying why; the scheduler tries again
+    once its lease ends (pipeline.service.scheduler.retry_waiting)."""
+    transition(s, job_id, JobKind.STORE, S.DETECTED, S.WAITING, detail=reason, blocked_reason=reason,
+               lease_seconds=settings.lease_seconds)
+    log.warning("job %d waits: %s", job_id, reason)
+    return []
 
 
 class _LeaseKeeper:

@@ -5,8 +5,9 @@ manifest's SHA-256, never to anything the worker says about itself (docs/design.
 Replicas that the replicate step already re-hashed and matched during this job (most of
 them: each is re-hashed as soon as it is stored) are not read again; their workers only
 confirm that they still hold them, so a worker lost since then is still caught here.
-A missing replica is sent again; a corrupt one is replaced on another worker and the job
-goes back to ``sharded`` until the replacement is stored.
+A missing copy is sent again; a corrupt one is replaced on another worker and the job goes
+back to ``sharded`` until the replacement is stored. Copies are of content: a copy that a
+verify finds damaged is damaged for every checkpoint that shares it.
 """
 from __future__ import annotations
 
@@ -20,24 +21,26 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.db.copies import place
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard, StorageWorker
-from pipeline.db.replicas import mark, place_replacement
+from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
-from pipeline.errors import WorkerError
+from pipeline.errors import PlacementError, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState, WorkerState
+from pipeline.states import CopyState, JobKind, WorkerState
 from pipeline.steps import Send, begin_step
+from pipeline.store.replication import fan_in_job
 
 log = logging.getLogger("ckpt.verify")
 S = states.StoreState
 
 
-def replicas_of(session: Session, checkpoint_id: int, wanted: Iterable[str]) -> list[Replica]:
+def copies_of(session: Session, checkpoint_id: int, wanted: Iterable[str]) -> list[ContentCopy]:
+    """The copies in ``wanted`` states of every content a checkpoint references."""
+    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
     return list(session.scalars(
-        select(Replica).join(Shard).join(CheckpointFile)
-        .where(CheckpointFile.checkpoint_id == checkpoint_id, Replica.state.in_(sorted(wanted)))
-        .order_by(Replica.id)
+        select(ContentCopy).where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(wanted)))
+        .order_by(ContentCopy.id)
     ))
 
 
@@ -79,10 +82,18 @@ def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[st
         return dict(pool.map(ask, asks.items()))
 
 
-def replace_replica(session: Session, rep: Replica, state: str, error: str) -> Replica:
-    """Stop counting ``rep`` and place a fresh replica of its shard on another live worker."""
-    rep.state, rep.last_error = state, error
-    return place_replacement(session, rep.shard)
+def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: str, error: str) -> list[Send]:
+    """Stop counting ``cp`` and, if its content is now short of RF, place fresh copies on
+    other placeable workers; the messages that send them. With nowhere to place one now, the
+    store's next re-drive places it (pipeline.service.scheduler.resume)."""
+    cp.state, cp.last_error = state, error
+    try:
+        with session.begin_nested():
+            fresh = place(session, cp.content, settings.rf)
+    except PlacementError as exc:
+        log.warning("content %s: no worker for a replacement copy yet: %s", cp.sha256[:12], exc)
+        return []
+    return [Send("replicate", (c.id,)) for c in fresh]
 
 
 def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
@@ -93,13 +104,13 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         checkpoint_id, since = one(s, Checkpoint, job.checkpoint_id).id, job.created_at
         asks: dict[str, WorkerAsk] = {}
         confirmed: set[int] = set()
-        for rep in replicas_of(s, checkpoint_id, states.SENT):
-            a = asks.setdefault(rep.worker_id, WorkerAsk(rep.worker.url))
-            if rep.state == ReplicaState.VERIFIED and rep.verified_at is not None and rep.verified_at >= since:
-                a.present[rep.shard.sha256] = rep.shard.size  # re-hashed when stored, this job
-                confirmed.add(rep.id)
+        for cp in copies_of(s, checkpoint_id, states.SENT):
+            a = asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url))
+            if cp.state == CopyState.VERIFIED and cp.verified_at is not None and cp.verified_at >= since:
+                a.present[cp.sha256] = cp.content.size  # re-hashed since this job started
+                confirmed.add(cp.id)
             else:
-                a.rehash.append(rep.shard.sha256)
+                a.rehash.append(cp.sha256)
 
     answers = rehash_on_workers(settings, asks)
 
@@ -110,41 +121,42 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         for worker_id, answer in answers.items():
             if isinstance(answer, str):
                 worker = one(s, StorageWorker, worker_id)
-                worker.state, worker.last_error = WorkerState.DOWN, answer
-        for rep in replicas_of(s, checkpoint_id, states.SENT):
-            answer = answers[rep.worker_id]
-            if isinstance(answer, str):  # unreachable: its copies do not count; copy elsewhere
-                fresh = replace_replica(s, rep, ReplicaState.ABANDONED, f"worker unreachable at verify: {answer}")
-                bad.append(f"shard {rep.shard.sha256[:12]} unreachable on {rep.worker_id}")
-                sends.append(Send("replicate", (fresh.id,)))
+                if worker.state not in states.STICKY_WORKERS:
+                    worker.state = WorkerState.DOWN
+                worker.last_error = answer
+        for cp in copies_of(s, checkpoint_id, states.SENT):
+            reply = answers.get(cp.worker_id)
+            if reply is None:
+                continue  # stored since the question was asked: the next verify sees it
+            if isinstance(reply, str):  # unreachable: its copies do not count; copy elsewhere
+                sends += replace_copy(s, settings, cp, CopyState.ABANDONED, f"worker unreachable at verify: {reply}")
+                bad.append(f"content {cp.sha256[:12]} unreachable on {cp.worker_id}")
                 continue
-            actual = answer.get(rep.shard.sha256)
-            if actual == rep.shard.sha256:
-                rep.state, rep.last_error = ReplicaState.VERIFIED, None
-                if rep.id not in confirmed:
-                    rep.verified_at = t
+            actual = reply.get(cp.sha256, "absent")
+            if actual == "absent":
+                continue  # stored since the question was asked
+            if actual == cp.sha256:
+                cp.state, cp.last_error, cp.checked_at = CopyState.VERIFIED, None, t
+                if cp.id not in confirmed:
+                    cp.verified_at = t
             elif actual is None:
-                # The file is what is missing: every row of this content on that worker says so.
-                mark(s, rep.worker_id, rep.shard.sha256, state=ReplicaState.MISSING, checked_at=t,
-                     last_error="missing on the worker at verify")
-                rep.state, rep.last_error = ReplicaState.PENDING, "missing on the worker at verify"
-                bad.append(f"shard {rep.shard.sha256[:12]} missing on {rep.worker_id}")
-                sends.append(Send("replicate", (rep.id,)))
+                cp.state, cp.last_error, cp.checked_at = CopyState.PENDING, "missing on the worker at verify", t
+                cp.stored_at = cp.verified_at = None
+                bad.append(f"content {cp.sha256[:12]} missing on {cp.worker_id}")
+                sends.append(Send("replicate", (cp.id,)))
             else:
-                mark(s, rep.worker_id, rep.shard.sha256, state=ReplicaState.CORRUPT, checked_at=t,
-                     last_error=f"at verify the worker gave {actual}")
-                fresh = replace_replica(s, rep, ReplicaState.CORRUPT, f"at verify the worker gave {actual}")
-                bad.append(f"shard {rep.shard.sha256[:12]} corrupt on {rep.worker_id}")
-                sends.append(Send("replicate", (fresh.id,)))
+                sends += replace_copy(s, settings, cp, CopyState.CORRUPT, f"at verify the worker gave {actual}")
+                cp.checked_at = t
+                bad.append(f"content {cp.sha256[:12]} corrupt on {cp.worker_id}")
         if bad:
             transition(s, job_id, JobKind.STORE, S.REPLICATED, S.SHARDED, lease_seconds=settings.lease_seconds,
                        detail="re-replicating: " + "; ".join(bad[:10]))
-            return sends
+            s.flush()
+            # Content that still has RF stored copies elsewhere needs nothing sent: fan in now.
+            return sends + fan_in_job(s, settings, job_id)
         run = one(s, Checkpoint, checkpoint_id).run
         transition(s, job_id, JobKind.STORE, S.REPLICATED, S.VERIFIED,
-                   detail=f"{len(confirmed) + sum(len(a.rehash) for a in asks.values())} replicas re-hashed and"
+                   detail=f"{len(confirmed) + sum(len(a.rehash) for a in asks.values())} copies re-hashed and"
                           f" matched ({len(confirmed)} as they were stored)")
         log.info("job %d verified on %d workers", job_id, len(asks))
     return [Send("rotate_run", (run,))]
-
-

@@ -11,8 +11,11 @@ from typing import Any
 import dramatiq
 
 from pipeline import settings as settings_mod
+from pipeline.db.engine import session_scope
 from pipeline.errors import AttemptsExhausted
-from pipeline.integrity.reconcile import reconcile_worker as reconcile_step
+from pipeline.integrity.gc import collect
+from pipeline.integrity.reconcile import reconcile as reconcile_step
+from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import repair as repair_step
 from pipeline.integrity.scrub import scrub as scrub_step
 from pipeline.restore.job import restore as restore_step
@@ -50,8 +53,8 @@ def shard(job_id: int) -> None:
 
 
 @dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
-def replicate(replica_id: int) -> None:
-    send_all(replicate_step(settings_mod.current(), replica_id))
+def replicate(copy_id: int) -> None:
+    send_all(replicate_step(settings_mod.current(), copy_id))
 
 
 @dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)
@@ -84,6 +87,21 @@ def repair(job_id: int) -> None:
     send_all(repair_step(settings_mod.current(), job_id))
 
 
-@dramatiq.actor(actor_name="reconcile_worker", queue_name="ckpt", **_TRANSFER)
+@dramatiq.actor(actor_name="reconcile", queue_name="ckpt", **_TRANSFER)
+def reconcile(job_id: int) -> None:
+    send_all(reconcile_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="gc", queue_name="ckpt", **_TRANSFER)
+def gc(job_id: int) -> None:
+    send_all(collect(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="reconcile_worker", queue_name="ckpt", **_CONTROL)
 def reconcile_worker(worker_id: str) -> None:
-    send_all(reconcile_step(settings_mod.current(), worker_id))
+    """Messages of the release before reconcile jobs (still queued at an upgrade) start one."""
+    settings = settings_mod.current()
+    with session_scope(settings.db_url) as s:
+        job = request_reconcile(s, settings, worker_id, "queued before the upgrade")
+        sends = [Send("reconcile", (job.id,))] if job is not None else []
+    send_all(sends)

@@ -16,12 +16,12 @@ from dramatiq.brokers.redis import RedisBroker
 
 from pipeline import states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Job, Replica
+from pipeline.db.models import ContentCopy, Job
 from pipeline.db.transitions import now, transition
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
-from pipeline.states import JobKind, ReplicaState
-from pipeline.tasks.failures import job_id_for
+from pipeline.states import CopyState, JobKind
+from pipeline.tasks.failures import job_ids_for
 
 QUEUE = "ckpt"
 
@@ -80,17 +80,15 @@ def requeue(settings: Settings, ids: list[str] | None = None) -> int:
 
 def _revive_job(settings: Settings, actor: str, args: tuple[Any, ...]) -> None:
     with session_scope(settings.db_url) as s:
-        job_id = job_id_for(s, actor, args)
-        if job_id is None:
-            return
         if actor == "replicate":
-            rep = s.get(Replica, int(args[0]))
-            if rep is not None and rep.state == ReplicaState.PENDING:
-                rep.attempts = 0
-        job = s.get(Job, job_id)
-        if job is None:  # the job was deleted: the fresh message will find nothing to do
-            return
-        back = (job.params or {}).get("failed_from") if job.kind == JobKind.STORE else "queued"
-        if job.state == states.StoreState.FAILED and back:
-            transition(s, job_id, job.kind, job.state, back, detail="requeued from the dead-letter queue",
-                       lease_until=now() + timedelta(seconds=settings.lease_seconds), last_error=None)
+            cp = s.get(ContentCopy, int(args[0]))
+            if cp is not None and cp.state == CopyState.PENDING:
+                cp.attempts = 0
+        for job_id in job_ids_for(s, actor, args, failed=True):
+            job = s.get(Job, job_id)
+            if job is None:  # the job was deleted: the fresh message will find nothing to do
+                continue
+            back = (job.params or {}).get("failed_from") if job.kind == JobKind.STORE else "queued"
+            if job.state == states.StoreState.FAILED and back:
+                transition(s, job_id, job.kind, job.state, back, detail="requeued from the dead-letter queue",
+                           lease_until=now() + timedelta(seconds=settings.lease_seconds), last_error=None)

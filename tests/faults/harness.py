@@ -6,8 +6,9 @@ has its own, so a test can break one worker and not the others. After each fault
 harness waits until the cluster is quiet again and checks, from the disks and not from what
 the database believes:
 
-- no data lost: every shard of every protected checkpoint has a copy somewhere that hashes
-  to its name, or the checkpoint's local file is still there and whole;
+- no data lost: every shard of every kept checkpoint (not superseded, vanished or forgotten)
+  has a copy somewhere that hashes to its name, or the checkpoint's local file is still there
+  and whole;
 - no unsafe deletion: a checkpoint whose local copy is gone has RF such copies of every shard
   on distinct workers;
 - no torn file: every file under a worker's ``shards/`` hashes to its name;
@@ -120,7 +121,9 @@ class Verdict:
 
 class FaultCluster(Cluster):
     def __init__(self, tmp: Path, *, env: dict[str, str] | None = None, proxy: bool = False,
-                 **kwargs) -> None:
+                 worker_args: dict[int, tuple[str, ...]] | None = None, **kwargs) -> None:
+        #: Extra ``ckpt worker`` arguments per worker index (e.g. a ``--capacity``).
+        self.worker_args = worker_args or {}
         #: With ``proxy``, the cluster reaches the first storage worker through a
         #: :class:`~tests.faults.proxy.Proxy` that can corrupt or cut what it carries.
         self.proxy: Proxy | None = None
@@ -142,7 +145,7 @@ class FaultCluster(Cluster):
             d.mkdir(exist_ok=True)
             w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home, **{**self.extra_env,
                                                                             "CKPT_FAILPOINTS": str(d)}),
-                              self.tmp / "logs" / f"worker{i}.log")
+                              self.tmp / "logs" / f"worker{i}.log", args=self.worker_args.get(i, ()))
             self.workers.append(w.start())
         if self.use_proxy:
             self.proxy = Proxy(self.workers[0].port)
@@ -247,8 +250,8 @@ class FaultCluster(Cluster):
             with session_scope(self.settings.db_url) as s:
                 if any(self.runs.rglob(".ckpt-trash-*")):
                     return False  # a crashed rotation's trash: put back or emptied by the next sweep
-                if any(w.state != "up" for w in s.scalars(select(WorkerRow))):
-                    return False  # a worker taken for down (killed, stopped, full) is not back yet
+                if any(w.state not in ("up", "full") for w in s.scalars(select(WorkerRow))):
+                    return False  # a worker taken for down (killed, stopped) is not back yet
                 known = set(s.scalars(select(Checkpoint.path)))
                 self.expecting = [p for p in self.expecting if str(p.resolve()) not in known]
                 if self.expecting:
@@ -291,10 +294,8 @@ class FaultCluster(Cluster):
                         v.problems.append(f"{p} does not hash to its name")
         with session_scope(self.settings.db_url) as s:
             for c in s.scalars(select(Checkpoint)):
-                latest = s.scalar(select(Job).where(Job.kind == "store", Job.checkpoint_id == c.id)
-                                  .order_by(Job.id.desc()).limit(1))
-                if latest is not None and latest.state == S.SUPERSEDED:
-                    continue  # its bytes were replaced by the user: a newer checkpoint holds them
+                if c.released_at is not None:
+                    continue  # superseded (a newer checkpoint holds its bytes), vanished or forgotten: not kept
                 for f in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id)):
                     local = Path(c.path) / f.relpath if f.relpath else Path(c.path)
                     local_whole = local.is_file() and sha256_of(local) == f.sha256

@@ -127,7 +127,7 @@ def test_every_message_delivered_twice_concurrently(fault_cluster: FaultCluster,
                     with session_scope(c.settings.db_url) as s:
                         job = s.get(Job, job_id)
                         state = job.state
-                        sends = resume(s, job) if state not in seen else []
+                        sends = resume(s, c.settings, job) if state not in seen else []
                         if state == "verified":
                             older = s.scalars(select(Job.id).where(Job.kind == "store", Job.id < job_id,
                                                                    Job.state == "verified")).all()

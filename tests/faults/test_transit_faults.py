@@ -57,7 +57,7 @@ def read_through_proxy(c: FaultCluster, path: Path) -> bool:
     proxied_id = c.workers[0].node_id
     with session_scope(c.settings.db_url) as s:
         files = manifest(s, resolve(s, str(path)))
-    return any(sh.replicas and sh.replicas[0][0] == proxied_id and sh.size > INTO_BODY
+    return any(sh.copies and sh.copies[0][0] == proxied_id and sh.size > INTO_BODY
                for f in files for sh in f.shards)
 
 

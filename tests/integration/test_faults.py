@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from sqlalchemy import func, select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, Replica, Shard
+from pipeline.db.models import CheckpointFile, ContentCopy, Shard
 from pipeline.detection.catalog import resolve
 from pipeline.restore.gather import manifest
 from pipeline.restore.loader import load_state_dict
@@ -23,12 +23,17 @@ def big_checkpoint(path, seed: int = 0):
     return atomic_save(state_dict(seed, layers=24, width=256), path)
 
 
-def stored_replicas(cluster, job_id: int) -> int:
-    """Replicas uploaded so far (each is re-hashed and marked verified as soon as it is stored)."""
+def of_checkpoint(cid: int):
+    return select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == cid)
+
+
+def stored_copies(cluster, job_id: int) -> int:
+    """Copies uploaded so far (each is re-hashed and marked verified as soon as it is stored)."""
     with session_scope(cluster.settings.db_url) as s:
         cid = cluster.job(job_id).checkpoint_id
-        return s.scalar(select(func.count(Replica.id)).join(Shard).join(CheckpointFile)
-                        .where(CheckpointFile.checkpoint_id == cid, Replica.state.in_(("stored", "verified"))))
+        return s.scalar(select(func.count(ContentCopy.id))
+                        .where(ContentCopy.sha256.in_(of_checkpoint(cid)),
+                               ContentCopy.state.in_(("stored", "verified"))))
 
 
 def node_id(worker) -> str:
@@ -42,15 +47,15 @@ def test_storage_worker_killed_during_store_then_restore_falls_back(make_cluster
     path = big_checkpoint(run / "step_1.safetensors")
     original = files_of(path)
     job_id = checkpoint_job(cluster, path)
-    wait_for(lambda: stored_replicas(cluster, job_id) >= 5, 60, "some replicas stored")
+    wait_for(lambda: stored_copies(cluster, job_id) >= 5, 60, "some copies stored")
     dead = cluster.workers[0]
     dead.kill()
 
     cluster.wait_job(job_id, ("verified",), timeout=120)
     with session_scope(cluster.settings.db_url) as s:
         cid = cluster.job(job_id).checkpoint_id
-        live = s.scalars(select(Replica).join(Shard).join(CheckpointFile)
-                         .where(CheckpointFile.checkpoint_id == cid, Replica.state == "verified")).all()
+        live = s.scalars(select(ContentCopy).where(ContentCopy.sha256.in_(of_checkpoint(cid)),
+                                                   ContentCopy.state == "verified")).all()
         assert {r.worker_id for r in live}.isdisjoint({node_id(dead)})
 
     # Now lose a second worker: every shard still has its copy on the third, and gathering
@@ -58,7 +63,7 @@ def test_storage_worker_killed_during_store_then_restore_falls_back(make_cluster
     second = cluster.workers[1]
     with session_scope(cluster.settings.db_url) as s:
         files = manifest(s, resolve(s, str(path)))
-    preferred_on_second = sum(1 for f in files for sh in f.shards if sh.replicas[0][0] == node_id(second))
+    preferred_on_second = sum(1 for f in files for sh in f.shards if sh.copies[0][0] == node_id(second))
     assert preferred_on_second > 0
     second.kill()
     loaded = load_state_dict(str(path), cluster.settings)  # manifest still prefers the dead worker here

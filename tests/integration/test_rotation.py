@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import select, update
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, Replica, Shard
+from pipeline.db.models import CheckpointFile, ContentCopy, Shard
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
@@ -15,14 +15,15 @@ from tests.processes import wait_for
 pytestmark = pytest.mark.integration
 
 
-def replicas(cluster, job_id):
-    """Verified replicas of the job's tensor shards. (The header shard is skipped: a later
-    checkpoint with the same layout has the very same header shard, and would re-upload it.)"""
+def copies(cluster, job_id):
+    """Verified copies of the job's tensor shards. (The header shard is skipped: a later
+    checkpoint with the same layout has the very same header shard: its content is shared.)"""
     with session_scope(cluster.settings.db_url) as s:
         cid = cluster.job(job_id).checkpoint_id
-        return [(r.id, r.worker_id, r.shard.sha256) for r in s.scalars(
-            select(Replica).join(Shard).join(CheckpointFile)
-            .where(CheckpointFile.checkpoint_id == cid, Replica.state == "verified", Shard.kind == "safetensors"))]
+        return [(c.id, c.worker_id, c.sha256) for c in s.scalars(
+            select(ContentCopy).join(Shard, Shard.sha256 == ContentCopy.sha256).join(CheckpointFile)
+            .where(CheckpointFile.checkpoint_id == cid, ContentCopy.state == "verified",
+                   Shard.kind == "safetensors"))]
 
 
 def shard_file(cluster, worker_id: str, sha: str):
@@ -40,8 +41,8 @@ def test_rotation_refuses_while_a_replica_is_missing_and_deletes_once_confirmed(
     old_job = checkpoint_job(cluster, old)
     cluster.wait_job(old_job, ("verified",))
 
-    # A replica vanishes from a worker's disk after it was verified.
-    _rid, worker_id, sha = replicas(cluster, old_job)[0]
+    # A copy vanishes from a worker's disk after it was verified.
+    _rid, worker_id, sha = copies(cluster, old_job)[0]
     victim = shard_file(cluster, worker_id, sha)
     shutil.move(victim, tmp_path / "aside")
 
@@ -63,9 +64,9 @@ def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
     old = atomic_save(state_dict(3), run / "step_1.safetensors")
     old_job = checkpoint_job(cluster, old)
     cluster.wait_job(old_job, ("verified",))
-    rid = replicas(cluster, old_job)[0][0]
+    rid = copies(cluster, old_job)[0][0]
     with session_scope(cluster.settings.db_url) as s:  # as if the re-hash after upload had not happened
-        s.execute(update(Replica).where(Replica.id == rid).values(state="stored", verified_at=None))
+        s.execute(update(ContentCopy).where(ContentCopy.id == rid).values(state="stored", verified_at=None))
 
     new = atomic_save(state_dict(4), run / "step_2.safetensors")
     cluster.wait_job(checkpoint_job(cluster, new), ("verified",))
@@ -74,6 +75,7 @@ def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
     assert old.exists()
 
     with session_scope(cluster.settings.db_url) as s:
-        s.execute(update(Replica).where(Replica.id == rid).values(state="verified", verified_at=Replica.stored_at))
+        s.execute(update(ContentCopy).where(ContentCopy.id == rid)
+                  .values(state="verified", verified_at=ContentCopy.stored_at))
     cluster.wait_job(old_job, ("rotated",), timeout=60)
     assert not old.exists()

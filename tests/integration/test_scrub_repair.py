@@ -50,7 +50,7 @@ def test_one_scrub_detects_each_kind_of_damage_and_repair_restores_rf(make_clust
     cluster.wait_job(checkpoint_job(cluster, path), ("verified",))
 
     by_shard: dict[int, list[tuple[str, str]]] = {}
-    for worker_id, sha, seq in cluster.replicas(path):
+    for worker_id, sha, seq in cluster.copies(path):
         by_shard.setdefault(seq, []).append((worker_id, sha))
     victims = []
     for (_seq, reps), damage in zip(sorted(by_shard.items()), DAMAGE, strict=False):  # the first few shards
@@ -84,7 +84,7 @@ def test_shard_with_no_matching_copy_is_lost_and_nothing_repairs_from_a_bad_copy
     run.mkdir()
     path = atomic_save(state_dict(2), run / "step_1.safetensors")
     cluster.wait_job(checkpoint_job(cluster, path), ("verified",))
-    (w1, sha, _), (w2, sha2, _) = cluster.replicas(path)[:2]
+    (w1, sha, _), (w2, sha2, _) = cluster.copies(path)[:2]
     assert sha == sha2 and w1 != w2
     flip_one_bit(cluster.worker(w1).shard(sha))
     overwrite_4k(cluster.worker(w2).shard(sha))  # both copies bad, each differently

@@ -32,7 +32,7 @@ def test_killed_and_wiped_worker_is_replaced_and_nothing_rotates_meanwhile(make_
     run.mkdir()
     old = atomic_save(state_dict(1, layers=8, width=128), run / "step_1.safetensors")
     cluster.wait_job(checkpoint_job(cluster, old), ("verified",))
-    victim_id = cluster.replicas(old)[0][0]
+    victim_id = cluster.copies(old)[0][0]
     victim = cluster.worker(victim_id)
 
     victim.kill()
@@ -53,7 +53,7 @@ def test_killed_and_wiped_worker_is_replaced_and_nothing_rotates_meanwhile(make_
     record_property("seconds_from_worker_death_to_rf", round(restored, 1))
     print(f"worker death -> RF restored: {restored:.1f} s")
     elsewhere: dict[int, set[str]] = {}
-    for w, _sha, seq in cluster.replicas(old):
+    for w, _sha, seq in cluster.copies(old):
         if w != victim_id:
             elsewhere.setdefault(seq, set()).add(w)
     assert min(len(ws) for ws in elsewhere.values()) >= 2
@@ -67,14 +67,14 @@ def test_returning_worker_is_inventoried_and_surplus_trimmed(make_cluster):
     run.mkdir()
     path = atomic_save(state_dict(3, layers=8, width=128), run / "step_1.safetensors")
     cluster.wait_job(checkpoint_job(cluster, path), ("verified",))
-    gone = cluster.worker(cluster.replicas(path)[0][0])
-    held = [sha for w, sha, _ in cluster.replicas(path) if w == gone.node_id]
+    gone = cluster.worker(cluster.copies(path)[0][0])
+    held = [sha for w, sha, _ in cluster.copies(path) if w == gone.node_id]
     gone.kill()
     gone_id = gone.node_id
 
     def rf_without_it() -> bool:
         per_shard: dict[int, int] = {}
-        for w, _sha, seq in cluster.replicas(path):
+        for w, _sha, seq in cluster.copies(path):
             per_shard[seq] = per_shard.get(seq, 0) + (w != gone_id)
         return min(per_shard.values()) >= 2
 
@@ -107,7 +107,7 @@ def test_drained_worker_becomes_removable_after_its_shards_are_copied(make_clust
     run.mkdir()
     path = atomic_save(state_dict(4), run / "step_1.safetensors")
     cluster.wait_job(checkpoint_job(cluster, path), ("verified",))
-    node = cluster.replicas(path)[0][0]
+    node = cluster.copies(path)[0][0]
     r = cluster.cli("worker", "drain", node)
     assert r.returncode == 0 and "draining" in r.stdout, r.stderr
 
@@ -115,10 +115,10 @@ def test_drained_worker_becomes_removable_after_its_shards_are_copied(make_clust
         return any(w["id"] == node and w["state"] == "removable" for w in status(cluster)["workers"])
 
     wait_for(removable, 90, "the drain to finish", interval=0.5)
-    others = {w for w, _sha, _seq in cluster.replicas(path) if w != node}
+    others = {w for w, _sha, _seq in cluster.copies(path) if w != node}
     assert len(others) == 2  # every shard now has RF copies without the drained worker
     shard_rf = {}
-    for w, sha, _seq in cluster.replicas(path):
+    for w, sha, _seq in cluster.copies(path):
         if w != node:
             shard_rf[sha] = shard_rf.get(sha, 0) + 1
     assert min(shard_rf.values()) >= 2

@@ -25,8 +25,8 @@ from pipeline.db.migrate import upgrade
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
+    ContentCopy,
     Job,
-    Replica,
     Shard,
     StorageWorker,
 )
@@ -168,9 +168,9 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
             def hosts_holding(path: Path) -> set[str]:
                 with session_scope(local_url) as s:
                     return set(s.scalars(
-                        select(StorageWorker.url).join(Replica, Replica.worker_id == StorageWorker.id)
-                        .join(Shard).join(CheckpointFile).join(Checkpoint)
-                        .where(Checkpoint.path == str(path), Replica.state == "verified")))
+                        select(StorageWorker.url).join(ContentCopy, ContentCopy.worker_id == StorageWorker.id)
+                        .join(Shard, Shard.sha256 == ContentCopy.sha256).join(CheckpointFile).join(Checkpoint)
+                        .where(Checkpoint.path == str(path), ContentCopy.state == "verified")))
 
             h3 = f"http://{lan.addr['h3']}:{PORT}"
             assert h3 in hosts_holding(first)  # so restoring it must do without some copies

@@ -22,9 +22,9 @@ from pipeline.core.copies import (
     is_good,
     to_confirm,
 )
-from pipeline.db.models import Checkpoint, CheckpointFile, Replica, Shard, StorageWorker
-from pipeline.db.replicas import good_copy, shard_copies
-from pipeline.states import ReplicaState, WorkerState
+from pipeline.db.copies import good_copy, shard_copies
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
+from pipeline.states import ContentState, CopyState, WorkerState
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 FRESH = NOW - timedelta(days=2)  # the freshness window's start
@@ -136,8 +136,8 @@ def test_confirmation_asks_only_good_fresh_copies_and_needs_rf_answers():
 # -- property: never "safe" with fewer than RF good copies ---------------------------------
 
 times = st.sampled_from([None, FRESH - timedelta(days=1), FRESH, STORED, NOW])
-copies = st.builds(Copy, st.sampled_from(["w1", "w2", "w3", "w4"]), st.sampled_from(list(ReplicaState)),
-                   st.sampled_from(list(WorkerState)), times, times)
+copies = st.builds(Copy, st.sampled_from(["w1", "w2", "w3", "w4"]), st.sampled_from(list(CopyState)),
+                   st.sampled_from(list(WorkerState)), times, times, st.sampled_from(list(ContentState)))
 shard_lists = st.lists(st.builds(lambda cs, i: shard(*cs, sha=f"{i:064x}"), st.lists(copies, max_size=6),
                                  st.integers(0, 3)), max_size=4)
 
@@ -153,8 +153,8 @@ def test_never_safe_with_fewer_than_rf_good_fresh_copies(shards, rf, active, cha
                        and not any(o.worker_id == c.worker_id and o.state in ("corrupt", "missing")
                                    for o in sh.copies)}
             assert len(workers) >= rf
-            assert all(c.state == "verified" and c.worker_state == "up" for c in sh.copies
-                       if c.worker_id in workers)
+            assert all(c.state == "verified" and c.worker_state in ("up", "full") and c.content_state == "live"
+                       for c in sh.copies if c.worker_id in workers)
     else:
         assert isinstance(verdict, str) and verdict
 
@@ -170,24 +170,25 @@ def test_confirmed_by_every_worker_is_still_never_safe_below_rf(shards, rf):
 
 # -- the SQL form agrees with the Python form ----------------------------------------------
 
-rows = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["w1", "w2", "w3"]), st.sampled_from(list(ReplicaState)),
+rows = st.lists(st.tuples(st.integers(0, 1), st.sampled_from(["w1", "w2", "w3"]), st.sampled_from(list(CopyState)),
                           times, times), max_size=12)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows, st.sampled_from(list(WorkerState)), st.booleans())
-def test_sql_form_of_the_rule_agrees_with_the_python_form(db, data, w3_state, fresh):
-    """Random replica rows over shards of two checkpoints sharing content: the workers the
-    SQL form calls good, per content, are the Python form's."""
+@given(rows, st.sampled_from(list(WorkerState)), st.booleans(), st.sampled_from(list(ContentState)))
+def test_sql_form_of_the_rule_agrees_with_the_python_form(db, data, w3_state, fresh, second_content):
+    """Random copy rows of two contents, each referenced by a shard of two checkpoints: the
+    workers the SQL form calls good, per content, are the Python form's."""
     from pipeline.db.engine import session_scope
 
     since = FRESH if fresh else None
     with session_scope(db.db_url) as s:
-        for table in (Replica, Shard, CheckpointFile, Checkpoint, StorageWorker):
+        for table in (ContentCopy, Shard, CheckpointFile, Checkpoint, Content, StorageWorker):
             s.execute(delete(table))
+        for k, state in ((0, ContentState.LIVE), (1, second_content)):
+            s.add(Content(sha256=f"{k:064x}", size=1, state=state, created_at=NOW, last_referenced_at=NOW))
         for wid, state in (("w1", "up"), ("w2", "draining"), ("w3", w3_state)):
             s.add(StorageWorker(id=wid, url=f"http://127.0.0.1:1/{wid}", source="static", state=state))
-        shard_ids = []
         for c in range(2):  # two checkpoints; shard k of each has the same content
             ck = Checkpoint(path=f"/r/c{c}", run="/r", name=f"c{c}", is_dir=False, version=f"{c}", mtime=0,
                             total_bytes=1)
@@ -197,20 +198,18 @@ def test_sql_form_of_the_rule_agrees_with_the_python_form(db, data, w3_state, fr
             s.add(f)
             s.flush()
             for k in range(2):
-                sh = Shard(file_id=f.id, seq=k, kind="raw", sha256=f"{k:064x}", size=1, src_offset=0, length=1)
-                s.add(sh)
-                s.flush()
-                shard_ids.append(sh.id)
+                s.add(Shard(file_id=f.id, seq=k, kind="raw", sha256=f"{k:064x}", size=1, src_offset=0, length=1))
         seen = set()
-        for i, wid, state, stored, verified in data:
-            if (shard_ids[i], wid) in seen:
-                continue  # one row per (shard, worker)
-            seen.add((shard_ids[i], wid))
-            s.add(Replica(shard_id=shard_ids[i], worker_id=wid, state=state, stored_at=stored, verified_at=verified))
+        for k, wid, state, stored, verified in data:
+            if (k, wid) in seen:
+                continue  # one copy per (content, worker)
+            seen.add((k, wid))
+            s.add(ContentCopy(sha256=f"{k:064x}", worker_id=wid, state=state, stored_at=stored, verified_at=verified))
         s.flush()
         sql = {(sha, w) for sha, w in s.execute(
-            select(Shard.sha256, Replica.worker_id).join(Replica, Replica.shard_id == Shard.id)
-            .join(StorageWorker, StorageWorker.id == Replica.worker_id).where(good_copy(since)))}
+            select(ContentCopy.sha256, ContentCopy.worker_id)
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256).where(good_copy(since)))}
         ckpt = s.scalar(select(Checkpoint.id).where(Checkpoint.name == "c0"))
         python = {(sc.sha256, w) for sc in shard_copies(s, ckpt) for w in good_workers(sc.copies, since)}
     assert sql == python

@@ -1,4 +1,4 @@
-"""A replica is counted as verified only on its worker's re-hash from disk (invariant 4):
+"""A copy is counted as verified only on its worker's re-hash from disk (invariant 4):
 a copy whose re-hash right after upload does not match stays 'stored', and the verify step
 re-hashes it, finds it corrupt and places it elsewhere; copies that matched at upload are
 only confirmed present, not read again."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Job, Replica, StorageWorker
+from pipeline.db.models import ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.store import replication, verification
 from pipeline.store.sharding import shard_checkpoint
@@ -39,9 +39,9 @@ class FakeWorker:
     sizes: dict[str, int] = {}
 
 
-def replica_states(db):
+def copy_states(db):
     with session_scope(db.db_url) as s:
-        return [(r.worker_id, r.state) for r in s.scalars(select(Replica).order_by(Replica.id))]
+        return [(c.worker_id, c.state) for c in s.scalars(select(ContentCopy).order_by(ContentCopy.id))]
 
 
 def test_a_copy_that_fails_its_upload_rehash_is_replaced_at_verify(detected, monkeypatch):  # noqa: F811
@@ -53,11 +53,11 @@ def test_a_copy_that_fails_its_upload_rehash_is_replaced_at_verify(detected, mon
     monkeypatch.setattr(verification, "WorkerClient", FakeWorker)
     sends = shard_checkpoint(db, job_id)
     with session_scope(db.db_url) as s:
-        FakeWorker.sizes = {r.shard.sha256: r.shard.size for r in s.scalars(select(Replica))}
+        FakeWorker.sizes = {c.sha256: c.content.size for c in s.scalars(select(ContentCopy))}
     for send in sends:
         replication.replicate(db, *send.args)
 
-    states = replica_states(db)
+    states = copy_states(db)
     on_bad = [st for w, st in states if w == "w-0"]
     assert on_bad and set(on_bad) == {"stored"}  # the mismatching re-hash did not count
     assert all(st == "verified" for w, st in states if w != "w-0")
@@ -68,7 +68,7 @@ def test_a_copy_that_fails_its_upload_rehash_is_replaced_at_verify(detected, mon
     sends = verification.verify_checkpoint(db, job_id)
     with session_scope(db.db_url) as s:
         assert s.get(Job, job_id).state == "sharded"  # back to re-replicate
-    states = replica_states(db)
+    states = copy_states(db)
     assert {st for w, st in states if w == "w-0"} == {"corrupt"}
     assert len([1 for _w, st in states if st == "pending"]) == len(on_bad) == len(sends)
     # Only the copies that failed at upload were read again; the others were only confirmed.

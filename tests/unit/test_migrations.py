@@ -45,3 +45,71 @@ def test_0003_marks_only_the_newest_version_of_each_path_current(db):
         command.upgrade(cfg, "head")
         conn.commit()
     assert {i: bool(c) for i, c in rows.items()} == {1: False, 2: False, 3: True, 4: True}
+
+
+def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
+    """Existing databases: shards of two checkpoints with the same content had a replica each
+    on the same worker; after the upgrade that content has one copy there (a damaged row
+    wins, else the newest verification), superseded checkpoints are released, old repair
+    jobs that were still running end. The downgrade gives every shard its replicas back."""
+    from sqlalchemy import text
+
+    cfg = alembic_config(db.db_url)
+    a, b = "a" * 64, "b" * 64
+    with get_engine(db.db_url).connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0003")
+        conn.commit()
+        for w in ("w1", "w2"):
+            conn.execute(text("INSERT INTO storage_workers (id, url, zone, source, state, capacity_bytes, free_bytes)"
+                              " VALUES (:w, 'http://x', '', 'static', 'up', 0, 0)"), {"w": w})
+        for i in (1, 2):
+            conn.execute(text(
+                "INSERT INTO checkpoints (id, path, run, name, is_dir, version, step, mtime, total_bytes,"
+                " local_present, detected_at, current) VALUES (:i, :p, '/r', 'x', false, 'v', NULL, 0, 1, true,"
+                " '2026-11-21 00:00:00', true)"), {"i": i, "p": f"/r/c{i}"})
+            conn.execute(text("INSERT INTO checkpoint_files (id, checkpoint_id, relpath, size, sha256, format,"
+                              " mtime_ns) VALUES (:i, :i, '', 2, :h, 'opaque', 0)"), {"i": i, "h": "0" * 64})
+            for seq, sha in enumerate((a, b)):
+                conn.execute(text("INSERT INTO shards (id, file_id, seq, kind, sha256, size, src_offset, length,"
+                                  " payload_offset) VALUES (:id, :f, :q, 'raw', :h, 1, :q, 1, 0)"),
+                             {"id": 10 * i + seq, "f": i, "q": seq, "h": sha})
+        replicas = [  # (shard, worker, state, verified_at)
+            (10, "w1", "verified", "2026-11-21 01:00:00"), (20, "w1", "verified", "2026-11-21 02:00:00"),
+            (11, "w1", "verified", "2026-11-21 01:00:00"), (21, "w1", "corrupt", None),
+            (10, "w2", "abandoned", None), (20, "w2", "stored", None),
+        ]
+        for shard, w, state, verified in replicas:
+            conn.execute(text("INSERT INTO replicas (shard_id, worker_id, state, attempts, stored_at, verified_at)"
+                              " VALUES (:s, :w, :st, 0, '2026-11-21 00:30:00', :v)"),
+                         {"s": shard, "w": w, "st": state, "v": verified})
+        jobs = [(1, "store", 1, "verified"), (2, "store", 2, "verified"), (3, "store", 2, "superseded"),
+                (4, "repair", 1, "repairing")]
+        for jid, kind, ckpt, state in jobs:
+            conn.execute(text("INSERT INTO jobs (id, kind, checkpoint_id, state, attempts, params, bytes_done,"
+                              " bytes_total, created_at, updated_at) VALUES (:i, :k, :c, :s, 0, '{}', 0, 0,"
+                              " '2026-11-21 00:00:00', '2026-11-21 00:00:00')"),
+                         {"i": jid, "k": kind, "c": ckpt, "s": state})
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+        contents = dict(conn.execute(text("SELECT sha256, state FROM contents")).all())
+        copies = {(sha, w): (st, str(v)[:19] if v else None) for sha, w, st, v in conn.execute(
+            text("SELECT sha256, worker_id, state, verified_at FROM copies"))}
+        released = {i: r is not None for i, r in conn.execute(text("SELECT id, released_at FROM checkpoints"))}
+        repair = conn.execute(text("SELECT state FROM jobs WHERE id = 4")).scalar()
+        command.downgrade(cfg, "0003")
+        conn.commit()
+        back = sorted(conn.execute(text("SELECT shard_id, worker_id, state FROM replicas")).all())
+        for table in ("replicas", "jobs", "shards", "checkpoint_files", "checkpoints", "storage_workers"):
+            conn.execute(text(f"DELETE FROM {table}"))  # the other tests start from an empty database
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+    assert contents == {a: "live", b: "live"}
+    assert copies == {(a, "w1"): ("verified", "2026-11-21 02:00:00"), (b, "w1"): ("corrupt", None),
+                      (a, "w2"): ("stored", None)}
+    assert released == {1: False, 2: True}
+    assert repair == "failed"
+    assert back == sorted([(10, "w1", "verified"), (20, "w1", "verified"), (11, "w1", "corrupt"),
+                           (21, "w1", "corrupt"), (10, "w2", "stored"), (20, "w2", "stored")])

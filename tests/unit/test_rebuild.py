@@ -101,7 +101,7 @@ def test_no_intact_replica_fails_without_leaving_a_wrong_file_claimed(stored, wo
     bad = f.shards[1].sha256
     backups = [damage(w, bad, "flip") for w in workers]
     try:
-        with pytest.raises(RestoreError, match=f"no healthy replica of shard {bad[:12]}"):
+        with pytest.raises(RestoreError, match=f"no healthy copy of shard {bad[:12]}"):
             rebuild(f, tmp_path / "out")
     finally:
         for w, b in zip(workers, backups, strict=True):
@@ -132,7 +132,7 @@ def test_load_state_dict_fetch_with_no_intact_replica_fails(stored, workers):
     shard = f.shards[3]
     backups = [damage(w, shard.sha256, "flip") for w in workers]
     try:
-        with pytest.raises(RestoreError, match=f"no healthy replica of shard {shard.sha256[:12]}"):
+        with pytest.raises(RestoreError, match=f"no healthy copy of shard {shard.sha256[:12]}"):
             _fetch_bytes(shard, KEY.encode())
     finally:
         for w, b in zip(workers, backups, strict=True):

@@ -30,11 +30,11 @@ def test_store_happy_path_is_declared():
 
 
 def test_terminal_states_have_no_way_out_but_requeue_or_newer_content():
-    """Only a person (requeue from failed) or a new checkpoint at the same path (superseded)
-    moves a job that ended."""
+    """Only a person (requeue from failed), retention (forgotten) or a new checkpoint at the
+    same path (superseded) moves a job that ended."""
     for kind in ("store", "restore"):
         for state in states.TERMINAL[kind] - {"failed"}:
-            assert states.TRANSITIONS[kind][state] <= {"superseded"}, (kind, state)
+            assert states.TRANSITIONS[kind][state] <= {"superseded", "forgotten"}, (kind, state)
     assert states.allowed("store", "rotated", "superseded") and states.allowed("store", "verified", "superseded")
     assert not states.TRANSITIONS["store"]["superseded"] and not states.TRANSITIONS["store"]["vanished"]
 

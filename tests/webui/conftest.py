@@ -12,7 +12,7 @@ from pipeline import settings as settings_mod
 from pipeline.core import placement
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Job, Replica, StorageWorker
+from pipeline.db.models import ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
 from tests.checkpoints import atomic_save, state_dict
@@ -84,7 +84,9 @@ def seed(s: settings_mod.Settings) -> dict:
         for sh in ckpt.files[0].shards:
             two = [placement.Candidate("w-0", 10**10), placement.Candidate("w-1", 10**10)]
             for w in placement.place(sh.sha256, two, 2):
-                sh.replicas.append(Replica(worker_id=w, state="verified", stored_at=t, verified_at=t, checked_at=t))
+                if not any(c.worker_id == w for c in sh.content.copies):
+                    sh.content.copies.append(ContentCopy(worker_id=w, state="verified", stored_at=t, verified_at=t,
+                                                         checked_at=t, attempts=0))
         session.flush()
         for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
             transition(session, job.id, "store", a, b, detail=f"seeded {b}")

@@ -61,6 +61,9 @@ def test_unknown_job_kind_is_400(client):
     ("post", "/api/restore", {"checkpoint": "1", "dest": "/tmp/y"}),
     ("post", "/api/scrub", {}),
     ("post", "/api/dead-letters/all/requeue", None),
+    ("post", "/api/gc", {"dry_run": True}),
+    ("post", "/api/checkpoints/1/pin", {}),
+    ("post", "/api/checkpoints/1/forget", {"dry_run": True}),
 ])
 def test_mutations_need_the_admin_token(client, method, url, body):
     r = getattr(client, method)(url, json=body)
@@ -175,3 +178,50 @@ def test_hostile_json_is_a_400_not_a_crash(client, token, endpoint):
     for data in (nested, '{"path": ' + nested + "}", "\xff\xfe", "{" * 10):
         r = client.post(endpoint, data=data, content_type="application/json", headers=bearer(token))
         assert r.status_code == 400, (endpoint, data[:20], r.status_code)
+
+
+def test_lists_are_paginated_newest_first(client, web_settings):
+    seed(web_settings)
+    first = client.get("/api/jobs?limit=1").get_json()
+    assert len(first["jobs"]) == 1 and first["next_before"] == first["jobs"][0]["id"]
+    rest = client.get(f"/api/jobs?limit=1&before={first['next_before']}").get_json()
+    assert rest["jobs"][0]["id"] < first["jobs"][0]["id"]
+    assert client.get("/api/checkpoints?limit=0").status_code == 400
+
+
+def test_pin_forget_and_gc_over_http(client, web_settings, token):
+    ids = seed(web_settings)
+    cid = ids["checkpoint"]
+    pinned = client.post(f"/api/checkpoints/{cid}/pin", json={"note": "paper run"}, headers=bearer(token))
+    assert pinned.status_code == 200 and pinned.get_json()["pinned"] and pinned.get_json()["pin_note"] == "paper run"
+    r = client.post(f"/api/checkpoints/{cid}/forget", json={"dry_run": True}, headers=bearer(token))
+    assert r.status_code == 400 and "pinned" in r.get_json()["error"]
+    assert client.post(f"/api/checkpoints/{cid}/unpin", headers=bearer(token)).get_json()["pinned"] is False
+    r = client.post(f"/api/checkpoints/{cid}/forget", json={"dry_run": True}, headers=bearer(token))
+    assert r.status_code == 400 and "newest protected checkpoint" in r.get_json()["error"]
+    assert client.post("/api/checkpoints/9999/pin", headers=bearer(token)).status_code == 404
+    dry = client.post("/api/gc", json={"dry_run": True}, headers=bearer(token))
+    assert dry.status_code == 200 and dry.get_json()["freed"] == [] and dry.get_json()["jobs"] == []
+    cap = client.get("/api/capacity").get_json()
+    assert cap["capacity"]["workers"] == 2 and cap["capacity"]["stored"] > 0
+    assert cap["runs"][str(web_settings.roots[0].rstrip("*")) + "r1"]["unique"] == cap["capacity"]["stored"]
+
+
+def test_reads_never_take_the_write_lock(client, web_settings):
+    """A writer holds SQLite's write lock (as the pipeline does, briefly, all day): every page,
+    the API and /metrics still answer, from a snapshot, instead of queueing behind it."""
+    import sqlite3
+
+    seed(web_settings)
+    writer = sqlite3.connect(web_settings.db_url.removeprefix("sqlite:///"), isolation_level=None, timeout=1)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        writer.execute("UPDATE storage_workers SET last_error = 'held by a writer'")
+        for url in ("/", "/checkpoints", "/jobs", "/health", "/workers", "/metrics", "/api/checkpoints",
+                    "/api/capacity"):
+            r = client.get(url)
+            assert r.status_code == 200, (url, r.status_code, r.get_data(as_text=True)[:300])
+            assert b"held by a writer" not in r.get_data()  # the snapshot, not the uncommitted write
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()

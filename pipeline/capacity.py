@@ -1,0 +1,172 @@
+"""How full the cluster is, who uses it, and when it fills up.
+
+The scheduler samples the workers' usage (their own reports, from the probes) every
+:data:`SAMPLE_SECONDS`; "days until full" extrapolates the growth of the last
+:data:`RATE_WINDOW` to the high watermark. Per run, the stored bytes of the content its kept
+checkpoints reference are split into unique (no other run references it) and shared.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.db.copies import live_candidates
+from pipeline.db.models import (
+    CapacitySample,
+    Checkpoint,
+    CheckpointFile,
+    Content,
+    ContentCopy,
+    Shard,
+    StorageWorker,
+)
+from pipeline.db.transitions import now
+from pipeline.settings import Settings
+from pipeline.states import COUNTING_WORKERS, PLACED, ContentState
+
+SAMPLE_SECONDS = 600.0
+RATE_WINDOW = timedelta(days=3)
+KEEP_SAMPLES = timedelta(days=400)
+
+
+def days_until_full(samples: Sequence[tuple[datetime, int]], limit: int) -> float | None:
+    """Days until ``used`` reaches ``limit`` at the rate of ``samples`` ``(at, used)`` (least
+    squares over the window); None when the usage is not growing or there is too little data."""
+    if len(samples) < 2 or limit <= 0:
+        return None
+    t0 = samples[0][0]
+    xs = [(at - t0).total_seconds() / 86400 for at, _u in samples]
+    ys = [float(u) for _at, u in samples]
+    if xs[-1] - xs[0] <= 0:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return None
+    per_day = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    if per_day <= 0:
+        return None
+    return max(0.0, (limit - ys[-1]) / per_day)
+
+
+@dataclass(frozen=True)
+class Usage:
+    used: int            # what the workers report their shards use
+    capacity: int
+    free: int
+    stored: int          # content size x sent copies, as the control plane knows it
+    garbage: int         # stored bytes of condemned content (freed by the running collections)
+    workers: int
+    full_workers: int
+    days_until_full: float | None
+    limit: int           # the high watermark, in bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def stored_bytes(session: Session) -> tuple[int, int]:
+    """(all, condemned) bytes of sent copies."""
+    rows = session.execute(
+        select(Content.state, func.coalesce(func.sum(Content.size), 0))
+        .join(ContentCopy, ContentCopy.sha256 == Content.sha256)
+        .where(ContentCopy.state.in_(sorted(states.SENT)))
+        .group_by(Content.state)
+    ).all()
+    by_state = {state: int(n) for state, n in rows}
+    return sum(by_state.values()), by_state.get(ContentState.CONDEMNED.value, 0)
+
+
+def usage(session: Session, settings: Settings) -> Usage:
+    workers = list(session.scalars(select(StorageWorker).where(
+        StorageWorker.state.in_(sorted(states.READABLE_WORKERS)))))
+    capacity = sum(w.capacity_bytes for w in workers)
+    used = sum(w.used_bytes for w in workers)
+    stored, garbage = stored_bytes(session)
+    limit = int(sum(w.capacity_bytes * settings.high_watermark - (w.capacity_bytes - w.free_bytes - w.used_bytes)
+                    for w in workers))  # the watermark minus what others keep on the same disks
+    since = now() - RATE_WINDOW
+    samples = [(at, u) for at, u in session.execute(
+        select(CapacitySample.at, CapacitySample.used_bytes).where(CapacitySample.at >= since)
+        .order_by(CapacitySample.at))]
+    if samples:
+        samples.append((now(), used))
+    return Usage(used=used, capacity=capacity, free=sum(w.free_bytes for w in workers), stored=stored,
+                 garbage=garbage, workers=len(workers),
+                 full_workers=sum(1 for w in workers if w.state == states.WorkerState.FULL),
+                 days_until_full=days_until_full(samples, limit), limit=limit)
+
+
+def sample(session: Session, settings: Settings) -> bool:
+    """Record the cluster's usage if the last sample is older than :data:`SAMPLE_SECONDS`."""
+    t = now()
+    last = session.scalar(select(func.max(CapacitySample.at)))
+    if last is not None and (t - last).total_seconds() < SAMPLE_SECONDS:
+        return False
+    u = usage(session, settings)
+    session.add(CapacitySample(at=t, used_bytes=u.used, capacity_bytes=u.capacity, stored_bytes=u.stored))
+    session.execute(delete(CapacitySample).where(CapacitySample.at < t - KEEP_SAMPLES))
+    return True
+
+
+def history(session: Session, limit: int = 2000) -> list[dict[str, Any]]:
+    """The samples, oldest first (at most ``limit``, evenly thinned)."""
+    rows = list(session.execute(select(CapacitySample.at, CapacitySample.used_bytes, CapacitySample.stored_bytes,
+                                       CapacitySample.capacity_bytes).order_by(CapacitySample.at)))
+    step = max(1, len(rows) // limit)
+    return [{"at": at, "used": u, "stored": st, "capacity": cap} for at, u, st, cap in rows[::step]]
+
+
+def per_run(session: Session) -> dict[str, dict[str, int]]:
+    """Per run, stored bytes of the content its kept checkpoints reference: ``unique`` (only this
+    run references it) and ``shared`` (other runs do too), and the number of kept checkpoints."""
+    refs = (select(Checkpoint.run.label("run"), Shard.sha256.label("sha"))
+            .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
+            .join(Shard, Shard.file_id == CheckpointFile.id)
+            .where(Checkpoint.released_at.is_(None)).distinct()).subquery()
+    runs_per_content = (select(refs.c.sha, func.count(refs.c.run).label("runs"))
+                        .group_by(refs.c.sha)).subquery()
+    copies = (select(ContentCopy.sha256.label("sha"), func.count(ContentCopy.id).label("n"))
+              .where(ContentCopy.state.in_(sorted(states.SENT))).group_by(ContentCopy.sha256)).subquery()
+    rows = session.execute(
+        select(refs.c.run, runs_per_content.c.runs > 1, func.sum(Content.size * func.coalesce(copies.c.n, 0)))
+        .join(runs_per_content, runs_per_content.c.sha == refs.c.sha)
+        .join(Content, Content.sha256 == refs.c.sha)
+        .outerjoin(copies, copies.c.sha == refs.c.sha)
+        .group_by(refs.c.run, runs_per_content.c.runs > 1)
+    ).all()
+    out: dict[str, dict[str, int]] = {}
+    for run, shared, size in rows:
+        entry = out.setdefault(run, {"unique": 0, "shared": 0})
+        entry["shared" if shared else "unique"] += int(size or 0)
+    return out
+
+
+def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> str:
+    """Why copies cannot be placed, in numbers: what is missing, on how many workers."""
+    counting = {w.id for w in s.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(COUNTING_WORKERS))))}
+    need = workers = 0
+    for c in contents:
+        have = sum(1 for cp in c.copies if cp.state in PLACED and cp.worker_id in counting)
+        need += max(0, settings.rf - have) * c.size
+        workers = max(workers, settings.rf - have)
+    placeable = len(live_candidates(s))
+    total = s.scalar(select(func.count(StorageWorker.id)).where(
+        StorageWorker.state.in_(sorted(COUNTING_WORKERS)))) or 0
+    only = "only " if placeable < workers else ""
+    return (f"cluster full: needs {human_bytes(need)} more on {workers} distinct workers, and {only}"
+            f"{placeable} of {total} workers take new copies (high watermark {settings.high_watermark:.0%}); "
+            "it goes on when a worker has room (after `ckpt gc`, or a new worker)")
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} bytes"

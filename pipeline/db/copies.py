@@ -1,0 +1,223 @@
+"""Queries and updates of content and its copies, shared by the store steps, scrub, repair,
+reconciliation, garbage collection and status.
+
+:func:`good_copy` is the SQL form of :func:`pipeline.core.copies.is_good`, the one rule for
+a copy that counts toward the replication factor (docs/design.md, section 3).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, Subquery, and_, func, select, update
+from sqlalchemy.orm import Session
+
+from pipeline.core import placement
+from pipeline.core.copies import Copy, ShardCopies
+from pipeline.db.engine import rowcount
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
+from pipeline.db.transitions import now
+from pipeline.errors import PlacementError
+from pipeline.states import (
+    COUNTING_WORKERS,
+    HELD,
+    PLACEABLE_WORKERS,
+    PLACED,
+    REUSABLE,
+    SENT,
+    ContentState,
+    CopyState,
+)
+
+
+def good_copy(fresh_after: datetime | None = None) -> ColumnElement[bool]:
+    """SQL form of :func:`pipeline.core.copies.is_good`: true for a ``ContentCopy`` row (joined to
+    its ``StorageWorker`` and ``Content``) that counts toward RF."""
+    cond = and_(
+        ContentCopy.state == CopyState.VERIFIED.value,
+        StorageWorker.state.in_(sorted(COUNTING_WORKERS)),
+        Content.state == ContentState.LIVE.value,
+        ContentCopy.verified_at.is_not(None),
+        ContentCopy.stored_at.is_not(None),
+        ContentCopy.verified_at >= ContentCopy.stored_at,
+    )
+    return and_(cond, ContentCopy.verified_at >= fresh_after) if fresh_after is not None else cond
+
+
+def fresh_after(freshness_seconds: float) -> datetime:
+    """The oldest re-hash that still allows a deletion (now minus the freshness window)."""
+    return now() - timedelta(seconds=freshness_seconds)
+
+
+def copy_of(c: ContentCopy, content_state: str | None = None) -> Copy:
+    return Copy(c.worker_id, c.state, c.worker.state, c.stored_at, c.verified_at,
+                content_state or c.content.state)
+
+
+def content_copies(session: Session, shas: Iterable[str]) -> dict[str, list[Copy]]:
+    """Every copy of each content, as plain data."""
+    out: dict[str, list[Copy]] = {sha: [] for sha in shas}
+    if not out:
+        return out
+    rows = session.execute(
+        select(ContentCopy.sha256, ContentCopy.worker_id, ContentCopy.state, StorageWorker.state,
+               ContentCopy.stored_at, ContentCopy.verified_at, Content.state)
+        .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(ContentCopy.sha256.in_(list(out)))
+        .order_by(ContentCopy.id)
+    )
+    for sha, worker_id, state, worker_state, stored_at, verified_at, content_state in rows:
+        out[sha].append(Copy(worker_id, state, worker_state, stored_at, verified_at, content_state))
+    return out
+
+
+def shard_copies(session: Session, checkpoint_id: int) -> list[ShardCopies]:
+    """Every shard of a checkpoint with every copy of its content, as plain data (manifest order)."""
+    ckpt = session.get(Checkpoint, checkpoint_id)
+    name = ckpt.name if ckpt is not None else "the file"
+    shards = session.execute(
+        select(CheckpointFile.relpath, Shard.seq, Shard.sha256, Shard.size)
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .where(CheckpointFile.checkpoint_id == checkpoint_id)
+        .order_by(CheckpointFile.relpath, Shard.seq)
+    ).all()
+    by_content = content_copies(session, {sha for _rel, _seq, sha, _size in shards})
+    return [ShardCopies(f"shard {seq} of {rel or name}", sha, size, tuple(by_content[sha]))
+            for rel, seq, sha, size in shards]
+
+
+def contents_of(session: Session, checkpoint_id: int) -> list[Content]:
+    """The distinct contents a checkpoint's shards reference."""
+    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
+    return list(session.scalars(select(Content).where(Content.sha256.in_(shas)).order_by(Content.sha256)))
+
+
+def mark(session: Session, worker_id: str, sha256: str, states: Iterable[str] = HELD, **values: Any) -> int:
+    """Set ``values`` on the copy of content ``sha256`` on ``worker_id`` if it is in ``states``."""
+    result = session.execute(
+        update(ContentCopy)
+        .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256 == sha256,
+               ContentCopy.state.in_(sorted(states)))
+        .values(**values).execution_options(synchronize_session=False)
+    )
+    return rowcount(result)
+
+
+def shas_on(session: Session, worker_id: str, states: Iterable[str], after: str = "",
+            limit: int | None = None) -> list[str]:
+    """Hashes of the copies in ``states`` on ``worker_id``, in hash order after ``after``."""
+    q = (select(ContentCopy.sha256).where(ContentCopy.worker_id == worker_id,
+                                          ContentCopy.state.in_(sorted(states)), ContentCopy.sha256 > after)
+         .order_by(ContentCopy.sha256))
+    if limit:
+        q = q.limit(limit)
+    return list(session.scalars(q))
+
+
+def live_candidates(session: Session) -> list[placement.Candidate]:
+    """The storage workers placement may choose: up and below the high watermark."""
+    rows = session.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(PLACEABLE_WORKERS))))
+    return [placement.Candidate(w.id, w.free_bytes, w.zone) for w in rows]
+
+
+def place(session: Session, content: Content, wanted: int, *, candidates: list[placement.Candidate] | None = None
+          ) -> list[ContentCopy]:
+    """New pending copies of ``content`` until it has ``wanted`` copies placed (pending, stored
+    or verified) on counting workers; returns the new ones.
+
+    A worker that already holds a placed, damaged or deleting copy is never chosen again (one
+    copy per worker); a reusable row (abandoned, trimmed) on a chosen worker is reused. Raises
+    :class:`~pipeline.errors.PlacementError` when too few workers can take one.
+    """
+    rows = {c.worker_id: c for c in content.copies}
+    counting = {w.id for w in session.scalars(select(StorageWorker).where(
+        StorageWorker.state.in_(sorted(COUNTING_WORKERS))))}
+    have = sum(1 for c in rows.values() if c.state in PLACED and c.worker_id in counting)
+    need = wanted - have
+    if need <= 0:
+        return []
+    busy = frozenset(w for w, c in rows.items() if c.state not in REUSABLE)
+    pool = live_candidates(session) if candidates is None else candidates
+    targets = placement.place(content.sha256, pool, need, exclude=busy)
+    out = []
+    for target in targets:
+        row = rows.get(target)
+        if row is None:
+            row = ContentCopy(sha256=content.sha256, worker_id=target, state=CopyState.PENDING, attempts=0)
+            content.copies.append(row)
+        else:
+            row.state, row.attempts, row.last_error = CopyState.PENDING, 0, None
+            row.stored_at = row.verified_at = None
+        out.append(row)
+    session.flush()
+    return out
+
+
+def place_one(session: Session, content: Content) -> ContentCopy:
+    """One more pending copy on a placeable worker that holds none (repair, replacements)."""
+    busy = frozenset(c.worker_id for c in content.copies if c.state not in REUSABLE)
+    target = placement.place(content.sha256, live_candidates(session), 1, exclude=busy)[0]
+    row = next((c for c in content.copies if c.worker_id == target), None)
+    if row is None:
+        row = ContentCopy(sha256=content.sha256, worker_id=target, state=CopyState.PENDING, attempts=0)
+        content.copies.append(row)
+    else:
+        row.state, row.attempts, row.last_error, row.stored_at, row.verified_at = (
+            CopyState.PENDING, 0, None, None, None)
+    session.flush()
+    return row
+
+
+def good_copies_per_shard(checkpoints: ColumnElement[bool]) -> Subquery:
+    """(cid, sid, n): per shard of the selected checkpoints, the workers holding a good copy
+    of its content. The count that RF is measured against (a deletion also asks freshness)."""
+    selected = (select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"), Shard.sha256.label("sha"))
+                .join(Shard, Shard.file_id == CheckpointFile.id).where(checkpoints)).subquery()
+    good = (select(ContentCopy.sha256, ContentCopy.worker_id)
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(ContentCopy.sha256.in_(select(selected.c.sha)), good_copy())).subquery()
+    return (
+        select(selected.c.cid, selected.c.sid, func.count(func.distinct(good.c.worker_id)).label("n"))
+        .outerjoin(good, good.c.sha256 == selected.c.sha)
+        .group_by(selected.c.cid, selected.c.sid)
+    ).subquery()
+
+
+def held_per_worker(session: Session) -> dict[str, tuple[int, int]]:
+    """Per worker, the contents it holds a sent copy of and their bytes."""
+    rows = session.execute(
+        select(ContentCopy.worker_id, func.count(ContentCopy.id), func.coalesce(func.sum(Content.size), 0))
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(ContentCopy.state.in_(sorted(SENT))).group_by(ContentCopy.worker_id))
+    return {worker_id: (int(n), int(size)) for worker_id, n, size in rows}
+
+
+def good_count(session: Session, sha: str) -> int:
+    """Workers holding a good copy of one content."""
+    return int(session.scalar(
+        select(func.count(ContentCopy.id))
+        .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(ContentCopy.sha256 == sha, good_copy())
+    ) or 0)
+
+
+def good_counts(session: Session, shas: Iterable[str]) -> dict[str, int]:
+    """Workers holding a good copy, for many contents in a few queries (absent: none)."""
+    wanted, out = sorted(set(shas)), dict[str, int]()
+    for i in range(0, len(wanted), 500):
+        out.update((sha, int(n)) for sha, n in session.execute(
+            select(ContentCopy.sha256, func.count(ContentCopy.id))
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(ContentCopy.sha256.in_(wanted[i:i + 500]), good_copy())
+            .group_by(ContentCopy.sha256)))
+    return out
+
+
+__all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_after", "good_copies_per_shard",
+           "good_copy", "good_count", "good_counts", "held_per_worker", "live_candidates", "mark", "place", "place_one",
+           "shard_copies", "shas_on"]

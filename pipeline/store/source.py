@@ -1,0 +1,91 @@
+"""Where a content's bytes come from for an upload: a shard of a local checkpoint file.
+
+A shard's bytes are its own safetensors header (rebuilt from the source file's header) then
+a byte range of the file. Any checkpoint that still has its local copy and references the
+content can be the source; the one whose store needs it is preferred.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline.core.header import Header, shard_header
+from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
+from pipeline.detection.catalog import file_path
+from pipeline.detection.completeness import read_header
+from pipeline.states import JobKind, StoreState
+
+
+@dataclass(frozen=True)
+class Source:
+    """A shard of a local file that holds a content's bytes."""
+
+    path: str
+    kind: str
+    tensors: tuple[str, ...]
+    offset: int
+    length: int
+    checkpoint_id: int
+    job_id: int | None  # the store job of that checkpoint, when it is the one that needs the bytes
+
+
+def local_source(session: Session, sha: str) -> Source | None:
+    """A local file shard with content ``sha``: of a checkpoint whose store is sending it first,
+    else of any checkpoint that still has its local copy."""
+    rows = session.execute(
+        select(Shard, CheckpointFile, Checkpoint)
+        .join(CheckpointFile, CheckpointFile.id == Shard.file_id)
+        .join(Checkpoint, Checkpoint.id == CheckpointFile.checkpoint_id)
+        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True))
+        .order_by(Checkpoint.id.desc())
+    ).all()
+    best: Source | None = None
+    for shard, f, ckpt in rows:
+        job = session.scalar(select(Job).where(Job.checkpoint_id == ckpt.id, Job.kind == JobKind.STORE)
+                             .order_by(Job.id.desc()).limit(1))
+        src = Source(file_path(ckpt, f), shard.kind, tuple(shard.tensors or ()), shard.src_offset, shard.length,
+                     ckpt.id, job.id if job is not None else None)
+        if job is not None and job.state == StoreState.SHARDED:
+            return src
+        best = best or src
+    return best
+
+
+@functools.lru_cache(maxsize=64)
+def _header_of(path: str, size: int, mtime_ns: int) -> Header:
+    return read_header(path)
+
+
+def shard_prefix(path: str, kind: str, tensors: tuple[str, ...] | list[str]) -> bytes:
+    """The bytes a shard has before its payload: its own safetensors header (b"" for raw).
+
+    Rebuilt from the source file's header, parsed once per file version (path, size and
+    mtime) in this process rather than once per replica. Deterministic: the same bytes the
+    planner hashed.
+    """
+    if kind != "safetensors":
+        return b""
+    st = os.stat(path)
+    names = set(tensors)
+    return shard_header([t for t in _header_of(path, st.st_size, st.st_mtime_ns).tensors if t.name in names])
+
+
+def source_matches(src: str, kind: str, tensors: tuple[str, ...], offset: int, length: int, sha: str) -> bool:
+    """Whether the shard's bytes in the source file still hash to ``sha`` (a worker that
+    refused them got them damaged on the way, or the source changed: this tells which)."""
+    try:
+        h = hashlib.sha256(shard_prefix(src, kind, tensors))
+        with open(src, "rb") as f:
+            f.seek(offset)
+            remaining = length
+            while remaining and (chunk := f.read(min(remaining, 4 << 20))):
+                h.update(chunk)
+                remaining -= len(chunk)
+        return not remaining and h.hexdigest() == sha
+    except (OSError, ValueError):
+        return False
