@@ -4,8 +4,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy.orm import Session, aliased
 
 from pipeline import states
 from pipeline.core.health import shard_health, worker_healths
@@ -103,41 +103,57 @@ def worker_dict(w: StorageWorker) -> dict[str, Any]:
             "last_error": w.last_error}
 
 
+def _newest(session: Session, run: str, *where: ColumnElement[bool]) -> Checkpoint | None:
+    """The run's newest current checkpoint (by step, then id) matching ``where``: two
+    lookups along the (run, current, step, id) index, whatever the run's length."""
+    base = select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True), *where)
+    return (session.scalar(base.where(Checkpoint.step.is_not(None))
+                           .order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(1))
+            or session.scalar(base.where(Checkpoint.step.is_(None)).order_by(Checkpoint.id.desc()).limit(1)))
+
+
 def _newest_first() -> tuple[Any, ...]:
     return (Checkpoint.step.is_not(None).desc(), Checkpoint.step.desc(), Checkpoint.id.desc())
 
 
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per run (current versions only): how many checkpoints, the newest, the newest protected,
-    and how many vanished unprotected, in a few indexed queries whatever the run's length."""
+    and how many vanished unprotected, in three queries whatever the number of runs and their length."""
     latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
     state_of = (select(Job.checkpoint_id.label("cid"), Job.state.label("state"))
                 .where(Job.id.in_(latest))).subquery()
-    q = (select(Checkpoint.run, state_of.c.state, func.count(Checkpoint.id))
-         .join(state_of, state_of.c.cid == Checkpoint.id).where(Checkpoint.current.is_(True))
-         .group_by(Checkpoint.run, state_of.c.state))
-    if runs is not None:
-        q = q.where(Checkpoint.run.in_(runs))
+    scope = [Checkpoint.current.is_(True)] + ([Checkpoint.run.in_(runs)] if runs is not None else [])
+    q = (select(Checkpoint.run, state_of.c.state, Checkpoint.local_present, func.count(Checkpoint.id),
+                func.coalesce(func.sum(Checkpoint.total_bytes), 0))
+         .join(state_of, state_of.c.cid == Checkpoint.id).where(*scope)
+         .group_by(Checkpoint.run, state_of.c.state, Checkpoint.local_present))
     out: dict[str, dict[str, Any]] = {}
-    for run, state, n in session.execute(q):
-        entry = out.setdefault(run, {"count": 0, "by_state": {}})
+    for run, state, local, n, size in session.execute(q):
+        entry = out.setdefault(run, {"count": 0, "by_state": {}, "newest": None, "protected": None,
+                                     "protected_bytes": 0, "unprotected_bytes": 0})
         entry["count"] += n
-        entry["by_state"][state] = n
+        entry["by_state"][state] = entry["by_state"].get(state, 0) + n
+        if state in states.PROTECTED:
+            entry["protected_bytes"] += int(size)
+        elif local:
+            entry["unprotected_bytes"] += int(size)
+    later = aliased(Job)
+    latest_protected = (select(Job.id).where(
+        Job.kind == JobKind.STORE, Job.checkpoint_id == Checkpoint.id, Job.state.in_(sorted(states.PROTECTED)),
+        ~select(later.id).where(later.kind == JobKind.STORE, later.checkpoint_id == Job.checkpoint_id,
+                                later.id > Job.id).exists()).exists())
     for run, entry in out.items():
-        base = select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True))
-        entry["newest"] = session.scalar(base.order_by(*_newest_first()).limit(1))
-        entry["protected"] = session.scalar(
-            base.join(state_of, state_of.c.cid == Checkpoint.id)
-            .where(state_of.c.state.in_(sorted(states.PROTECTED))).order_by(*_newest_first()).limit(1))
+        entry["newest"] = _newest(session, run)
+        entry["protected"] = _newest(session, run, latest_protected)
     return out
 
 
-def run_summaries(session: Session, settings: Settings, at: datetime | None = None,
-                  runs: list[str] | None = None) -> list[dict[str, Any]]:
+def run_summaries(session: Session, settings: Settings, at: datetime | None = None, runs: list[str] | None = None,
+                  facts: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per run: the newest protected step and its age (the recovery point a node loss would
     give), whether protection is falling behind the writer, and the remote retention policy."""
     t = at or now()
-    facts = run_facts(session, runs)
+    facts = run_facts(session, runs) if facts is None else facts
     shown = [c for f in facts.values() for c in (f["newest"], f["protected"]) if c is not None]
     rows = {r["id"]: r for r in checkpoint_rows(session, settings, list({c.id: c for c in shown}.values()))}
     out = []

@@ -90,8 +90,7 @@ def health() -> ResponseReturnValue:
 
 @bp.get("/capacity")
 def capacity() -> ResponseReturnValue:
-    doc = data.overview(settings(), 0)
-    return jsonify(capacity=doc["capacity"], runs=doc["run_usage"], history=doc["capacity_history"])
+    return jsonify(data.capacity_doc(settings()))
 
 
 @bp.get("/dead-letters")

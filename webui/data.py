@@ -33,6 +33,7 @@ from pipeline.status import (
     checkpoint_rows,
     job_dict,
     problem_dicts,
+    run_facts,
     run_summaries,
     worker_dict,
 )
@@ -173,10 +174,15 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
     """Finished stores and restores, oldest first: throughput and time to protection."""
     with session_scope(settings.db_url, readonly=True) as s:
         out = []
-        q = (select(Job, JobEvent.at).join(JobEvent, JobEvent.job_id == Job.id)
-             .where(((Job.kind == JobKind.STORE) & (JobEvent.to_state == "verified"))
-                    | ((Job.kind == JobKind.RESTORE) & (JobEvent.to_state == "done")))
-             .order_by(JobEvent.at.desc()).limit(limit))
+        # The newest candidate events by id (the order they were written), from the end of the
+        # table: the scan stops early however many events there are.
+        recent = (select(JobEvent.job_id, JobEvent.to_state, JobEvent.at)
+                  .where(JobEvent.to_state.in_(("verified", "done"))).order_by(JobEvent.id.desc())
+                  .limit(limit * 4)).subquery()
+        q = (select(Job, recent.c.at).join(recent, recent.c.job_id == Job.id)
+             .where(((Job.kind == JobKind.STORE) & (recent.c.to_state == "verified"))
+                    | ((Job.kind == JobKind.RESTORE) & (recent.c.to_state == "done")))
+             .order_by(recent.c.at.desc()).limit(limit))
         for j, at in s.execute(q):
             c = j.checkpoint
             if c is None:
@@ -197,25 +203,20 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
     Aggregates in SQL: its cost does not grow with the number of checkpoints listed."""
     ws = workers(settings)
     with session_scope(settings.db_url, readonly=True) as s:
+        facts = run_facts(s)
         by_state: dict[str, int] = {}
-        protected = unprotected = 0
-        for state, local, n, size in s.execute(
-                select(Job.state, Checkpoint.local_present, func.count(Checkpoint.id), func.sum(Checkpoint.total_bytes))
-                .join(Job, Job.checkpoint_id == Checkpoint.id)
-                .where(Checkpoint.current.is_(True), Job.id.in_(latest_store_ids()))
-                .group_by(Job.state, Checkpoint.local_present)):
-            by_state[state] = by_state.get(state, 0) + n
-            if state in states.PROTECTED:
-                protected += int(size or 0)
-            elif local:
-                unprotected += int(size or 0)
+        for f in facts.values():
+            for state, n in f["by_state"].items():
+                by_state[state] = by_state.get(state, 0) + n
+        protected = sum(f["protected_bytes"] for f in facts.values())
+        unprotected = sum(f["unprotected_bytes"] for f in facts.values())
         lost = lost_checkpoints(s)
         active = or_active()
         running = s.scalar(select(func.count(Job.id)).where(active)) or 0
         failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
         last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
         found_problems = problem_dicts(s)
-        summaries = run_summaries(s, settings)
+        summaries = run_summaries(s, settings, facts=facts)
         usage = capacity.usage(s, settings)
         run_usage = capacity.per_run(s)
         chart = capacity.history(s, limit=400)
@@ -233,6 +234,13 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
     }
 
 
+def capacity_doc(settings: Settings) -> dict[str, Any]:
+    """Cluster usage, per-run usage and the usage history (``/api/capacity``)."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        return {"capacity": capacity.usage(s, settings).as_dict(), "runs": capacity.per_run(s),
+                "history": capacity.history(s, limit=400)}
+
+
 def latest_store_ids() -> Select[Any]:
     return select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
 
@@ -243,6 +251,8 @@ def lost_checkpoints(s: Session) -> int:
     good = (select(ContentCopy.sha256).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
             .join(Content, Content.sha256 == ContentCopy.sha256).where(good_copy()))
     lost = select(Content.sha256).where(Content.state == ContentState.LIVE, Content.sha256.not_in(good))
+    if s.scalar(lost.limit(1)) is None:  # the usual answer, without joining every checkpoint
+        return 0
     return s.scalar(
         select(func.count(func.distinct(Checkpoint.id))).join(CheckpointFile).join(Shard)
         .join(Job, Job.checkpoint_id == Checkpoint.id)
@@ -253,7 +263,10 @@ def lost_checkpoints(s: Session) -> int:
 def or_active() -> ColumnElement[bool]:
     from sqlalchemy import and_, or_
 
-    return or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
+    # The state list first lets the (state, lease_until) index find the few active jobs.
+    every = sorted({state for v in states.ACTIVE.values() for state in v})
+    return and_(Job.state.in_(every),
+                or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items())))
 
 
 def next_scrub(settings: Settings) -> datetime | None:

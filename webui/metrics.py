@@ -10,11 +10,11 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import capacity, states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.states import JobKind, WorkerState
-from pipeline.status import status
+from pipeline.status import problem_dicts, run_summaries
 from webui import data
 
 bp = Blueprint("metrics", __name__)
@@ -48,6 +48,9 @@ class ControlPlaneCollector:
                                       .join(Job, Job.checkpoint_id == Checkpoint.id)
                                       .where(Job.kind == JobKind.RESTORE, Job.state == "done")) or 0
             steps = _step_durations(session)
+            # What the run and capacity gauges need, not the whole of `ckpt status`.
+            doc = {"runs": run_summaries(session, s), "problems": problem_dicts(session),
+                   "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session)}
         yield jobs
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
         g.add_metric([], stored)
@@ -75,7 +78,6 @@ class ControlPlaneCollector:
             free.add_metric([w["id"]], w["free_bytes"])
         yield up
         yield free
-        doc = status(s, limit=1)
         yield from _detection_metrics(doc)
         yield from _capacity_metrics(doc)
 

@@ -128,9 +128,14 @@ def upgrade() -> None:
                          " WHERE kind = 'repair' AND state IN ('queued', 'repairing')"))
     op.create_index("uq_jobs_active_repair", "jobs", ["sha256"], unique=True, sqlite_where=sa.text(active),
                     postgresql_where=sa.text(active))
+    # The latest store job of each checkpoint (every list and status view asks it) from the index alone.
+    op.create_index("ix_jobs_kind_checkpoint", "jobs", ["kind", "checkpoint_id", "id"])
+    op.create_index("ix_checkpoints_run_step", "checkpoints", ["run", "current", "step", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_checkpoints_run_step", table_name="checkpoints")
+    op.drop_index("ix_jobs_kind_checkpoint", table_name="jobs")
     with op.batch_alter_table("capacity_samples", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_capacity_samples_at"))
     op.drop_table("capacity_samples")

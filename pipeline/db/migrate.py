@@ -5,6 +5,8 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
 import migrations
 from pipeline.db.engine import get_engine
@@ -20,9 +22,17 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str) -> None:
-    """Upgrade ``url`` to head; safe to call from several processes at once."""
+    """Upgrade ``url`` to head; safe to call from several processes at once.
+
+    A database already at head is left alone without running the migration environment
+    (whose integrity check reads every row): every command calls this first.
+    """
     cfg = alembic_config(url)
     with get_engine(url).connect() as connection:
+        if MigrationContext.configure(connection).get_current_heads() == \
+                tuple(ScriptDirectory.from_config(cfg).get_heads()):
+            connection.rollback()
+            return
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, "head")
         connection.commit()

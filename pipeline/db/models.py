@@ -73,6 +73,8 @@ class Checkpoint(Base):
     __table_args__ = (
         UniqueConstraint("path", "version", name="uq_checkpoints_path_version"),
         Index("ix_checkpoints_run_current", "run", "current"),
+        # A run's newest checkpoints (status, the runs view) without sorting the run.
+        Index("ix_checkpoints_run_step", "run", "current", "step", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -233,6 +235,8 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         Index("ix_jobs_state_lease", "state", "lease_until"),
+        # The latest store job of each checkpoint, from the index alone.
+        Index("ix_jobs_kind_checkpoint", "kind", "checkpoint_id", "id"),
         # One active repair per content: two repairs of one content would set aside each
         # other's new copy (pipeline.integrity.repair).
         Index("uq_jobs_active_repair", "sha256", unique=True,
