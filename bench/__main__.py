@@ -1,9 +1,12 @@
-"""``python -m bench`` (or ``./dev bench``): the data-path benchmark of ckpt-pipeline.
+"""``python -m bench`` (or ``./dev bench``): the benchmark of ckpt-pipeline.
 
 Runs the real system (``ckpt up``: embedded Redis, dramatiq workers, 3 storage workers on
-loopback, RF 2) on checkpoints it generates, prints one table and saves it as JSON.
-Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control``, ``--out FILE``,
-``--keep`` (keep the work directory).
+loopback, RF 2) on checkpoints it generates, prints one table and saves it as JSON: the data
+path at several sizes, HF and DCP folders, the control plane, a month of training under a
+retention policy (bench/month.py, its chart saved as bench/results/month.png), and the
+control plane at 100k checkpoints and 1M job events (bench/scale.py).
+Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale``,
+``--month-saves N``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import layouts, limits, loading, transitions
+from bench import layouts, limits, loading, month, scale, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -153,9 +156,13 @@ def measure_dirs(work: Path, gib: float) -> dict:
 
 
 def measure_control_plane(work: Path) -> dict:
-    """Detection latency (default settle), 200 x 1 MiB checkpoints, transition latency."""
-    import os
+    """Detection latency (default settings), 200 x 1 MiB checkpoints, transition latency.
 
+    The checkpoints are safetensors files a trainer renames into place: detection proves
+    them complete from their header and size. (An opaque file cannot be proven complete:
+    it waits for a commit marker or the quiet period, docs/design.md, section 2.)
+    """
+    import torch
     from sqlalchemy import func, select
 
     from pipeline.db.engine import session_scope
@@ -166,11 +173,12 @@ def measure_control_plane(work: Path) -> dict:
         run = system.runs / "run"
         run.mkdir()
         renamed: dict[str, float] = {}
+        def one_mib(seed: int) -> dict[str, torch.Tensor]:
+            return {"w": torch.randint(-2**31, 2**31 - 1, (1 << 18,), dtype=torch.int32,
+                                       generator=torch.Generator().manual_seed(seed))}
+
         for i in range(20):
-            p = run / f"lat_{i:03d}.bin"
-            tmp = run / f".{p.name}.tmp"
-            tmp.write_bytes(os.urandom(1 << 20))
-            os.rename(tmp, p)
+            p = layouts.write_file(one_mib(i), run / f"lat_{i:03d}.safetensors")
             renamed[str(p)] = time.time()
             time.sleep(0.25)
         deadline = time.monotonic() + 60
@@ -189,9 +197,7 @@ def measure_control_plane(work: Path) -> dict:
         run2.mkdir()
         t0 = time.time()
         for i in range(200):
-            tmp = run2 / f".c{i}.tmp"
-            tmp.write_bytes(os.urandom(1 << 20))
-            os.rename(tmp, run2 / f"c_{i:04d}.bin")
+            layouts.write_file(one_mib(1000 + i), run2 / f"c_{i:04d}.safetensors")
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             with session_scope(system.settings.db_url) as s:
@@ -277,14 +283,15 @@ def main() -> None:
     ap.add_argument("--out", help="JSON output (default bench/results/<time>.json)")
     ap.add_argument("--work", help="work directory (default: a temporary one on the same disk as /tmp)")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--parts", default="sizes,dirs,control",
-                    help="what to run, comma-separated (default sizes,dirs,control)")
+    ap.add_argument("--parts", default="sizes,dirs,control,month,scale",
+                    help="what to run, comma-separated (default sizes,dirs,control,month,scale)")
+    ap.add_argument("--month-saves", type=int, default=1500, help="saves in the month of training (default 1500)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp = [], {}, {}
+        sizes, dirs, cp, month_doc, scale_doc = [], {}, {}, {}, {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -294,15 +301,27 @@ def main() -> None:
         if "control" in parts:
             print("== control plane ...", flush=True)
             cp = measure_control_plane(work)
+        if "month" in parts:
+            print(f"== a month of training ({args.month_saves} saves) ...", flush=True)
+            month_doc = month.measure_month(work, saves=args.month_saves)
+        if "scale" in parts:
+            print("== the control plane at 100k checkpoints ...", flush=True)
+            scale_doc = scale.measure_scale(work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    text = table(sizes, dirs, cp)
-    print(text)
+    text = table(sizes, dirs, cp) if (sizes or dirs or cp) else ""
     out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "table": text}, indent=2,
-                              default=str))
+    if month_doc:
+        text += "\n" + month.table(month_doc)
+        chart = month.plot(month_doc, out.parent / "month.png")
+        text += f"\n  chart: {chart}"
+    if scale_doc:
+        text += "\n" + scale.table(scale_doc)
+    print(text.strip("\n"))
+    out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
+                               "scale": scale_doc, "table": text}, indent=2, default=str))
     print(f"saved {out}")
 
 
