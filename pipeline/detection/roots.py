@@ -63,6 +63,18 @@ def runs_of(roots: tuple[str, ...] | list[str]) -> list[tuple[str, Path]]:
     return list(found.values())
 
 
+def run_parents(roots: tuple[str, ...] | list[str]) -> list[Path]:
+    """The existing directories in which a root's glob finds runs by their last name only
+    (``/data/runs/*`` -> ``/data/runs``): where a new run appears."""
+    out = []
+    for root in roots:
+        pattern = os.path.expanduser(root)
+        parent, last = os.path.split(pattern)
+        if glob.has_magic(last) and not glob.has_magic(parent) and os.path.isdir(parent):
+            out.append(Path(parent).resolve())
+    return sorted(set(out))
+
+
 def runs(roots: tuple[str, ...] | list[str]) -> list[Path]:
     """Every run directory the roots match."""
     return [run for _root, run in runs_of(roots)]

@@ -63,6 +63,18 @@ class _Events(FileSystemEventHandler):
         self.watcher.poke(self.run)  # only CHANGES arrive: the observer filters (event_filter)
 
 
+class _NewRuns(FileSystemEventHandler):
+    """A directory appeared where a root's glob finds runs: a new run, looked at now (not at
+    the next full scan), so its first checkpoint is detected as fast as the others."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.watcher = watcher
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self.watcher.new_runs = True
+        self.watcher.wake.set()
+
+
 class Watcher:
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *, use_events: bool = True) -> None:
         self.settings, self.send, self.use_events = settings, send, use_events
@@ -75,6 +87,7 @@ class Watcher:
         self.stopping = threading.Event()
         self.observer = Observer() if use_events else None
         self.watched: set[Path] = set()
+        self.new_runs = False
 
     # -- events ------------------------------------------------------------------------
 
@@ -85,6 +98,11 @@ class Watcher:
     def _watch_new_runs(self, runs: list[Path]) -> None:
         if self.observer is None:
             return
+        for parent in roots.run_parents(self.settings.roots):
+            if parent not in self.watched:
+                self.observer.schedule(_NewRuns(self), str(parent), recursive=False,
+                                       event_filter=[DirCreatedEvent, DirMovedEvent])
+                self.watched.add(parent)
         for run in runs:
             if run not in self.watched:
                 self.observer.schedule(_Events(self, run), str(run), recursive=True, event_filter=CHANGES)
@@ -244,7 +262,8 @@ class Watcher:
                     deadline = time.monotonic() + self.settings.scan_interval
                 else:
                     dirty, self.dirty = self.dirty, set()
-                    wait = self.scan(only=dirty) if dirty else self.scan()
+                    full, self.new_runs = self.new_runs, False
+                    wait = self.scan(only=dirty) if dirty and not full else self.scan()
         finally:
             if self.observer is not None:
                 self.observer.stop()

@@ -138,3 +138,33 @@ def test_idle_watcher_is_not_woken_by_its_own_reads(db, tmp_path):
         t.join(timeout=10)
     assert idle <= 3, f"{idle} scans in 1.5 s of an idle run"
     assert len(scans) > idle, "a file written into the run did not wake the watcher"
+
+
+def test_a_run_created_after_start_is_watched_without_waiting_for_the_full_scan(db, tmp_path):
+    """A new run directory under a root's glob is looked at when it appears: its first
+    checkpoint was found only by the next full scan (the bench's detection p50 went from
+    0.3 s to 2.4 s with a 5 s scan interval)."""
+    import dataclasses
+    import threading
+
+    s = dataclasses.replace(db, roots=(str(tmp_path / "runs" / "*"),), scan_interval=600.0)
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    sent: list = []
+    w = Watcher(s, sent.extend, use_events=True)
+    t = threading.Thread(target=w.run)
+    t.start()
+    try:
+        time.sleep(0.5)  # started and idle: the next full scan is 600 s away
+        run = tmp_path / "runs" / "new-run"
+        run.mkdir()
+        atomic_save(state_dict(0), run / "step_1.safetensors")
+        deadline = time.monotonic() + 60
+        found = None
+        while found is None and time.monotonic() < deadline:
+            with session_scope(s.db_url) as db_session:
+                found = db_session.scalar(select(Checkpoint.id).where(Checkpoint.run == str(run.resolve())))
+            time.sleep(0.05)
+    finally:
+        w.stop()
+        t.join(timeout=10)
+    assert found is not None, "the new run's checkpoint was not detected before the next full scan"
