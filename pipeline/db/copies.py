@@ -14,7 +14,7 @@ from sqlalchemy import ColumnElement, Subquery, and_, func, select, update
 from sqlalchemy.orm import Session
 
 from pipeline.core import placement
-from pipeline.core.copies import Copy, ShardCopies
+from pipeline.core.copies import Copy, ShardCopies, good_workers
 from pipeline.db.engine import rowcount
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
 from pipeline.db.transitions import now
@@ -206,15 +206,17 @@ def good_count(session: Session, sha: str) -> int:
 
 
 def good_counts(session: Session, shas: Iterable[str]) -> dict[str, int]:
-    """Workers holding a good copy, for many contents in a few queries (absent: none)."""
+    """Workers holding a good copy, for many contents (absent: none).
+
+    The rows are read by hash and judged by the Python form of the rule: with the rule in
+    the WHERE clause, SQLite (without statistics) walked the copies by (worker, state) and
+    read every copy on the worker for each batch (0.1 s per 500 hashes at 200k copies).
+    """
     wanted, out = sorted(set(shas)), dict[str, int]()
     for i in range(0, len(wanted), 500):
-        out.update((sha, int(n)) for sha, n in session.execute(
-            select(ContentCopy.sha256, func.count(ContentCopy.id))
-            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-            .join(Content, Content.sha256 == ContentCopy.sha256)
-            .where(ContentCopy.sha256.in_(wanted[i:i + 500]), good_copy())
-            .group_by(ContentCopy.sha256)))
+        for sha, copies in content_copies(session, wanted[i:i + 500]).items():
+            if n := len(good_workers(copies)):
+                out[sha] = n
     return out
 
 
