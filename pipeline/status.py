@@ -18,7 +18,7 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.transitions import now
+from pipeline.db.transitions import latest_store_ids, now
 from pipeline.detection import problems
 from pipeline.settings import Settings
 from pipeline.states import JobKind, StoreState
@@ -63,13 +63,6 @@ def job_dict(j: Job) -> dict[str, Any]:
         "bytes_total": j.bytes_total, "created_at": j.created_at, "updated_at": j.updated_at,
         "finished_at": j.finished_at, "params": j.params,
     }
-
-
-def latest_store_jobs(session: Session) -> dict[int, Job]:
-    """checkpoint id -> its newest store job (whose state is the checkpoint's state)."""
-    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
-    return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))
-            if j.checkpoint_id is not None}
 
 
 def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint],
@@ -119,9 +112,8 @@ def _newest_first() -> tuple[Any, ...]:
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per run (current versions only): how many checkpoints, the newest, the newest protected,
     and how many vanished unprotected, in three queries whatever the number of runs and their length."""
-    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
     state_of = (select(Job.checkpoint_id.label("cid"), Job.state.label("state"))
-                .where(Job.id.in_(latest))).subquery()
+                .where(Job.id.in_(latest_store_ids()))).subquery()
     scope = [Checkpoint.current.is_(True)] + ([Checkpoint.run.in_(runs)] if runs is not None else [])
     q = (select(Checkpoint.run, state_of.c.state, Checkpoint.local_present, func.count(Checkpoint.id),
                 func.coalesce(func.sum(Checkpoint.total_bytes), 0))
@@ -197,8 +189,8 @@ def checkpoint_page(session: Session, *, all_versions: bool = False, run: str | 
     if before:
         q = q.where(Checkpoint.id < before)
     if state:
-        latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
-        q = q.where(Checkpoint.id.in_(select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state == state)))
+        q = q.where(Checkpoint.id.in_(select(Job.checkpoint_id).where(Job.id.in_(latest_store_ids()),
+                                                                        Job.state == state)))
     return list(session.scalars(q))
 
 
@@ -231,7 +223,6 @@ def store_jobs_of(session: Session, checkpoint_ids: list[int]) -> dict[int, Job]
     """checkpoint id -> its newest store job, for the given checkpoints only."""
     if not checkpoint_ids:
         return {}
-    latest = (select(func.max(Job.id)).where(Job.kind == JobKind.STORE, Job.checkpoint_id.in_(checkpoint_ids))
-              .group_by(Job.checkpoint_id))
+    latest = latest_store_ids(Job.checkpoint_id.in_(checkpoint_ids))
     return {j.checkpoint_id: j for j in session.scalars(select(Job).where(Job.id.in_(latest)))
             if j.checkpoint_id is not None}

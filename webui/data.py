@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 from pipeline import capacity, states
@@ -24,7 +24,7 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.transitions import now
+from pipeline.db.transitions import latest_store_ids, now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
 from pipeline.settings import Settings
 from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
@@ -239,10 +239,6 @@ def capacity_doc(settings: Settings) -> dict[str, Any]:
     with session_scope(settings.db_url, readonly=True) as s:
         return {"capacity": capacity.usage(s, settings).as_dict(), "runs": capacity.per_run(s),
                 "history": capacity.history(s, limit=400)}
-
-
-def latest_store_ids() -> Select[Any]:
-    return select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
 
 
 def lost_checkpoints(s: Session) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -119,6 +119,12 @@ def create_job(
     session.flush()
     session.add(JobEvent(job_id=job.id, at=t, from_state=None, to_state=job.state, detail=detail))
     return job
+
+
+def latest_store_ids(*where: ColumnElement[bool]) -> Select[Any]:
+    """Ids of each checkpoint's newest store job (its state is the checkpoint's state),
+    optionally only of the jobs matching ``where``; for ``Job.id.in_(...)``."""
+    return select(func.max(Job.id)).where(Job.kind == states.JobKind.STORE, *where).group_by(Job.checkpoint_id)
 
 
 def create_job_once(session: Session, kind: str, dedupe_key: str, **kwargs: Any) -> Job | None:

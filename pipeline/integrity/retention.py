@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.core.retention import Protected, kept
 from pipeline.db.models import Checkpoint, Job, JobEvent
-from pipeline.db.transitions import now, transition
+from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.detection.catalog import latest_store_job, resolve
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
@@ -42,15 +41,11 @@ class Verdict:
     why: str
 
 
-def _latest_store_ids() -> Select[Any]:
-    return select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
-
-
 def protected(session: Session, run: str) -> list[tuple[Checkpoint, Protected]]:
     """The protected current checkpoints of ``run``, with what the policy needs of each."""
     q = (select(Checkpoint).join(Job, Job.checkpoint_id == Checkpoint.id)
          .where(Checkpoint.run == run, Checkpoint.current.is_(True), Checkpoint.released_at.is_(None),
-                Job.id.in_(_latest_store_ids()), Job.state.in_(sorted(states.PROTECTED))))
+                Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.PROTECTED))))
     return [(c, Protected(c.id, c.step, datetime.fromtimestamp(c.mtime, UTC), c.pinned, c.metrics or {}))
             for c in session.scalars(q)]
 

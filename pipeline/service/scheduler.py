@@ -36,7 +36,7 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.transitions import now, transition
+from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.errors import PlacementError
 from pipeline.integrity.gc import mark, request_gc, send_for
 from pipeline.integrity.reconcile import request_reconcile
@@ -267,8 +267,7 @@ def under_replicated(settings: Settings) -> list[Send]:
 
 def short_contents(s: Session, rf: int) -> list[str]:
     """Contents of protected checkpoints short of RF good copies."""
-    latest = select(func.max(Job.id)).where(Job.kind == JobKind.STORE).group_by(Job.checkpoint_id)
-    protected = select(Job.checkpoint_id).where(Job.id.in_(latest), Job.state.in_(sorted(states.PROTECTED)))
+    protected = select(Job.checkpoint_id).where(Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.PROTECTED)))
     per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
     short = select(per_shard.c.sid).where(per_shard.c.n < rf)
     return list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()))
