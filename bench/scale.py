@@ -66,7 +66,7 @@ def fill(url: str, runs: int = 10, per_run: int = 10_000, events_per_job: int = 
                               "step": i * 100, "mtime": at.timestamp(), "total_bytes": 4 * 2**26,
                               "local_present": newest, "detected_at": at, "current": True,
                               "released_at": None if state != "forgotten" else at + timedelta(days=2),
-                              "pinned": False, "metrics": {"eval_loss": 1.0 / (i + 1)}})
+                              "pinned": False, "metrics": {"eval_loss": 1.0 / (i + 1)}, "store_state": state})
                 files.append({"id": cid, "checkpoint_id": cid, "relpath": "model.safetensors", "size": 4 * 2**26,
                               "sha256": sha(10**9 + cid), "format": "safetensors",
                               "mtime_ns": int(at.timestamp() * 1e9)})

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
 from pipeline.core.health import shard_health, worker_healths
@@ -24,7 +24,7 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.transitions import latest_store_ids, now
+from pipeline.db.transitions import now
 from pipeline.errors import UnknownCheckpoint, UnknownJob
 from pipeline.settings import Settings
 from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
@@ -100,6 +100,7 @@ def health(settings: Settings) -> dict[str, Any]:
     since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url, readonly=True) as s:
         ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.current.is_(True))
+                               .options(selectinload(Checkpoint.files).selectinload(CheckpointFile.shards))
                                .order_by(Checkpoint.id.desc()).limit(50)))
         shas = {sh.sha256 for c in ckpts for f in c.files for sh in f.shards}
         per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, shas).items()}
@@ -251,9 +252,8 @@ def lost_checkpoints(s: Session) -> int:
         return 0
     return s.scalar(
         select(func.count(func.distinct(Checkpoint.id))).join(CheckpointFile).join(Shard)
-        .join(Job, Job.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.current.is_(True), Checkpoint.local_present.is_(False), Job.id.in_(latest_store_ids()),
-               Job.state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(lost))) or 0
+        .where(Checkpoint.current.is_(True), Checkpoint.local_present.is_(False),
+               Checkpoint.store_state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(lost))) or 0
 
 
 def or_active() -> ColumnElement[bool]:

@@ -75,6 +75,8 @@ class Checkpoint(Base):
         Index("ix_checkpoints_run_current", "run", "current"),
         # A run's newest checkpoints (status, the runs view) without sorting the run.
         Index("ix_checkpoints_run_step", "run", "current", "step", "id"),
+        # Counts and bytes by run and state (the overview, /metrics) from the index alone.
+        Index("ix_checkpoints_run_state", "run", "current", "store_state", "local_present", "total_bytes"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -105,6 +107,10 @@ class Checkpoint(Base):
     pin_note: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Numbers the trainer logged for its step (trainer_state.json): what "keep the best K" reads.
     metrics: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
+    #: The state of its newest store job, for what is shown and counted (docs/design.md, "the
+    #: checkpoint's state"): written only by create_job() and transition(), in the transaction
+    #: that changes the job. Decisions that delete or release read the job itself.
+    store_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"

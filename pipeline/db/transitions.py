@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Select, func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from pipeline import failpoints, states
 from pipeline.db.engine import rowcount
@@ -59,8 +59,10 @@ def transition(
     )
     if rowcount(result) == 1:
         session.add(JobEvent(job_id=job_id, at=t, from_state=expected, to_state=target, detail=detail))
-        if kind == states.JobKind.STORE and target in states.RELEASED:
-            release(session, job_id, t)
+        if kind == states.JobKind.STORE:
+            _show_store_state(session, job_id, target)
+            if target in states.RELEASED:
+                release(session, job_id, t)
         return True
     current = session.scalar(select(Job.state).where(Job.id == job_id))
     if current is None:
@@ -68,6 +70,18 @@ def transition(
     if current == target:
         return False
     raise InvalidTransition(kind, job_id, current, target)
+
+
+def _show_store_state(session: Session, job_id: int, state: str) -> None:
+    """Copy a store job's new state onto its checkpoint, unless a newer store job of the same
+    checkpoint already speaks for it."""
+    newer = aliased(Job)
+    session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.id == select(Job.checkpoint_id).where(Job.id == job_id).scalar_subquery(),
+               ~select(newer.id).where(newer.kind == states.JobKind.STORE, newer.checkpoint_id == Checkpoint.id,
+                                       newer.id > job_id).exists())
+        .values(store_state=state).execution_options(synchronize_session=False))
 
 
 def release(session: Session, job_id: int, at: datetime) -> None:
@@ -118,6 +132,8 @@ def create_job(
     session.add(job)
     session.flush()
     session.add(JobEvent(job_id=job.id, at=t, from_state=None, to_state=job.state, detail=detail))
+    if kind == states.JobKind.STORE and checkpoint_id is not None:
+        _show_store_state(session, job.id, job.state)
     return job
 
 

@@ -113,3 +113,35 @@ def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
     assert repair == "failed"
     assert back == sorted([(10, "w1", "verified"), (20, "w1", "verified"), (11, "w1", "corrupt"),
                            (21, "w1", "corrupt"), (10, "w2", "stored"), (20, "w2", "stored")])
+
+
+def test_0005_fills_each_checkpoints_state_from_its_newest_store_job(db):
+    """Existing databases: a checkpoint shows the state of its newest store job (not an older
+    one, not a repair job's); one without a store job shows none."""
+    from sqlalchemy import text
+
+    cfg = alembic_config(db.db_url)
+    with get_engine(db.db_url).connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0004")
+        conn.commit()
+        for i in (1, 2, 3):
+            conn.execute(text(
+                "INSERT INTO checkpoints (id, path, run, name, is_dir, version, step, mtime, total_bytes,"
+                " local_present, detected_at, current) VALUES (:i, :p, '/r', 'x', false, 'v', NULL, 0, 1, true,"
+                " '2026-11-21 00:00:00', true)"), {"i": i, "p": f"/r/c{i}"})
+        jobs = [(1, "store", 1, "failed"), (2, "store", 1, "verified"), (3, "repair", 1, "repairing"),
+                (4, "store", 2, "replicated"), (5, "restore", 3, "done")]
+        for jid, kind, ckpt, state in jobs:
+            conn.execute(text("INSERT INTO jobs (id, kind, checkpoint_id, state, attempts, params, bytes_done,"
+                              " bytes_total, created_at, updated_at) VALUES (:i, :k, :c, :s, 0, '{}', 0, 0,"
+                              " '2026-11-21 00:00:00', '2026-11-21 00:00:00')"),
+                         {"i": jid, "k": kind, "c": ckpt, "s": state})
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+        shown = dict(conn.execute(text("SELECT id, store_state FROM checkpoints")).all())
+        for table in ("jobs", "checkpoints"):
+            conn.execute(text(f"DELETE FROM {table}"))
+        conn.commit()
+    assert shown == {1: "verified", 2: "replicated", 3: None}

@@ -90,3 +90,37 @@ def test_compare_and_set_refuses_a_stale_expectation(db):
     with pytest.raises(InvalidTransition, match="cannot go from 'replicated' to 'sharded'"):
         with session_scope(db.db_url) as s:
             transition(s, job_id, "store", "detected", "sharded")
+
+
+def test_a_checkpoint_shows_the_state_of_its_newest_store_job(db):
+    """create_job() and transition() keep Checkpoint.store_state; a late transition of an older
+    store job of the same checkpoint does not overwrite what the newer one says, and jobs of
+    other kinds never touch it."""
+    from pipeline.db.models import Checkpoint
+
+    with session_scope(db.db_url) as s:
+        c = Checkpoint(path="/r/c", run="/r", name="c", is_dir=False, version="v", mtime=0.0, total_bytes=1)
+        s.add(c)
+        s.flush()
+        cid = c.id
+        old = create_job(s, "store", checkpoint_id=cid).id
+
+    def shown() -> str | None:
+        with session_scope(db.db_url) as s:
+            return s.scalar(select(Checkpoint.store_state).where(Checkpoint.id == cid))
+
+    assert shown() == "detected"
+    with session_scope(db.db_url) as s:
+        transition(s, old, "store", "detected", "sharded")
+    assert shown() == "sharded"
+    with session_scope(db.db_url) as s:
+        new = create_job(s, "store", checkpoint_id=cid).id
+        create_job(s, "restore", checkpoint_id=cid)
+    assert shown() == "detected"
+    with session_scope(db.db_url) as s:
+        transition(s, old, "store", "sharded", "failed")
+    assert shown() == "detected"
+    with session_scope(db.db_url) as s:
+        for a, b in pairwise(["detected", "sharded", "replicated", "verified"]):
+            transition(s, new, "store", a, b)
+    assert shown() == "verified"
