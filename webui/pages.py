@@ -20,6 +20,7 @@ from flask.typing import ResponseReturnValue
 from markupsafe import Markup
 
 from pipeline import operations, states
+from pipeline.errors import CkptError, UnknownCheckpoint
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
 from webui import data
@@ -60,6 +61,25 @@ def checkpoints() -> ResponseReturnValue:
 @bp.route("/checkpoints/<int:checkpoint_id>")
 def checkpoint(checkpoint_id: int) -> ResponseReturnValue:
     return render_template("checkpoint.html", c=data.checkpoint(settings(), checkpoint_id))
+
+
+@bp.route("/checkpoints/<int:checkpoint_id>/<any(pin, unpin, forget):action>", methods=("POST",))
+@form_admin
+def checkpoint_retention(checkpoint_id: int, action: str) -> ResponseReturnValue:
+    """Pin (with the form's note), unpin or forget one checkpoint, then show it again."""
+    try:
+        if action == "forget":
+            operations.forget(settings(), [str(checkpoint_id)])
+            flash("forgotten: it can no longer be restored; its local copy is not touched", "info")
+        else:
+            note = request.form.get("note", "").strip() or None
+            operations.pin(settings(), str(checkpoint_id), note, pinned=action == "pin")
+            flash("pinned: the remote retention policy never forgets it" if action == "pin" else "unpinned", "info")
+    except UnknownCheckpoint:
+        raise
+    except CkptError as e:  # shown where it was asked, in the page's words
+        flash(str(e), "error")
+    return redirect(url_for("pages.checkpoint", checkpoint_id=checkpoint_id), code=303)
 
 
 @bp.route("/health")

@@ -70,13 +70,13 @@ def csrf_of(html: str) -> str:
     return m.group(1)
 
 
-def seed(s: settings_mod.Settings) -> dict:
+def seed(s: settings_mod.Settings, step: int = 1) -> dict:
     """A verified checkpoint on two workers, plus a restore job that finished: real files, real rows."""
-    path = atomic_save(state_dict(1), Path(s.roots[0].rstrip("*")) / "r1" / "step_1.safetensors")
+    path = atomic_save(state_dict(step), Path(s.roots[0].rstrip("*")) / "r1" / f"step_{step}.safetensors")
     run, ckpt_path = roots.locate(path, s.roots)
     detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=s.shard_size)
     with session_scope(s.db_url) as session:
-        for i in range(2):
+        for i in range(2 if session.get(StorageWorker, "w-0") is None else 0):
             session.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
                                       free_bytes=10**10, capacity_bytes=2 * 10**10, last_seen=now()))
         ckpt, job, _ = catalog.record(session, detected, lease_seconds=60, detail="seeded")

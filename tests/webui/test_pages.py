@@ -89,6 +89,32 @@ def test_restore_and_scrub_forms(admin, web_settings, tmp_path):
     assert r.status_code == 303 and r.headers["Location"] == "/jobs?kind=scrub"
 
 
+def test_pin_unpin_and_forget_from_the_checkpoint_page(admin, web_settings):
+    """The retention buttons act, and a refusal is shown on the page that asked, in its words."""
+    older = seed(web_settings, step=1)["checkpoint"]
+    page = admin.get(f"/checkpoints/{older}").get_data(as_text=True)
+    assert 'id="pin-form"' in page and 'id="forget-form"' in page
+    token = csrf_of(page)
+    r = admin.post(f"/checkpoints/{older}/pin", data={"note": "paper run", "csrf_token": token})
+    assert r.status_code == 303 and r.headers["Location"] == f"/checkpoints/{older}"
+    page = admin.get(f"/checkpoints/{older}").get_data(as_text=True)
+    assert "pinned: paper run" in page and 'id="unpin-form"' in page and 'id="forget-form"' not in page
+    page = admin.post(f"/checkpoints/{older}/forget", data={"csrf_token": token},
+                      follow_redirects=True).get_data(as_text=True)
+    assert "is pinned; `ckpt unpin" in page
+    admin.post(f"/checkpoints/{older}/unpin", data={"csrf_token": token})
+    page = admin.post(f"/checkpoints/{older}/forget", data={"csrf_token": token},
+                      follow_redirects=True).get_data(as_text=True)
+    assert "is the newest protected checkpoint" in page  # what a resume restores is always kept
+    seed(web_settings, step=2)
+    page = admin.post(f"/checkpoints/{older}/forget", data={"csrf_token": token},
+                      follow_redirects=True).get_data(as_text=True)
+    assert "forgotten: it can no longer be restored" in page and 'id="forget-form"' not in page
+    assert 'class="state forgotten"' in page
+    assert admin.post(f"/checkpoints/{older}/pin", data={"csrf_token": "forged"}).status_code == 403
+    assert admin.post("/checkpoints/9999/pin", data={"csrf_token": token}).status_code == 404
+
+
 def test_requeue_form(admin):
     letter = dead_letter()
     page = admin.get("/dead-letters").get_data(as_text=True)
