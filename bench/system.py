@@ -56,7 +56,8 @@ class System:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
         self.env.update({"CKPT_HOME": str(self.home), "CKPT_ROOTS": str(self.runs / "*"), "CKPT_MDNS": "0",
                          "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "", "CKPT_KEEP_LAST": "1000",
-                         "CKPT_TICK_SECONDS": "0.5", **env})
+                         "CKPT_TICK_SECONDS": "0.5",
+                         "CKPT_RESTORE_ROOTS": str(root.parent), **env})  # restores go next to the system
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> System:

@@ -114,7 +114,7 @@ def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwri
 
     s = _control_plane(settings)
     ref = checkpoint.id if isinstance(checkpoint, Protected) else str(checkpoint)
-    r = operations.restore_to(s, ref, str(to), overwrite=overwrite)
+    r = operations.restore_to(s, ref, str(to), overwrite=overwrite, from_here=True)
     dest = Path(r.detail)
     if not wait:
         return dest

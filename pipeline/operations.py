@@ -6,6 +6,7 @@ Each validates, records the job in one transaction, and only then enqueues (comm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.db.engine import session_scope
 from pipeline.detection import catalog, completeness, roots
@@ -55,10 +56,13 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
     return result
 
 
-def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Requested:
-    """Give checkpoint ``ref`` (id or path) back at ``dest``."""
+def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
+               from_here: bool = False) -> Requested:
+    """Give checkpoint ``ref`` (id or path) back at ``dest``. ``from_here``: the caller runs on
+    this host (the CLI, the Python API), so its current directory is a restore root too."""
     with session_scope(settings.db_url) as s:
-        job = restore_job.request(s, settings, ref, dest, overwrite=overwrite)
+        job = restore_job.request(s, settings, ref, dest, overwrite=overwrite,
+                                  extra_roots=[Path.cwd()] if from_here else [])
         result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
     _send([Send("restore", (result.job_id,))])
     return result

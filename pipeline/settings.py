@@ -102,6 +102,9 @@ class Settings:
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
     tick_seconds: float = 2.0
+    #: Directories a restore may write under; empty means the watched roots' parents (and, for
+    #: the CLI and the Python API, the caller's current directory). docs/design.md, invariant 7.
+    restore_roots: tuple[str, ...] = ()
     #: Static storage workers (URLs), for networks without multicast.
     workers: tuple[str, ...] = ()
     #: Shared secret of the cluster; empty means ``<home>/cluster.key`` (created on first use).

@@ -162,7 +162,9 @@ class Cluster:
     @property
     def env(self) -> dict[str, str]:
         urls = ",".join(w.url for w in self.workers) if self.static else ""
-        return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls, **self.extra_env)
+        # Tests restore into their own tmp_path, next to (not under) this cluster's directory.
+        return base_env(self.home, CKPT_ROOTS=str(self.runs / "*"), CKPT_WORKERS=urls,
+                        CKPT_RESTORE_ROOTS=str(self.tmp.parent), **self.extra_env)
 
     def start(self) -> Cluster:
         for i in range(self.n_workers + self.spare):

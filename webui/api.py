@@ -1,6 +1,7 @@
 """The JSON API: the pages' data for scripts, and the same actions."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from flask import Blueprint, current_app, jsonify, request, url_for
@@ -36,6 +37,14 @@ def body(*required: str) -> dict[str, Any]:
     if missing:
         raise ApiError(400, f"missing or empty field(s): {', '.join(missing)}")
     return doc
+
+
+def flag(doc: dict[str, Any], name: str) -> bool:
+    """A JSON boolean field (absent: false); ``"false"`` or ``0`` is a 400, never read as true."""
+    value = doc.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f'"{name}" must be true or false (a JSON boolean), not {json.dumps(value)}')
+    return value
 
 
 def page_args() -> dict[str, Any]:
@@ -119,7 +128,7 @@ def store() -> ResponseReturnValue:
 @api_admin
 def restore() -> ResponseReturnValue:
     doc = body("checkpoint", "dest")
-    r = operations.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=bool(doc.get("overwrite")))
+    r = operations.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=flag(doc, "overwrite"))
     return accepted(r.job_id)
 
 
@@ -151,11 +160,11 @@ def gc() -> ResponseReturnValue:
     workers = doc.get("workers")
     if workers is not None and not (isinstance(workers, list) and all(isinstance(w, str) for w in workers)):
         raise ApiError(400, '"workers" must be a list of storage worker ids')
-    r = operations.collect_garbage(settings(), workers or None, dry_run=bool(doc.get("dry_run")),
+    r = operations.collect_garbage(settings(), workers or None, dry_run=flag(doc, "dry_run"),
                                    reason="requested over HTTP")
     resp = jsonify(jobs=[data.job(settings(), j.job_id) for j in r.jobs], condemned=r.condemned,
                    condemned_bytes=r.condemned_bytes, freed=[f.__dict__ for f in r.freed])
-    resp.status_code = 200 if doc.get("dry_run") else 202
+    resp.status_code = 200 if flag(doc, "dry_run") else 202
     return resp
 
 
@@ -167,8 +176,8 @@ def checkpoint_action(checkpoint_id: int, action: str) -> ResponseReturnValue:
     if not isinstance(doc, dict):
         raise ApiError(400, "the body must be empty or a JSON object")
     if action == "forget":
-        verdicts = operations.forget(settings(), [str(checkpoint_id)], dry_run=bool(doc.get("dry_run")))
-        return jsonify(forgotten=[v.__dict__ for v in verdicts], dry_run=bool(doc.get("dry_run")))
+        verdicts = operations.forget(settings(), [str(checkpoint_id)], dry_run=flag(doc, "dry_run"))
+        return jsonify(forgotten=[v.__dict__ for v in verdicts], dry_run=flag(doc, "dry_run"))
     note = doc.get("note")
     if note is not None and not isinstance(note, str):
         raise ApiError(400, '"note" must be text')

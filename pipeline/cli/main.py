@@ -214,7 +214,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"newest protected checkpoint of {args.latest}: {newest.path} (step {newest.step}, id {newest.id})")
     elif not ref:
         raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
-    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite)
+    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True)
     print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail}")
     if args.wait:
         return wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from sqlalchemy import select
@@ -25,6 +26,7 @@ from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.detection.catalog import latest_store_job, resolve
 from pipeline.durable import fsync_dir
 from pipeline.errors import DestinationExists, RestoreError
+from pipeline.restore import destination
 from pipeline.restore.gather import FileSource, manifest
 from pipeline.restore.rebuild import fsync_tree, write_file
 from pipeline.settings import Settings
@@ -35,10 +37,14 @@ log = logging.getLogger("ckpt.restore")
 R = states.RestoreState
 
 
-def request(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Job:
-    """Validate a restore request and create its job (the caller enqueues ``restore``)."""
+def request(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
+            extra_roots: Iterable[Path] = ()) -> Job:
+    """Validate a restore request and create its job (the caller enqueues ``restore``).
+
+    ``extra_roots``: directories this caller may also restore under (its current directory)."""
     ckpt = resolve(session, ref)
     target = Path(dest).expanduser().resolve()
+    destination.check(session, settings, target, extra_roots)
     if target.exists() and not overwrite:
         raise DestinationExists(str(target))
     if not target.parent.is_dir():
@@ -107,8 +113,7 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
             is_dir: bool) -> int | None:
     """Rebuild every file under ``staging``, verified and fsynced, and move the job to
     ``verified``; None if a later attempt took the job over meanwhile."""
-    if staging.exists():
-        _remove(staging)
+    _remove(staging)  # a leftover of a crashed attempt, or a symlink planted at this predictable name
     key = settings.key()
     done = 0
     renew_every = max(0.5, settings.lease_seconds / 4)
@@ -172,4 +177,8 @@ def _holds(dest: Path, files: list[FileSource], is_dir: bool) -> bool:
 
 
 def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    """Remove a file or a directory tree at ``path``; a symlink is removed, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

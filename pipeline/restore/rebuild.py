@@ -80,12 +80,15 @@ def write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None =
         _write_file(f, out, key, progress, check=False)
     except HashMismatch as exc:
         log.warning("%s; rebuilding it checking every shard, to skip the bad copy", exc)
+        os.unlink(out)
         _write_file(f, out, key, progress, check=True)
 
 
 def _write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None, *,
                 check: bool) -> None:
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # A new file, never through a symlink (docs/design.md, invariant 7): the staging path is
+    # predictable, and whoever planted something there does not get our bytes written through it.
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     rebuild = _Rebuild(fd, progress)
     try:
         for shard in read_ahead(f.shards, key):

@@ -65,3 +65,32 @@ def test_store_of_an_incomplete_directory_says_what_is_missing(shared_cluster):
     r = shared_cluster.cli("store", str(d))
     assert r.returncode == 1
     assert "step_9: checkpoint is not complete: torch DCP data files (*.distcp) without the .metadata file" in r.stderr
+
+
+def test_restore_never_writes_through_a_symlink_planted_at_its_staging_path(shared_cluster, tmp_path):
+    """The staging name is predictable (``.DEST.ckpt-restore-JOB.ATTEMPT``): a dangling symlink
+    planted there must not receive the restored bytes; the restore still succeeds."""
+    from sqlalchemy import func, select
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Job
+
+    run = shared_cluster.runs / "run-symlink"
+    run.mkdir()
+    p = run / "m.safetensors"
+    save_file({"a": torch.arange(1000, dtype=torch.float32)}, str(p))
+    r = shared_cluster.cli("store", str(p), "--wait", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    with session_scope(shared_cluster.settings.db_url) as s:
+        last = s.scalar(select(func.max(Job.id))) or 0
+    dest = tmp_path / "restored.safetensors"
+    victims = []
+    for job_id in range(last + 1, last + 20):
+        for attempt in range(1, 4):
+            victim = tmp_path / f"victim-{job_id}-{attempt}"
+            (tmp_path / f".{dest.name}.ckpt-restore-{job_id}.{attempt}").symlink_to(victim)
+            victims.append(victim)
+    r = shared_cluster.cli("restore", str(p), "--to", str(dest), "--wait")
+    assert r.returncode == 0, r.stderr
+    assert dest.read_bytes() == p.read_bytes() and not dest.is_symlink()
+    assert not [v for v in victims if v.exists()]

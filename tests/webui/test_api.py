@@ -125,6 +125,31 @@ def test_restore_validates_checkpoint_and_destination(client, web_settings, toke
     assert existing.read_text() == "keep"
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None, []])
+def test_restore_flags_must_be_json_booleans(client, web_settings, token, tmp_path, value):
+    """``"overwrite": "false"`` was read as true; a flag that is not a JSON boolean is a 400."""
+    ids = seed(web_settings)
+    existing = tmp_path / "exists"
+    existing.write_text("keep")
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(existing), "overwrite": value},
+                    headers=bearer(token))
+    assert r.status_code == 400 and '"overwrite" must be true or false' in r.get_json()["error"]
+    assert existing.read_text() == "keep"
+    r = client.post("/api/gc", json={"dry_run": value}, headers=bearer(token))
+    assert r.status_code == 400 and '"dry_run" must be true or false' in r.get_json()["error"]
+
+
+def test_restore_destinations_outside_the_restore_roots_are_refused(client, web_settings, token, tmp_path_factory):
+    """Over HTTP only the restore roots count (the server's current directory is not the caller's)."""
+    ids = seed(web_settings)
+    outside = tmp_path_factory.mktemp("outside")
+    for dest in (outside / "x", web_settings.home / "evil", "/etc/ckpt-restore-test"):
+        r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(dest), "overwrite": True},
+                        headers=bearer(token))
+        assert r.status_code == 400, (dest, r.get_json())
+        assert "restore roots" in r.get_json()["error"] or "home" in r.get_json()["error"]
+
+
 def test_restore_of_a_checkpoint_that_is_not_protected_is_400(client, web_settings, token, tmp_path):
     from pipeline import operations
     from tests.checkpoints import atomic_save, state_dict
