@@ -9,7 +9,6 @@ only this process, which then stops the children in order, by PID; each child al
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -29,19 +28,14 @@ from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.errors import ConfigError
+from pipeline.service.lifetime import die_with_parent
 from pipeline.service.readiness import ready
 from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.up")
-PR_SET_PDEATHSIG = 1
 WORKER_POLL_MS = 100
 #: A child that exits sooner than this after its start is crash-looping: restart it with backoff.
 STABLE_SECONDS = 2.0
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -63,7 +57,7 @@ class Child:
         out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         out.close()
         self.started, self.stopped_at = time.monotonic(), None
         log.info("started %s (pid %d)", self.name, self.proc.pid)

@@ -7,7 +7,10 @@ touch the database: the entry points (``ckpt up``, ``ckpt migrate``, the other `
 commands) bring the schema to head.
 """
 from pipeline import settings as _settings
+from pipeline.service.lifetime import bind_dramatiq_worker_to_master as _bind
 from pipeline.tasks.broker import install as _install
+
+_bind()  # a worker process dies with its dramatiq master (pipeline/service/lifetime.py)
 
 broker = _install(_settings.current())
 

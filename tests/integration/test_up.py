@@ -74,3 +74,28 @@ def test_children_die_with_a_killed_ckpt_up(tmp_path):
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_dramatiq_workers_die_with_a_killed_master(tmp_path):
+    """SIGKILL of the Dramatiq master (the OOM killer's usual pick) must not leave its worker
+    processes consuming for ever beside the master `ckpt up` starts next."""
+    (tmp_path / "runs").mkdir()
+    proc, info = start_up(tmp_path)
+    pids = all_pids(proc)
+    try:
+        master = info["children"]["dramatiq"]
+        workers = descendants(master)
+        assert len(workers) >= 2
+        os.kill(master, signal.SIGKILL)
+        wait_for(lambda: not [p for p in workers if alive(p)], 15, "the dead master's worker processes to exit")
+        up_json = tmp_path / "home" / "up.json"
+        wait_for(lambda: json.loads(up_json.read_text())["children"]["dramatiq"] != master, 30,
+                 "ckpt up to start a new dramatiq master")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            for p in [*pids, *descendants(proc.pid)]:
+                if alive(p):
+                    os.kill(p, signal.SIGKILL)
