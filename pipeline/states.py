@@ -147,6 +147,13 @@ TERMINAL: dict[str, frozenset[str]] = {
     JobKind.GC.value: frozenset({_G.DONE.value, _G.FAILED.value}),
 }
 
+#: States a job can rest in for hours with nobody asking: TERMINAL, and a verified store (it waits
+#: for local rotation, which comes only with newer checkpoints). A job page stops following there.
+RESTING: dict[str, frozenset[str]] = {
+    kind: states | ({_S.VERIFIED.value} if kind == JobKind.STORE.value else frozenset())
+    for kind, states in TERMINAL.items()
+}
+
 #: States in which an actor is expected to be working, so an expired lease means lost work.
 ACTIVE: dict[str, frozenset[str]] = {
     JobKind.STORE.value: frozenset({_S.DETECTED.value, _S.SHARDED.value, _S.REPLICATED.value}),

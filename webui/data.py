@@ -156,6 +156,7 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
         d = job_dict(j)
         d["checkpoint_path"] = j.checkpoint.path if j.checkpoint else None
         d["terminal"] = j.state in states.TERMINAL[j.kind]
+        d["resting"] = j.state in states.RESTING[j.kind]
         d["active"] = j.state in states.ACTIVE[j.kind]
         end = j.finished_at or now()
         d["duration_s"] = (end - j.created_at).total_seconds()

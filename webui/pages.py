@@ -13,7 +13,6 @@ from flask import (
     redirect,
     render_template,
     request,
-    stream_with_context,
     url_for,
 )
 from flask.typing import ResponseReturnValue
@@ -23,7 +22,7 @@ from pipeline import operations, states
 from pipeline.errors import CkptError, UnknownCheckpoint
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
-from webui import data
+from webui import data, streams
 from webui.charts import capacity_chart, transfers_chart
 from webui.security import form_admin
 
@@ -102,26 +101,38 @@ def job(job_id: int) -> ResponseReturnValue:
 
 @bp.route("/jobs/<int:job_id>/stream")
 def job_stream(job_id: int) -> ResponseReturnValue:
-    """Server-sent events: the job's state and bytes, until it ends."""
+    """Server-sent events: the job's state and bytes, until it rests (``states.RESTING``).
+
+    Each open stream holds one of the web server's few threads: a client gets at most
+    ``CKPT_STREAMS_PER_CLIENT`` of them and all clients together ``CKPT_STREAMS``, so
+    streams never take every thread; a page over the limit is told to reload (429)."""
     s = settings()
     data.job(s, job_id)  # 404 before the stream starts
+    slot = streams.take(request.remote_addr or "-", current_app.config.get("CKPT_STREAMS", 4),
+                        current_app.config.get("CKPT_STREAMS_PER_CLIENT", 2))
+    if slot is None:
+        return Response("too many open live updates; reload the page later\n", status=429,
+                        headers={"Retry-After": "10"}, mimetype="text/plain")
 
     def events() -> Iterator[str]:
-        last = None
-        deadline = time.monotonic() + 3600
-        while time.monotonic() < deadline:
-            j = data.job(s, job_id)
-            doc = {"id": j["id"], "state": j["state"], "bytes_done": j["bytes_done"],
-                   "bytes_total": j["bytes_total"], "attempts": j["attempts"], "last_error": j["last_error"],
-                   "terminal": j["terminal"], "events": len(j["timeline"])}
-            if doc != last:
-                yield f"data: {json.dumps(doc)}\n\n"
-                last = doc
-            if j["terminal"]:
-                return
-            time.sleep(0.5)
+        try:
+            last = None
+            deadline = time.monotonic() + 3600
+            while time.monotonic() < deadline:
+                j = data.job(s, job_id)
+                doc = {"id": j["id"], "state": j["state"], "bytes_done": j["bytes_done"],
+                       "bytes_total": j["bytes_total"], "attempts": j["attempts"], "last_error": j["last_error"],
+                       "terminal": j["resting"], "events": len(j["timeline"])}
+                if doc != last:
+                    yield f"data: {json.dumps(doc)}\n\n"
+                    last = doc
+                if j["resting"]:
+                    return
+                time.sleep(0.5)
+        finally:
+            slot.release()
 
-    return Response(stream_with_context(events()), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(events(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @bp.route("/workers")

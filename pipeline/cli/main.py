@@ -164,7 +164,8 @@ def cmd_web(args: argparse.Namespace) -> int:
     overrides = {"web_host": args.host, "web_port": args.port}
     s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
     control_plane(s)
-    app = create_app(settings=s)
+    # Live-update streams may hold at most half of the threads: the pages always get the rest.
+    app = create_app({"CKPT_STREAMS": max(1, args.threads // 2)}, settings=s)
     print(f"web UI on http://{s.web_host}:{s.web_port}/", flush=True)
     # Open event streams (the pages' live updates) never finish by themselves: a stop
     # should not wait the default 10 s for them.

@@ -139,5 +139,45 @@ def test_job_stream_sends_events_until_the_job_ends(client, web_settings):
     r.close()
 
 
+def test_a_store_stream_ends_once_the_job_rests_at_verified(client, web_settings):
+    """A verified store waits for rotation, perhaps for hours: its stream ends there."""
+    ids = seed(web_settings)
+    r = client.get(f"/jobs/{ids['store_job']}/stream", buffered=False)
+    events = [json.loads(c.decode().removeprefix("data: ")) for c in r.response if c.strip()]
+    assert [e["state"] for e in events] == ["verified"] and events[0]["terminal"]
+    r.close()
+
+
+def test_event_streams_are_capped_per_client_and_in_all(app, web_settings):
+    """Open streams never take every thread: the third from one client, or one past the total,
+    is a 429; closing one frees its slot."""
+    from webui import streams
+
+    app.config.update(CKPT_STREAMS=3, CKPT_STREAMS_PER_CLIENT=2)
+    with session_scope(web_settings.db_url) as s:
+        job_id = create_job(s, "restore", checkpoint_id=None, params={"dest": "/x"}).id
+
+    def open_from(addr: str):
+        c = app.test_client()
+        r = c.get(f"/jobs/{job_id}/stream", buffered=False, environ_base={"REMOTE_ADDR": addr})
+        if r.status_code == 200:
+            next(iter(r.response))  # the stream is running
+        return r
+
+    a1, a2 = open_from("10.0.0.1"), open_from("10.0.0.1")
+    third = open_from("10.0.0.1")
+    assert (a1.status_code, a2.status_code, third.status_code) == (200, 200, 429)
+    assert third.headers["Retry-After"] == "10"
+    b1 = open_from("10.0.0.2")
+    assert b1.status_code == 200 and open_from("10.0.0.3").status_code == 429  # 3 in all
+    a1.close()
+    assert streams.open_count() == 2
+    c1 = open_from("10.0.0.3")
+    assert c1.status_code == 200
+    for r in (a2, b1, c1):
+        r.close()
+    assert streams.open_count() == 0
+
+
 def test_logout_needs_csrf(admin):
     assert admin.post("/logout").status_code == 403
