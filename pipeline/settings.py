@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import logging
 import os
 import secrets
 import tomllib
@@ -240,6 +241,21 @@ class Settings:
         return env
 
 
+def masked_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: what a log line or a terminal shows."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _coerce(name: str, raw: Any) -> Any:
     f = {f.name: f for f in dataclasses.fields(Settings)}[name]
     kind = f.type if isinstance(f.type, str) else f.type.__name__
@@ -298,6 +314,11 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
             if k not in names:
                 raise ConfigError(f"{config}: unknown setting {k!r}")
             values[k] = _coerce(k, v)
+        secret = [k for k in ("database_url", "redis_url", "cluster_key") if data.get(k)
+                  and (k == "cluster_key" or masked_url(str(data[k])) != str(data[k]))]
+        if secret and config.stat().st_mode & 0o077:
+            logging.getLogger("ckpt.settings").warning(
+                "%s holds %s and other users can read it: chmod 600 %s", config, " and ".join(secret), config)
     for name in names:
         raw = env.get(f"CKPT_{name.upper()}")
         if raw is not None and raw != "":

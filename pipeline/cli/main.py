@@ -68,8 +68,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         info = sup.up()
         print(f"ckpt up: home {info['home']}", flush=True)
-        print(f"  control plane  {info['database']}", flush=True)
-        print(f"  broker         {info['broker']}", flush=True)
+        print(f"  control plane  {settings_mod.masked_url(info['database'])}", flush=True)
+        print(f"  broker         {settings_mod.masked_url(info['broker'])}", flush=True)
         for url in info["workers"]:
             print(f"  storage worker {url}", flush=True)
         print(f"  watching       {', '.join(s.roots)}", flush=True)
@@ -178,7 +178,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     s = settings_from(args)
     upgrade(s.db_url)
-    print(f"{s.db_url}: at head")
+    print(f"{settings_mod.masked_url(s.db_url)}: at head")
     return 0
 
 

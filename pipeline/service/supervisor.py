@@ -27,6 +27,7 @@ from pathlib import Path
 from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
+from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
 from pipeline.service.lifetime import die_with_parent
 from pipeline.service.readiness import ready
@@ -54,11 +55,11 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
+        out = open_private_log(self.log_path)
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent)
-        out.close()
+        os.close(out)
         self.started, self.stopped_at = time.monotonic(), None
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
@@ -181,9 +182,7 @@ class Supervisor:
             "web": f"http://{self.settings.web_host}:{self.settings.web_port}/" if self.settings.web_port else None,
             "children": {c.name: c.proc.pid for c in self.children if c.proc},
         }
-        tmp = self.home / "up.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, self.home / "up.json")
+        write_private(self.home / "up.json", json.dumps(info, indent=2))
         return info
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
@@ -245,9 +244,7 @@ class Supervisor:
         except (OSError, ValueError):
             return
         info["children"] = {c.name: c.proc.pid for c in self.children if c.proc}
-        tmp = self.home / "up.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, path)
+        write_private(path, json.dumps(info, indent=2))
 
     def shutdown(self) -> None:
         """Stop children in reverse order of start: watcher first, Redis last."""

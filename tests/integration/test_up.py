@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -41,6 +42,9 @@ def test_ckpt_up_protects_a_checkpoint_and_stops_everything_on_ctrl_c(tmp_path):
     pids = all_pids(proc)
     try:
         assert len(info["workers"]) == 3 and set(info["children"]) >= {"redis", "dramatiq", "scheduler", "watcher"}
+        # up.json (it may hold a database password) and the logs (they echo URLs): this user's only
+        private = [tmp_path / "home" / "up.json", *(tmp_path / "home" / "logs").glob("*.log")]
+        assert len(private) > 5 and {oct(stat.S_IMODE(p.stat().st_mode)) for p in private} == {"0o600"}
         atomic_save(state_dict(0), tmp_path / "runs" / "r" / "step_1.safetensors")
         env = base_env(tmp_path / "home")
 

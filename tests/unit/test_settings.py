@@ -70,3 +70,45 @@ def test_bad_retention_settings_are_named(tmp_path, text, needle):
     (tmp_path / "config.toml").write_text(text)
     with pytest.raises(ConfigError, match=needle):
         load({"home": tmp_path}, environ={})
+
+
+def test_urls_are_shown_with_their_password_masked():
+    from pipeline.settings import masked_url
+
+    assert masked_url("postgresql+psycopg://ckpt:s3cret@db.lan:5432/ckpt") == "postgresql+psycopg://ckpt:***@db.lan:5432/ckpt"
+    assert masked_url("redis://:hunter2@10.0.0.5/0") == "redis://:***@10.0.0.5/0"
+    assert masked_url("redis://u:p@[fe80::1]:6379") == "redis://u:***@[fe80::1]:6379"
+    assert masked_url("sqlite:////home/a/.ckpt/ckpt.db") == "sqlite:////home/a/.ckpt/ckpt.db"
+    assert masked_url("unix:///x/redis.sock") == "unix:///x/redis.sock"
+
+
+def test_private_files_are_0600_even_over_a_looser_leftover(tmp_path):
+    import os
+    import stat
+
+    from pipeline.durable import open_private_log, write_private
+
+    path = tmp_path / "up.json"
+    leftover = tmp_path / f".up.json.{os.getpid()}.tmp"
+    leftover.write_text("old")
+    leftover.chmod(0o644)
+    write_private(path, '{"database": "postgresql://u:p@h/db"}')
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and "postgresql" in path.read_text()
+    os.close(open_private_log(tmp_path / "x.log"))
+    assert stat.S_IMODE((tmp_path / "x.log").stat().st_mode) == 0o600
+
+
+def test_a_config_holding_a_password_that_others_can_read_is_warned_about(tmp_path, caplog):
+    from pipeline import settings as settings_mod
+
+    home = tmp_path / "home"
+    home.mkdir()
+    config = home / "config.toml"
+    config.write_text('database_url = "postgresql+psycopg://ckpt:s3cret@db/ckpt"\n')
+    config.chmod(0o644)
+    settings_mod.load({"home": home}, environ={})
+    assert "chmod 600" in caplog.text and "s3cret" not in caplog.text
+    caplog.clear()
+    config.chmod(0o600)
+    settings_mod.load({"home": home}, environ={})
+    assert "chmod 600" not in caplog.text
