@@ -41,10 +41,11 @@ def restore(system: System, ckpt_id: int, dest: Path) -> dict:
 
 
 def used_bytes(system: System) -> int:
+    from pipeline.cluster import auth
     from pipeline.cluster.client import WorkerClient
 
     info = json.loads((system.home / "up.json").read_text())
-    return sum(WorkerClient(u, system.settings.key()).status()["used"] for u in info["workers"])
+    return sum(WorkerClient(u, system.settings.key(), auth.ANY_NODE).status()["used"] for u in info["workers"])
 
 
 def _store_limit(system: System, path: Path, work: Path) -> float:

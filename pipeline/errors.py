@@ -99,6 +99,11 @@ class WorkerError(CkptError):
         super().__init__(f"storage worker {worker}: {reason}")
 
 
+class UntrustedAnswer(WorkerError):
+    """Raised when an answer was not signed with the cluster key by the worker asked: treated
+    like no answer (nothing is decided on it), and at admission as a failed challenge."""
+
+
 class HashMismatch(CkptError):
     """Raised when bytes do not hash to the SHA-256 the manifest records."""
 

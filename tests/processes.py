@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench.system import cmdline
 from pipeline import settings as settings_mod
+from pipeline.cluster import auth
 from pipeline.cluster.client import WorkerClient, free_port
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
@@ -85,7 +86,7 @@ class StorageWorker:
                 [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port),
                  *self.args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        client = WorkerClient(self.url, self.key.encode())
+        client = WorkerClient(self.url, self.key.encode(), auth.ANY_NODE)
 
         def up() -> bool:
             try:

@@ -1,7 +1,8 @@
 """The storage worker's HTTP API, as a plain WSGI application.
 
     GET    /v1/status              node id, API version, zone, capacity, free, shard count, and
-                                   with X-Ckpt-Nonce a proof that this worker holds the cluster key
+                                   with X-Ckpt-Nonce and X-Ckpt-Url a proof that this worker, reached
+                                   at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
     GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can)
     PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
@@ -15,17 +16,19 @@
     GET    /v1/inventory           {"shards": [[sha256, size], ...], "quarantined": [...]}; with
                                    ?after=<sha256>&limit=<n>, one page in hash order (no quarantine)
 
-Every request must be signed with the cluster key, once (pipeline.cluster.auth: a replayed request
-or a JSON body other than the signed one is refused with 401); answers are JSON.
+Every request must be signed with the cluster key, once, for this node (pipeline.cluster.auth: a
+replayed request, one meant for another node or a JSON body other than the signed one is refused
+with 401); answers are JSON (shards: their bytes) and every answer is signed with the key.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster import auth
@@ -42,13 +45,15 @@ StartResponse = Callable[..., Any]
 
 _REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
             405: "Method Not Allowed", 411: "Length Required", 413: "Payload Too Large",
-            422: "Unprocessable Entity", 500: "Internal Server Error", 507: "Insufficient Storage"}
+            421: "Misdirected Request", 422: "Unprocessable Entity", 500: "Internal Server Error",
+            507: "Insufficient Storage"}
 
 
 def _json(start: StartResponse, status: int, doc: Any) -> list[bytes]:
     body = json.dumps(doc).encode()
     start(f"{status} {_REASONS.get(status, 'Error')}",
-          [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+          [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+           (auth.RESPONSE_BODY_HEADER, auth.body_digest(body))])
     return [body]
 
 
@@ -58,26 +63,34 @@ def _error(start: StartResponse, status: int, reason: str,
     body = json.dumps({"error": reason}).encode()
     start(f"{status} {_REASONS.get(status, 'Error')}",
           [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Connection", "close"),
+           (auth.RESPONSE_BODY_HEADER, auth.body_digest(body)),
            *headers])
     return [body]
 
 
 class WorkerApp:
     def __init__(self, store: ShardStore, *, key: bytes, node_id: str, zone: str = "",
-                 max_skew: float = 300.0, max_upload: int = 0) -> None:
+                 max_skew: float = 300.0, max_upload: int = 0, host: str = "", port: int = 0,
+                 urls: Sequence[str] = ()) -> None:
         self.store, self.key, self.node_id, self.zone, self.max_skew = store, key, node_id, zone, max_skew
         self.max_upload = max_upload  # 0: only the free space bounds an upload
         self.replay = auth.ReplayGuard(max_skew)
+        #: Where this worker may be reached: its own port on the address it is bound to (any of
+        #: this host's addresses if bound to all), and the URLs it was told it is reached at (a
+        #: port forward); it proves itself for no other.
+        self.host, self.port, self.urls = host, port, {u.rstrip("/") for u in urls}
 
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
         path = environ.get("PATH_INFO", "")
         query = environ.get("QUERY_STRING", "")
         signed = f"{path}?{query}" if query else path  # the query is signed too
+        start = self._signing(start, str(environ.get("HTTP_X_CKPT_REQUEST") or "")[:64])
         try:
-            headers = {h: environ.get("HTTP_" + h.upper().replace("-", "_"))
-                       for h in (auth.TIME_HEADER, auth.REQUEST_HEADER, auth.BODY_HEADER, auth.SIGNATURE_HEADER)}
-            environ["ckpt.body_digest"] = auth.check(self.key, method, signed, headers, self.max_skew, self.replay)
+            headers = {h: environ.get("HTTP_" + h.upper().replace("-", "_")) for h in auth.SIGNED_HEADERS}
+            environ["ckpt.body_digest"] = auth.check(self.key, method, signed, headers, self.max_skew, self.replay,
+                                                     node_id=self.node_id,
+                                                     any_node=method == "GET" and path == "/v1/status")
         except AuthError as exc:
             return _error(start, 401, str(exc), auth.clock_hint(self.key))
         try:
@@ -87,6 +100,34 @@ class WorkerApp:
         except Exception:  # a bug must not take the daemon down; the client retries
             log.exception("internal error on %s %s", method, path)
             return _error(start, 500, "internal error; see the worker's log")
+
+    def _signing(self, start: StartResponse, request_id: str) -> StartResponse:
+        """``start`` that signs every answer for request ``request_id`` (pipeline.cluster.auth)."""
+        def signed_start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            code = int(status.split(" ", 1)[0])
+            digest = next((v for k, v in headers if k == auth.RESPONSE_BODY_HEADER), None)
+            length = "" if digest is not None else next((v for k, v in headers if k == "Content-Length"), "")
+            rest = [(k, v) for k, v in headers if k != auth.RESPONSE_BODY_HEADER]
+            return start(status, rest + auth.sign_response(self.key, self.node_id, request_id, code,
+                                                           digest or auth.NO_BODY, length), exc_info)
+        return signed_start
+
+    def may_prove_for(self, url: str) -> bool:
+        """Whether ``url`` (the one a prober dialled) reaches this worker: one of its configured
+        URLs, or its own port on an address of this host. A relay's URL is neither."""
+        url = url.rstrip("/")
+        if url in self.urls:
+            return True
+        try:
+            parts = urlsplit(url)
+            port, host = parts.port, parts.hostname
+        except ValueError:
+            return False
+        if not host or port != self.port:
+            return False
+        if self.host in ("", "0.0.0.0", "::"):
+            return _local_address(host)
+        return _same_address(host, self.host)
 
     def route(self, method: str, path: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         if path.startswith("/v1/shards/"):
@@ -108,8 +149,12 @@ class WorkerApp:
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")
+            dialled = str(environ.get("HTTP_X_CKPT_URL") or "")[:512]
             if nonce:
-                doc["proof"] = auth.proof(self.key, self.node_id, nonce[:128])
+                if not self.may_prove_for(dialled):
+                    return _error(start, 421, f"{dialled!r} does not reach this storage worker ({self.node_id}); "
+                                              "if it is a port forward, start the worker with --url for it")
+                doc["proof"] = auth.proof(self.key, self.node_id, dialled, nonce[:128])
             return _json(start, 200, doc)
         if path == "/v1/verify" and method == "POST":
             doc = self._body(environ)
@@ -216,6 +261,36 @@ class WorkerApp:
         if bad:
             raise ShardRefused(400, f"shard name {str(bad[0])[:80]!r} is not 64 lowercase hex characters")
         return names
+
+
+def _local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: binding to it succeeds."""
+    if host in ("0.0.0.0", "::"):  # binds anywhere, reaches nothing in particular
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _type, _proto, _name, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return set()
+
+
+def _same_address(host: str, bound: str) -> bool:
+    """Whether ``host`` names the address this worker is bound to."""
+    return bool(_addresses(host) & _addresses(bound))
 
 
 def _iter_file(f: Any) -> Iterable[bytes]:

@@ -40,7 +40,7 @@ def node_id_for(data_dir: str) -> str:
 
 def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", threads: int = 8,
           capacity: int = 0, max_skew: float = 300.0, max_upload: int = 0,
-          advertise_on: tuple[str, ...] = ()) -> None:
+          advertise_on: tuple[str, ...] = (), urls: tuple[str, ...] = ()) -> None:
     """Run the storage worker in the foreground until SIGTERM/SIGINT.
 
     With ``advertise_on`` (zeroconf interface addresses, or ("all",)), the worker is
@@ -48,7 +48,8 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
     """
     store = ShardStore(data_dir, capacity=capacity)
     node = node_id_for(data_dir)
-    app = WorkerApp(store, key=key, node_id=node, zone=zone, max_skew=max_skew, max_upload=max_upload)
+    app = WorkerApp(store, key=key, node_id=node, zone=zone, max_skew=max_skew, max_upload=max_upload,
+                    host=host, port=port, urls=urls)
     log.info("storage worker %s serving %s on %s:%d", node, data_dir, host, port)
     advertiser = []
 
@@ -57,7 +58,7 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
             from pipeline.cluster.discovery import Advertiser
 
             try:
-                advertiser.append(Advertiser(node, host, port, zone, advertise_on))
+                advertiser.append(Advertiser(node, host, port, zone, advertise_on, key))
             except OSError as exc:  # no multicast here: static lists still find the worker
                 log.warning("not advertising on mDNS: %s", exc)
 

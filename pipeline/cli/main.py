@@ -96,7 +96,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
     serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
           threads=args.threads, capacity=args.capacity, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
-          advertise_on=advertise)
+          advertise_on=advertise, urls=tuple(args.url or ()))
     return 0
 
 
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-advertise", action="store_true", help="do not announce the worker on mDNS")
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     w.add_argument("--zone", help="failure zone advertised to placement")
+    w.add_argument("--url", action="append", metavar="URL",
+                   help="a URL this worker is also reached at (a port forward or NAT); repeatable. Its own port on "
+                        "this host's addresses always counts; it proves itself for no other URL")
     w.add_argument("--threads", type=int, default=8)
     w.add_argument("--capacity", type=parse_size, default=0,
                    help="most bytes this worker's shards may use, e.g. 500G (default: the whole disk)")

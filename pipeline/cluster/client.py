@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pipeline.cluster import auth
-from pipeline.errors import WorkerError
+from pipeline.errors import AuthError, UntrustedAnswer, WorkerError
 
 CONNECT_TIMEOUT = 5.0
 IO_TIMEOUT = 600.0
@@ -25,11 +25,15 @@ log = logging.getLogger("ckpt.client")
 
 
 class WorkerClient:
-    def __init__(self, url: str, key: bytes, *, timeout: float = IO_TIMEOUT) -> None:
+    """Signed requests to the storage worker ``node`` at ``url``, whose answers must be signed
+    by that node with the cluster key (``node`` :data:`~pipeline.cluster.auth.ANY_NODE`: a
+    status probe of a worker not known yet)."""
+
+    def __init__(self, url: str, key: bytes, node: str, *, timeout: float = IO_TIMEOUT) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise ValueError(f"storage worker URL must look like http://HOST:PORT, got {url!r}")
-        self.url, self.key, self.timeout = url.rstrip("/"), key, timeout
+        self.url, self.key, self.node, self.timeout = url.rstrip("/"), key, node, timeout
         self.host, self.port = parts.hostname, parts.port
 
     # -- plumbing -----------------------------------------------------------------------
@@ -45,10 +49,29 @@ class WorkerClient:
 
     def _headers(self, method: str, path: str, extra: dict[str, str] | None = None,
                  body: bytes | None = None) -> dict[str, str]:
-        h = auth.sign(self.key, method, path, body, now=auth.wall() + _CLOCK_OFFSETS.get(self.url, 0.0))
+        h = auth.sign(self.key, method, path, body, now=auth.wall() + _CLOCK_OFFSETS.get(self.url, 0.0),
+                      node=self.node)
         if extra:
             h.update(extra)
         return h
+
+    def _authentic(self, headers: dict[str, str], resp: http.client.HTTPResponse, body: bytes | None,
+                   what: str) -> str:
+        """Raise :class:`WorkerError` unless the answer to the request sent with ``headers`` was
+        signed by the node asked (``body`` None: a streamed shard or a HEAD, bound by its
+        length); returns the responder's node id."""
+        length = "" if body is not None else (resp.getheader("Content-Length") or "")
+        try:
+            return auth.check_response(self.key, headers[auth.REQUEST_HEADER], resp.status, resp.getheader, body,
+                                       node_id=self.node, length=length, head=what.startswith("HEAD "))
+        except AuthError as exc:
+            said = ""
+            try:  # what it says, untrusted: often why (a worker with another key refuses us)
+                said = str(json.loads(body or b"{}").get("error") or "")[:200]
+            except (ValueError, AttributeError):
+                pass
+            raise UntrustedAnswer(self.url, f"{what} answered {resp.status}, an answer refused: {exc}"
+                                            + (f"; it says (unverified): {said}" if said else "")) from None
 
     def _learn_clock(self, resp: http.client.HTTPResponse) -> bool:
         """After a 401, sign with the worker's clock from now on if ours is off from it;
@@ -71,21 +94,23 @@ class WorkerClient:
 
     def _exchange(self, method: str, path: str, body: bytes | None = None,
                   extra: dict[str, str] | None = None) -> tuple[http.client.HTTPResponse, bytes]:
-        """One signed request; the response and its whole body.
+        """One signed request; the response, authenticated, and its whole body.
 
         Refused because this process's clock is off the worker's, it is signed again once,
         with the worker's time.
         """
         for _ in range(2):
             conn = self._connect()
+            headers = self._headers(method, path, extra, body)
             try:
-                conn.request(method, path, body=body, headers=self._headers(method, path, extra, body))
+                conn.request(method, path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
             except OSError as exc:
                 raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
             finally:
                 conn.close()
+            self._authentic(headers, resp, None if method == "HEAD" else data, f"{method} {path}")
             if not self._learn_clock(resp):
                 break
         return resp, data
@@ -99,12 +124,12 @@ class WorkerClient:
     # -- API ---------------------------------------------------------------------------
 
     def status(self, nonce: str | None = None) -> dict[str, Any]:
-        """The worker's status; with ``nonce``, it includes the worker's key-possession proof."""
-        if nonce is None:
-            return self._request_json("GET", "/v1/status")[1]
-        resp, data = self._exchange("GET", "/v1/status", extra={"X-Ckpt-Nonce": nonce})
+        """The worker's status; with ``nonce``, it includes the worker's proof that it holds the
+        cluster key, bound to its node id, this client's URL for it and the nonce."""
+        extra = {auth.NONCE_HEADER: nonce, auth.URL_HEADER: self.url} if nonce is not None else None
+        resp, data = self._exchange("GET", "/v1/status", extra=extra)
         doc = _decode(self.url, "GET", "/v1/status", resp.status, data, (200,))[1]
-        if not isinstance(doc, dict) or "node_id" not in doc:
+        if not isinstance(doc, dict) or doc.get("node_id") != resp.getheader(auth.RESPONDER_HEADER):
             raise WorkerError(self.url, "status answer is not a storage worker's", resp.status)
         return doc
 
@@ -123,10 +148,11 @@ class WorkerClient:
         conn = self._connect()
         try:
             conn.putrequest("PUT", url_path, skip_accept_encoding=True)
-            for k, v in self._headers("PUT", url_path, {
+            signed = self._headers("PUT", url_path, {
                 "Content-Type": "application/octet-stream",
                 "Content-Length": str(len(header) + length),
-            }).items():
+            })
+            for k, v in signed.items():
                 conn.putheader(k, v)
             conn.endheaders()
             sent_ok = True
@@ -142,7 +168,6 @@ class WorkerClient:
                 sent_ok = False  # the worker refused early; its answer says why
             try:
                 resp = conn.getresponse()
-                self._learn_clock(resp)
                 data = resp.read()
             except OSError:
                 if not sent_ok:
@@ -152,23 +177,36 @@ class WorkerClient:
             raise WorkerError(self.url, f"PUT {url_path} failed ({exc})") from None
         finally:
             conn.close()
+        self._authentic(signed, resp, data, f"PUT {url_path}")
+        self._learn_clock(resp)
         return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
 
     def open_shard(self, name: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Start downloading shard ``name``; the caller reads the response, then closes the connection."""
         path = f"/v1/shards/{name}"
         conn = self._connect()
+        headers = self._headers("GET", path)
         try:
-            conn.request("GET", path, headers=self._headers("GET", path))
+            conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
         except OSError as exc:
             conn.close()
             raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
         if resp.status != 200:
+            try:
+                data = resp.read()
+            except OSError as exc:
+                raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
+            finally:
+                conn.close()
+            self._authentic(headers, resp, data, f"GET {path}")
             self._learn_clock(resp)
-            data = resp.read()
-            conn.close()
             _decode(self.url, "GET", path, resp.status, data, (200,))
+        try:  # the bytes themselves are checked against the shard's name by the reader
+            self._authentic(headers, resp, None, f"GET {path}")
+        except WorkerError:
+            conn.close()
+            raise
         return conn, resp
 
     def prefetch(self, names: list[str]) -> dict[str, bool]:
@@ -195,8 +233,9 @@ class WorkerClient:
         conn = self._connect()
         try:
             conn.putrequest("PUT", url_path, skip_accept_encoding=True)
-            for k, v in self._headers("PUT", url_path, {"Content-Type": "application/octet-stream",
-                                                        "Content-Length": str(size)}).items():
+            signed = self._headers("PUT", url_path, {"Content-Type": "application/octet-stream",
+                                                     "Content-Length": str(size)})
+            for k, v in signed.items():
                 conn.putheader(k, v)
             conn.endheaders()
             buf = memoryview(bytearray(1 << 20))
@@ -211,13 +250,14 @@ class WorkerClient:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused early: the answer says why
             resp = conn.getresponse()
-            self._learn_clock(resp)
             data = resp.read()
         except OSError as exc:
             raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None
         finally:
             conn.close()
             src_conn.close()
+        self._authentic(signed, resp, data, f"PUT {url_path}")
+        self._learn_clock(resp)
         return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
 
     def inventory_full(self) -> dict[str, Any]:

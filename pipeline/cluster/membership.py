@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from pipeline.cluster import auth
 from pipeline.cluster.client import WorkerClient
 from pipeline.db.engine import session_scope
-from pipeline.db.models import StorageWorker
+from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.db.transitions import now
-from pipeline.errors import WorkerError
+from pipeline.errors import UntrustedAnswer, WorkerError
 from pipeline.settings import Settings
 from pipeline.states import STICKY_WORKERS, WorkerState
 
@@ -41,17 +43,42 @@ class ProbeResult:
 
 
 def _ask(url: str, key: bytes) -> tuple[str, dict[str, Any] | str, bool]:
-    """``(url, status or error, rejected)`` for one worker."""
+    """``(url, status or error, rejected)`` for one worker. Whatever it answers, and however
+    malformed, is that worker's problem: this never raises."""
     nonce = secrets.token_hex(16)
     try:
-        doc = WorkerClient(url, key, timeout=10).status(nonce)
+        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=10).status(nonce)
+    except UntrustedAnswer as exc:  # not signed with the cluster key: a stranger
+        return url, str(exc), True
     except WorkerError as exc:
         return url, str(exc), exc.status in (401, 403)
     except ValueError as exc:
         return url, str(exc), False
-    if not auth.check_proof(key, str(doc.get("node_id")), nonce, doc.get("proof")):
+    node = doc.get("node_id")
+    if not isinstance(node, str) or not NODE_ID.fullmatch(node):
+        return url, f"answered a malformed node id {str(node)[:40]!r}", True
+    if not auth.check_proof(key, node, url, nonce, doc.get("proof")):
         return url, doc, True
+    problem = _malformed(doc)
+    if problem:
+        return url, f"answered a malformed status: {problem}", False
     return url, doc, False
+
+
+#: What a storage worker's node id looks like (workers/server.py makes "w-" and 12 hex digits).
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _malformed(doc: dict[str, Any]) -> str | None:
+    """What is wrong with a proven worker's status answer, or None."""
+    for name in ("capacity", "free"):
+        if type(doc.get(name)) is not int or doc[name] < 0:
+            return f"{name!r} is not a byte count"
+    if type(doc.get("used", 0)) is not int or doc.get("used", 0) < 0:
+        return "'used' is not a byte count"
+    if not isinstance(doc.get("zone", ""), str) or len(doc.get("zone", "")) > 64:
+        return "'zone' is not a short text"
+    return None
 
 
 def is_full(capacity: int, free: int, high_watermark: float) -> bool:
@@ -59,14 +86,17 @@ def is_full(capacity: int, free: int, high_watermark: float) -> bool:
     return capacity > 0 and (capacity - free) >= high_watermark * capacity
 
 
-def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResult:
-    """Challenge every known worker and record what it proved."""
+def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
+              only: tuple[str, ...] | None = None) -> ProbeResult:
+    """Challenge every known worker (or ``only`` these URLs) and record what it proved."""
     with session_scope(settings.db_url) as s:
         recorded = s.scalars(select(StorageWorker).where(StorageWorker.state != WorkerState.REMOVABLE))
         known = {w.url: w.source for w in recorded}
     urls = {u.rstrip("/"): "static" for u in (*settings.workers, *extra_urls)}
     for url, source in known.items():
         urls.setdefault(url, source)
+    if only is not None:
+        urls = {u.rstrip("/"): urls.get(u.rstrip("/"), "static") for u in only}
     key = settings.key()
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         answers = list(pool.map(lambda u: _ask(u, key), urls))
@@ -74,54 +104,79 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = ()) -> ProbeResu
     t = now()
     with session_scope(settings.db_url) as s:
         for url, answer, rejected in answers:
-            rows: list[StorageWorker] = list(s.scalars(select(StorageWorker).where(StorageWorker.url == url)))
-            if rejected:
-                reason = "failed the cluster-key challenge: it does not hold the cluster key"
-                result.answers[url] = reason
-                if not rows:
-                    node = answer.get("node_id") if isinstance(answer, dict) else None
-                    # hash() is salted per process: a stable id comes from the URL's SHA-256.
-                    stable = "unknown-" + hashlib.sha256(url.encode()).hexdigest()[:12]
-                    rows = [StorageWorker(id=str(node or stable), url=url, source=urls[url])]
-                    s.add(rows[0])
-                for w in rows:
-                    if w.state != WorkerState.REJECTED:
-                        log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
-                    w.state, w.last_error = WorkerState.REJECTED, reason
-                continue
-            if isinstance(answer, dict):
-                node = str(answer["node_id"])
-                found = s.get(StorageWorker, node)
-                if found is None:
-                    found = StorageWorker(id=node, url=url, source=urls[url], state=WorkerState.CANDIDATE)
-                    s.add(found)
-                w = found
-                for other in rows:  # an mDNS candidate recorded under another name
-                    if other.id != node and other.state in (WorkerState.CANDIDATE, WorkerState.REJECTED):
-                        s.delete(other)
-                w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
-                w.used_bytes = int(answer.get("used", 0))
-                if w.state not in STICKY_WORKERS:
-                    full = is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark)
-                    live = WorkerState.FULL if full else WorkerState.UP
-                    if w.state == WorkerState.DOWN:
-                        result.returned.append(node)
-                    if w.state not in (WorkerState.UP, WorkerState.FULL):
-                        log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
-                    elif w.state != live:
-                        log.warning("storage worker %s is %s: %s of %s bytes free (high watermark %.0f%%)",
-                                    node, live, f"{w.free_bytes:,}", f"{w.capacity_bytes:,}",
-                                    100 * settings.high_watermark)
-                    w.state = live
-                w.url, w.zone, w.last_seen, w.last_error = url, answer.get("zone", ""), t, None
-                result.answers[url] = node
-                continue
-            result.answers[url] = answer
-            for w in rows:
-                w.last_error = answer
-                silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-                if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
-                    w.state = WorkerState.DOWN
-                    result.went_down.append(w.id)
-                    log.warning("storage worker %s at %s is down: %s", w.id, url, answer)
+            try:
+                with s.begin_nested():  # one worker's bad answer spoils nothing else
+                    _record(s, settings, url, answer, rejected, urls[url], t, result)
+            except Exception as exc:
+                log.exception("recording what storage worker %s answered failed", url)
+                result.answers[url] = f"could not record its answer: {exc}"
     return result
+
+
+def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | str, rejected: bool,
+            source: str, t: datetime, result: ProbeResult) -> None:
+    """Record what the worker at ``url`` answered to one probe."""
+    rows: list[StorageWorker] = list(s.scalars(select(StorageWorker).where(StorageWorker.url == url)))
+    if rejected:
+        reason = "failed the cluster-key challenge: it does not hold the cluster key"
+        result.answers[url] = reason
+        if not rows and source != "mdns":
+            # Never under the id it claims: a stranger must not take (or block) a real
+            # worker's row. hash() is salted per process: a stable id comes from the URL's SHA-256.
+            stable = "unknown-" + hashlib.sha256(url.encode()).hexdigest()[:12]
+            rows = [s.get(StorageWorker, stable) or StorageWorker(id=stable, url=url, source=source)]
+            s.add(rows[0])
+        for w in rows:
+            holds = s.scalar(select(ContentCopy.id).where(ContentCopy.worker_id == w.id).limit(1))
+            if w.source == "mdns" and holds is None:
+                # A stranger found on the LAN: forgotten, not listed (a static one stays listed,
+                # rejected, since an operator named it and wants to know why).
+                log.info("forgetting %s at %s, found on mDNS: %s", w.id, url, reason)
+                s.delete(w)
+                continue
+            if w.state != WorkerState.REJECTED:
+                log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
+            w.state, w.last_error = WorkerState.REJECTED, reason
+        return
+    if isinstance(answer, dict):
+        node = str(answer["node_id"])
+        found = s.get(StorageWorker, node)
+        if found is None:
+            found = StorageWorker(id=node, url=url, source=source, state=WorkerState.CANDIDATE)
+            s.add(found)
+        w = found
+        for other in rows:  # recorded at this URL under another name
+            if other.id == node:
+                continue
+            holds = s.scalar(select(ContentCopy.id).where(ContentCopy.worker_id == other.id).limit(1))
+            if other.state in (WorkerState.CANDIDATE, WorkerState.REJECTED) and holds is None:
+                s.delete(other)  # an mDNS candidate, a stranger that held nothing
+            elif other.state not in (WorkerState.REJECTED, WorkerState.REMOVABLE):
+                # Another node now answers at its URL: its copies are not here to count.
+                other.state, other.last_error = WorkerState.DOWN, f"{node} answers at {url} now"
+                result.went_down.append(other.id)
+        w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
+        w.used_bytes = int(answer.get("used", 0))
+        if w.state not in STICKY_WORKERS:
+            full = is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark)
+            live = WorkerState.FULL if full else WorkerState.UP
+            if w.state == WorkerState.DOWN:
+                result.returned.append(node)
+            if w.state not in (WorkerState.UP, WorkerState.FULL):
+                log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
+            elif w.state != live:
+                log.warning("storage worker %s is %s: %s of %s bytes free (high watermark %.0f%%)",
+                            node, live, f"{w.free_bytes:,}", f"{w.capacity_bytes:,}",
+                            100 * settings.high_watermark)
+            w.state = live
+        w.url, w.zone, w.last_seen, w.last_error = url, answer.get("zone", ""), t, None
+        result.answers[url] = node
+        return
+    result.answers[url] = answer
+    for w in rows:
+        w.last_error = answer
+        silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
+        if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
+            w.state = WorkerState.DOWN
+            result.went_down.append(w.id)
+            log.warning("storage worker %s at %s is down: %s", w.id, url, answer)

@@ -164,7 +164,7 @@ def collect(settings: Settings, job_id: int) -> list[Send]:
             transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
                        detail=f"{worker_id} is {worker.state}: it deletes its garbage when it comes back")
             return []
-    client = WorkerClient(url, settings.key())
+    client = WorkerClient(url, settings.key(), worker_id)
     started = time.monotonic()
     while True:
         with session_scope(settings.db_url) as s:

@@ -63,7 +63,7 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
         if worker.state not in states.READABLE_WORKERS:
             transition(s, job_id, JobKind.RECONCILE, Q.RECONCILING, Q.DONE, detail=f"{worker_id} is {worker.state}")
             return []
-        client = WorkerClient(worker.url, settings.key())
+        client = WorkerClient(worker.url, settings.key(), worker_id)
 
     sends: list[Send] = []
     while True:

@@ -101,9 +101,9 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                 fixed += 1
         except _NoSource:
             lost = True
-            for _worker_id, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
+            for bad_worker, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
                 if state == CopyState.CORRUPT:
-                    _quarantine(key, url, w.sha)
+                    _quarantine(key, bad_worker, url, w.sha)
             break
         with session_scope(settings.db_url) as s:
             renew_lease(s, job_id, settings.lease_seconds)
@@ -148,7 +148,7 @@ def _good_source(settings: Settings, key: bytes, w: ContentWork) -> WorkerClient
     """The first readable copy whose re-hash, now, matches the content's SHA-256."""
     while w.sources:
         worker_id, url = w.sources[0]
-        client = WorkerClient(url, key)
+        client = WorkerClient(url, key, worker_id)
         try:
             (answer,) = client.verify([w.sha])
         except (WorkerError, ValueError):
@@ -162,14 +162,14 @@ def _good_source(settings: Settings, key: bytes, w: ContentWork) -> WorkerClient
             mark(s, worker_id, w.sha, checked_at=now(), state=state,
                  last_error=f"re-hash at repair: {answer['sha256']}")
         if answer["sha256"] is not None:
-            _quarantine(key, url, w.sha)
+            _quarantine(key, worker_id, url, w.sha)
         w.fix_in_place.append((worker_id, url, CopyState.MISSING))  # set aside; rebuilt there like a missing copy
     return None
 
 
-def _quarantine(key: bytes, url: str, sha: str) -> None:
+def _quarantine(key: bytes, worker_id: str, url: str, sha: str) -> None:
     try:
-        WorkerClient(url, key).quarantine([sha])
+        WorkerClient(url, key, worker_id).quarantine([sha])
     except WorkerError as exc:  # it stays marked corrupt: never served by us, never counted
         log.warning("could not quarantine %s on %s: %s", sha[:12], url, exc)
 
@@ -177,7 +177,7 @@ def _quarantine(key: bytes, url: str, sha: str) -> None:
 def _rebuild_on(settings: Settings, key: bytes, w: ContentWork, worker_id: str, url: str, *,
                 quarantine_first: bool) -> None:
     """Put a verified copy of the content on ``worker_id``; raise :class:`_NoSource` if none exists."""
-    target = WorkerClient(url, key)
+    target = WorkerClient(url, key, worker_id)
     if quarantine_first:
         target.quarantine([w.sha])  # moved aside: not served, not counted, not yet deleted
     _transfer(settings, key, w, _good_source(settings, key, w), target)

@@ -56,7 +56,7 @@ def scrub(settings: Settings, job_id: int) -> list[Send]:
             return []
         worker_id = job.params["worker_id"]
         worker = one(s, StorageWorker, worker_id)
-        client = WorkerClient(worker.url, settings.key())
+        client = WorkerClient(worker.url, settings.key(), worker_id)
 
     sends: list[Send] = []
     while True:

@@ -83,9 +83,9 @@ def read_ahead(shards: Iterable[ShardSource], key: bytes) -> Iterator[ShardSourc
     items = list(shards)
     for i, shard in enumerate(items):
         if i + 1 < len(items) and items[i + 1].copies:
-            _worker_id, url = items[i + 1].copies[0]
+            worker_id, url = items[i + 1].copies[0]
             try:
-                WorkerClient(url, key).prefetch([items[i + 1].sha256])
+                WorkerClient(url, key, worker_id).prefetch([items[i + 1].sha256])
             except WorkerError as exc:  # only a hint: the fetch itself will report the worker
                 log.debug("prefetch hint to %s failed: %s", url, exc)
         yield shard
@@ -119,7 +119,7 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
     errors = []
     for worker_id, url in shard.copies:
         try:
-            conn, resp = WorkerClient(url, key, timeout=FETCH_TIMEOUT).open_shard(shard.sha256)
+            conn, resp = WorkerClient(url, key, worker_id, timeout=FETCH_TIMEOUT).open_shard(shard.sha256)
         except WorkerError as exc:
             errors.append(f"{worker_id}: {exc.reason}")
             continue

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, tzinfo
+from typing import TypeVar
 
 from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import and_, func, or_, select, update
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import capacity, states
 from pipeline.cluster.discovery import Browser
-from pipeline.cluster.membership import probe_all
+from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, place
 from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
@@ -48,6 +49,7 @@ from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
 
+T = TypeVar("T")
 log = logging.getLogger("ckpt.scheduler")
 S, R = states.StoreState, states.RestoreState
 LEADER = "scheduler"
@@ -313,20 +315,34 @@ class Scheduler:
             self.leader = leader
         if not leader:
             return
-        probe = probe_all(self.settings)
-        self.send(reconcile_returned(self.settings, probe.returned))
-        self.send(expired_work(self.settings))
-        if probe.went_down or self.clock() - self._last_sweep >= self.settings.tick_seconds * 10:
+        settings = self.settings
+        probe = self._part("probing the storage workers", lambda: probe_all(settings)) or ProbeResult()
+        self._part("reconciling returned workers", lambda: self.send(reconcile_returned(settings, probe.returned)))
+        self._part("re-driving expired work", lambda: self.send(expired_work(settings)))
+        if probe.went_down or self.clock() - self._last_sweep >= settings.tick_seconds * 10:
             self._last_sweep = self.clock()
-            self.send(rotation_sweep(self.settings))
-            retention_sweep(self.settings)
-            with session_scope(self.settings.db_url) as s:
-                capacity.sample(s, self.settings)
-            self.send(under_replicated(self.settings))
-            self.send(retry_waiting(self.settings))
-            finish_drains(self.settings)
-            self.send(nightly_scrub(self.settings, now()))
-            self.send(scheduled_gc(self.settings, now()))
+
+            def sample() -> None:
+                with session_scope(settings.db_url) as s:
+                    capacity.sample(s, settings)
+
+            self._part("the rotation sweep", lambda: self.send(rotation_sweep(settings)))
+            self._part("the retention sweep", lambda: retention_sweep(settings))
+            self._part("sampling capacity", sample)
+            self._part("repairing under-replicated content", lambda: self.send(under_replicated(settings)))
+            self._part("retrying waiting stores", lambda: self.send(retry_waiting(settings)))
+            self._part("finishing drains", lambda: finish_drains(settings))
+            self._part("the nightly scrub", lambda: self.send(nightly_scrub(settings, now())))
+            self._part("the scheduled collection", lambda: self.send(scheduled_gc(settings, now())))
+
+    def _part(self, what: str, work: Callable[[], T]) -> T | None:
+        """Run one part of a tick: a failure in one (a peer's bad answer, a bad row) is logged
+        and never keeps the tick's other parts from running."""
+        try:
+            return work()
+        except Exception:
+            log.exception("scheduler: %s failed this tick; the rest of the tick goes on", what)
+            return None
 
     def run(self) -> None:
         browser = None

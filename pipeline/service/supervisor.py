@@ -172,8 +172,10 @@ class Supervisor:
         if urls:
             # Later children (and this process) find the local workers through CKPT_WORKERS.
             self.settings = _with_workers(self.settings, urls)
-            _wait_for(lambda: all(a.startswith("w-") for a in probe_all(self.settings).answers.values()), 30,
-                      "local storage workers did not answer; see logs/worker-*.log")
+            # Only its own workers: a worker recorded earlier (a stranger, one gone) blocks nothing.
+            _wait_for(lambda: all(str(a).startswith("w-") for a in probe_all(self.settings, only=tuple(urls))
+                                  .answers.values()),
+                      30, "local storage workers did not answer; see logs/worker-*.log")
         self.start_services()
         self._wait_ready()
         info = {

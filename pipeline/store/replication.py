@@ -67,7 +67,7 @@ def replicate(settings: Settings, copy_id: int) -> list[Send]:
             peers = [(c.worker.url, c.worker_id) for c in cp.content.copies
                      if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
 
-    client = WorkerClient(url, settings.key())
+    client = WorkerClient(url, settings.key(), worker_id)
     try:
         held = client.head(sha)
         if held != size:
@@ -117,7 +117,7 @@ def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: in
     key = settings.key()
     for url, worker_id in peers:
         try:
-            target.copy_from(WorkerClient(url, key), sha, size)
+            target.copy_from(WorkerClient(url, key, worker_id), sha, size)
             return True
         except WorkerError as exc:
             if exc.worker == target.url and exc.status is None:

@@ -125,7 +125,7 @@ def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
     answers: dict[str, dict[str, int | None] | str] = {}
     for worker_id, sizes in copies.to_confirm(shards, since).items():
         try:
-            answers[worker_id] = WorkerClient(urls[worker_id], key).stat(sorted(sizes))
+            answers[worker_id] = WorkerClient(urls[worker_id], key, worker_id).stat(sorted(sizes))
         except WorkerError as exc:
             answers[worker_id] = exc.reason
     return copies.confirmation_blocker(shards, answers, rf=settings.rf, fresh_after=since)

@@ -63,7 +63,7 @@ def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[st
 
     def ask(item: tuple[str, WorkerAsk]) -> tuple[str, dict[str, str | None] | str]:
         worker_id, a = item
-        client = WorkerClient(a.url, key)
+        client = WorkerClient(a.url, key, worker_id)
         try:
             out: dict[str, str | None] = {}
             if a.present:

@@ -30,6 +30,7 @@ from dramatiq.brokers.redis import RedisBroker
 from sqlalchemy import select
 
 from pipeline import states
+from pipeline.cluster.client import free_port
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
 from pipeline.db.models import StorageWorker as WorkerRow
@@ -139,16 +140,22 @@ class FaultCluster(Cluster):
         self.run.mkdir(exist_ok=True)
 
     def start(self) -> FaultCluster:
+        # The proxy relays to the first worker, which is told that it is reached there too
+        # (`ckpt worker --url`): a worker proves itself only for URLs that reach it.
+        proxy_port = free_port() if self.use_proxy else 0
         # Each storage worker gets its own failpoint directory.
         for i in range(self.n_workers):
             d = self.points / f"worker{i}"
             d.mkdir(exist_ok=True)
+            args = self.worker_args.get(i, ())
+            if i == 0 and proxy_port:
+                args = (*args, "--url", f"http://127.0.0.1:{proxy_port}")
             w = StorageWorker(self.tmp / f"worker{i}", base_env(self.home, **{**self.extra_env,
                                                                             "CKPT_FAILPOINTS": str(d)}),
-                              self.tmp / "logs" / f"worker{i}.log", args=self.worker_args.get(i, ()))
+                              self.tmp / "logs" / f"worker{i}.log", args=args)
             self.workers.append(w.start())
         if self.use_proxy:
-            self.proxy = Proxy(self.workers[0].port)
+            self.proxy = Proxy(self.workers[0].port, proxy_port)
             self.workers[0].url = self.proxy.url
         self.n_workers, spare = 0, self.n_workers  # Cluster.start: no more workers to start
         try:

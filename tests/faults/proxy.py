@@ -17,11 +17,11 @@ import threading
 
 
 class Proxy:
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, port: int = 0) -> None:
         self.target = ("127.0.0.1", target_port)
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
+        self.listener.bind(("127.0.0.1", port))
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

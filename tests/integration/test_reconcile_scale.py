@@ -54,20 +54,21 @@ def test_a_worker_with_200k_shards_is_reconciled_page_by_page_and_resumes(worker
     s = dataclasses.replace(settings, cluster_key=KEY, scrub_batch=2000, scrub_rate=0, rf=1)
     upgrade(s.db_url)
     t = now()
+    node = worker.node_id  # requests name the node they are meant for
     expected = [hashlib.sha256(payload(i)).hexdigest() for i in range(HELD)]
     absent = [hashlib.sha256(f"absent {i}".encode()).hexdigest() for i in range(ABSENT)]
     with session_scope(s.db_url) as db:
-        db.add(StorageWorker(id="w0", url=worker.url, source="static", state="up", capacity_bytes=10**12,
+        db.add(StorageWorker(id=node, url=worker.url, source="static", state="up", capacity_bytes=10**12,
                              free_bytes=10**12, last_seen=t))
         db.flush()
         rows = [{"sha256": sha, "size": 14, "state": "live", "created_at": t, "last_referenced_at": t}
                 for sha in expected + absent]
-        copies = [{"sha256": sha, "worker_id": "w0", "state": "verified", "attempts": 0, "stored_at": t,
+        copies = [{"sha256": sha, "worker_id": node, "state": "verified", "attempts": 0, "stored_at": t,
                    "verified_at": t} for sha in expected + absent]
         for i in range(0, len(rows), 20_000):
             db.execute(insert(Content), rows[i:i + 20_000])
             db.execute(insert(ContentCopy), copies[i:i + 20_000])
-        job_id = reconcile_mod.request_reconcile(db, s, "w0", "it came back").id
+        job_id = reconcile_mod.request_reconcile(db, s, node, "it came back").id
 
     # The first run is cut off (as a killed process would be) after 50 pages.
     pages = {"n": 0}

@@ -44,7 +44,7 @@ def stored(workers, tmp_path):
         header = b"HEADER-OF-THE-SHARD" if seq == 0 else b""
         sha = hashlib.sha256(header + data[off:off + length]).hexdigest()
         for w in workers:
-            WorkerClient(w.url, KEY.encode()).put_range(sha, header, str(src), off, length)
+            WorkerClient(w.url, KEY.encode(), w.node_id).put_range(sha, header, str(src), off, length)
         shards.append(ShardSource(sha, len(header) + length, "chunk", off, length, len(header),
                                   tuple((w.node_id, w.url) for w in workers)))
     f = FileSource("", len(data), hashlib.sha256(data).hexdigest(), "raw", tuple(shards))

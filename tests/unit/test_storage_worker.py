@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.cluster import auth
 from pipeline.cluster.client import WorkerClient
-from pipeline.errors import WorkerError
+from pipeline.errors import UntrustedAnswer, WorkerError
 from tests.processes import KEY, StorageWorker, base_env
 
 
@@ -24,7 +24,7 @@ def worker(tmp_path_factory):
 
 @pytest.fixture
 def client(worker):
-    return WorkerClient(worker.url, KEY.encode())
+    return WorkerClient(worker.url, KEY.encode(), worker.node_id)
 
 
 def put_bytes(client, tmp_path, data: bytes, header: bytes = b"", name: str | None = None):
@@ -62,7 +62,7 @@ def test_body_that_does_not_match_its_name_is_refused_and_never_visible(client, 
 
 
 def test_wrong_cluster_key_is_refused(worker, tmp_path):
-    bad = WorkerClient(worker.url, b"not-the-key")
+    bad = WorkerClient(worker.url, b"not-the-key", worker.node_id)
     with pytest.raises(WorkerError, match="401.*wrong cluster key"):
         bad.status()
     with pytest.raises(WorkerError, match="401"):
@@ -72,7 +72,7 @@ def test_wrong_cluster_key_is_refused(worker, tmp_path):
 def test_stale_timestamp_is_refused(worker):
     path = "/v1/status"
     conn = http.client.HTTPConnection("127.0.0.1", worker.port)
-    conn.request("GET", path, headers=auth.sign(KEY.encode(), "GET", path, now=1_000_000))
+    conn.request("GET", path, headers=auth.sign(KEY.encode(), "GET", path, now=1_000_000, node=worker.node_id))
     resp = conn.getresponse()
     assert resp.status == 401 and b"off this worker's clock" in resp.read()
 
@@ -81,7 +81,7 @@ def test_stale_timestamp_is_refused(worker):
 def test_bad_shard_names_are_refused(worker, name):
     path = f"/v1/shards/{name}"
     conn = http.client.HTTPConnection("127.0.0.1", worker.port)
-    conn.request("GET", path, headers=auth.sign(KEY.encode(), "GET", path))
+    conn.request("GET", path, headers=auth.sign(KEY.encode(), "GET", path, node=worker.node_id))
     resp = conn.getresponse()
     assert resp.status in (400, 404)
     assert b"64 lowercase hex" in resp.read() or resp.status == 404
@@ -111,7 +111,8 @@ def test_verify_refuses_malformed_bodies(worker):
     path = "/v1/verify"
     for body in (b"not json", b'{"shards": "x"}', b'{"shards": ["zz"]}'):
         conn = http.client.HTTPConnection("127.0.0.1", worker.port)
-        conn.request("POST", path, body=body, headers=auth.sign(KEY.encode(), "POST", path, body))
+        conn.request("POST", path, body=body,
+                     headers=auth.sign(KEY.encode(), "POST", path, body, node=worker.node_id))
         resp = conn.getresponse()
         assert resp.status == 400, body
         resp.read()
@@ -124,8 +125,9 @@ def test_prefetch_hints_held_shards_and_refuses_bad_names(client, tmp_path, work
         client.prefetch(["../../etc/passwd"])
     assert info.value.status == 400
     with pytest.raises(WorkerError) as info:
-        WorkerClient(worker.url, b"another key").prefetch([name])
-    assert info.value.status == 401
+        WorkerClient(worker.url, b"another key", worker.node_id).prefetch([name])
+    # refused (401), and the refusal itself is not signed with the key this client holds
+    assert isinstance(info.value, UntrustedAnswer) and "answered 401" in str(info.value)
 
 
 def raw_request(worker, method: str, path: str, headers: dict, body: bytes | None = None):
@@ -140,7 +142,7 @@ def raw_request(worker, method: str, path: str, headers: dict, body: bytes | Non
 def test_a_replayed_request_is_refused_and_does_nothing(client, tmp_path, worker):
     name, _ = put_bytes(client, tmp_path, os.urandom(1000))
     path = f"/v1/shards/{name}"
-    headers = auth.sign(KEY.encode(), "DELETE", path)
+    headers = auth.sign(KEY.encode(), "DELETE", path, node=worker.node_id)
     assert raw_request(worker, "DELETE", path, headers)[0] == 200
     # The shard is stored again; replaying the captured DELETE must not remove it.
     client.put_range(name, b"", str(tmp_path / "src"), 0, 1000)
@@ -154,14 +156,15 @@ def test_a_body_other_than_the_signed_one_is_refused_and_does_nothing(client, tm
     path = "/v1/quarantine"
     signed = json.dumps({"shards": ["ab" * 32]}).encode()
     forged = json.dumps({"shards": [keep]}).encode()
-    status, body = raw_request(worker, "POST", path, auth.sign(KEY.encode(), "POST", path, signed), forged)
+    status, body = raw_request(worker, "POST", path,
+                               auth.sign(KEY.encode(), "POST", path, signed, node=worker.node_id), forged)
     assert status == 401 and b"not the one that was signed" in body
     assert client.head(keep) == 1000
 
 
 def test_requests_without_a_request_id_are_refused(worker):
     path = "/v1/status"
-    headers = auth.sign(KEY.encode(), "GET", path)
+    headers = auth.sign(KEY.encode(), "GET", path, node=worker.node_id)
     del headers[auth.REQUEST_HEADER]
     status, body = raw_request(worker, "GET", path, headers)
     assert status == 401 and b"missing" in body
@@ -170,5 +173,6 @@ def test_requests_without_a_request_id_are_refused(worker):
 def test_hostile_json_bodies_are_400(worker):
     path = "/v1/verify"
     for body in (b"[" * 100_000 + b"]" * 100_000, b'{"shards": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
-        status, reply = raw_request(worker, "POST", path, auth.sign(KEY.encode(), "POST", path, body), body)
+        status, reply = raw_request(worker, "POST", path,
+                                    auth.sign(KEY.encode(), "POST", path, body, node=worker.node_id), body)
         assert status == 400, reply[:200]

@@ -35,7 +35,7 @@ def stored(worker) -> list[str]:
 def raw(worker, method: str, path: str, body: bytes = b"", headers: dict | None = None,
         sign_body: bool = False) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=10)
-    h = auth.sign(KEY.encode(), method, path, body if sign_body else None)
+    h = auth.sign(KEY.encode(), method, path, body if sign_body else None, node=worker.node_id)
     h.update(headers or {})
     conn.request(method, path, body=body, headers=h)
     resp = conn.getresponse()
@@ -62,7 +62,7 @@ def read_answer(s: socket.socket) -> str:
 
 
 def still_serving(worker) -> None:
-    assert WorkerClient(worker.url, KEY.encode()).status()["node_id"]
+    assert WorkerClient(worker.url, KEY.encode(), worker.node_id).status()["node_id"]
 
 
 def rss_kib(worker) -> int:
@@ -80,7 +80,7 @@ def test_upload_longer_than_declared_is_refused(worker):
     # Content-Length says 64 KiB; 1000 more bytes follow. Only the declared bytes are read:
     # they do not hash to the name, and the rest is never taken as part of the shard.
     s = socket.create_connection(("127.0.0.1", worker.port))
-    hdrs = auth.sign(KEY.encode(), "PUT", f"/v1/shards/{name}")
+    hdrs = auth.sign(KEY.encode(), "PUT", f"/v1/shards/{name}", node=worker.node_id)
     head = "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
     s.sendall(f"PUT /v1/shards/{name} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n{head}\r\n".encode()
               + data + extra)
@@ -94,7 +94,7 @@ def test_upload_longer_than_declared_is_refused(worker):
 def test_upload_over_the_limit_is_413_before_any_byte_is_read(worker):
     name = "ab" * 32
     s = socket.create_connection(("127.0.0.1", worker.port))
-    hdrs = auth.sign(KEY.encode(), "PUT", f"/v1/shards/{name}")
+    hdrs = auth.sign(KEY.encode(), "PUT", f"/v1/shards/{name}", node=worker.node_id)
     head = "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
     s.sendall(f"PUT /v1/shards/{name} HTTP/1.1\r\nHost: x\r\nContent-Length: {100 * LIMIT}\r\n{head}\r\n".encode())
     answer = read_answer(s)  # answered without the body being sent
@@ -128,7 +128,7 @@ def test_an_oversized_header_is_refused(worker):
 
 
 def test_an_existing_shard_is_never_overwritten_with_other_bytes(worker, tmp_path):
-    client = WorkerClient(worker.url, KEY.encode())
+    client = WorkerClient(worker.url, KEY.encode(), worker.node_id)
     good = os.urandom(10_000)
     name = hashlib.sha256(good).hexdigest()
     (tmp_path / "good").write_bytes(good)
