@@ -35,6 +35,7 @@ from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_worker_jobs, now, renew_lease, transition
 from pipeline.errors import CkptError, WorkerError
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind
 from pipeline.steps import Send, start_job
@@ -165,51 +166,54 @@ def collect(settings: Settings, job_id: int) -> list[Send]:
                        detail=f"{worker_id} is {worker.state}: it deletes its garbage when it comes back")
             return []
     client = WorkerClient(url, settings.key(), worker_id)
-    started = time.monotonic()
-    while True:
-        with session_scope(settings.db_url) as s:
-            params = dict(one(s, Job, job_id).params)
-            rows = s.execute(
-                select(ContentCopy.sha256, Content.size).join(Content, Content.sha256 == ContentCopy.sha256)
-                .where(ContentCopy.worker_id == worker_id, Content.state == ContentState.CONDEMNED,
-                       ContentCopy.sha256 > params["cursor"]).order_by(ContentCopy.sha256).limit(settings.gc_batch)
-            ).all()
-            if not rows:
-                transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
-                           detail=f"{params['deleted']} copies deleted, {params['bytes'] / 1e9:,.2f} GB freed")
-                log.info("collection on %s done: %d copies, %d bytes", worker_id, params["deleted"], params["bytes"])
-                return []
-            # Under the contents' row locks, still condemned: a store that revived one (the
-            # shard step, under the same lock) keeps every copy not marked before it.
-            names = list(s.scalars(select(Content.sha256).where(
-                Content.sha256.in_([sha for sha, _size in rows]), Content.state == ContentState.CONDEMNED)
-                .order_by(Content.sha256).with_for_update()))
-            s.execute(update(ContentCopy)
-                      .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(names))
-                      .values(state=CopyState.DELETING).execution_options(synchronize_session=False))
-            sizes = dict(rows)
-            batch_end = max(sizes)
-        try:
-            if names:
-                client.delete_many(names)
-        except WorkerError as exc:
-            if exc.status is None:  # gone meanwhile: its reconcile finishes the job when it returns
-                with session_scope(settings.db_url) as s:
+    # A batch can outlast the lease (a throttled re-hash, a slow link): kept by time meanwhile.
+    with leased(settings, [job_id]):
+        started = time.monotonic()
+        while True:
+            with session_scope(settings.db_url) as s:
+                params = dict(one(s, Job, job_id).params)
+                rows = s.execute(
+                    select(ContentCopy.sha256, Content.size).join(Content, Content.sha256 == ContentCopy.sha256)
+                    .where(ContentCopy.worker_id == worker_id, Content.state == ContentState.CONDEMNED,
+                           ContentCopy.sha256 > params["cursor"]).order_by(ContentCopy.sha256).limit(settings.gc_batch)
+                ).all()
+                if not rows:
                     transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
-                               detail=f"{worker_id} stopped answering ({exc.reason}); the rest is deleted when it "
-                                      "comes back")
-                return []
-            raise
-        with session_scope(settings.db_url) as s:
-            for sha in names:
-                copy_deleted(s, worker_id, sha)
-            params.update(cursor=batch_end, deleted=params["deleted"] + len(names),
-                          bytes=params["bytes"] + sum(sizes[sha] for sha in names))
-            renew_lease(s, job_id, settings.lease_seconds, params=params, bytes_done=params["bytes"])
-        if settings.gc_rate:  # deletions per second: a collection never starves the worker's disk
-            ahead = params["deleted"] / settings.gc_rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
+                               detail=f"{params['deleted']} copies deleted, {params['bytes'] / 1e9:,.2f} GB freed")
+                    log.info("collection on %s done: %d copies, %d bytes", worker_id, params["deleted"],
+                             params["bytes"])
+                    return []
+                # Under the contents' row locks, still condemned: a store that revived one (the
+                # shard step, under the same lock) keeps every copy not marked before it.
+                names = list(s.scalars(select(Content.sha256).where(
+                    Content.sha256.in_([sha for sha, _size in rows]), Content.state == ContentState.CONDEMNED)
+                    .order_by(Content.sha256).with_for_update()))
+                s.execute(update(ContentCopy)
+                          .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(names))
+                          .values(state=CopyState.DELETING).execution_options(synchronize_session=False))
+                sizes = dict(rows)
+                batch_end = max(sizes)
+            try:
+                if names:
+                    client.delete_many(names)
+            except WorkerError as exc:
+                if exc.status is None:  # gone meanwhile: its reconcile finishes the job when it returns
+                    with session_scope(settings.db_url) as s:
+                        transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
+                                   detail=f"{worker_id} stopped answering ({exc.reason}); the rest is deleted when it "
+                                          "comes back")
+                    return []
+                raise
+            with session_scope(settings.db_url) as s:
+                for sha in names:
+                    copy_deleted(s, worker_id, sha)
+                params.update(cursor=batch_end, deleted=params["deleted"] + len(names),
+                              bytes=params["bytes"] + sum(sizes[sha] for sha in names))
+                renew_lease(s, job_id, settings.lease_seconds, params=params, bytes_done=params["bytes"])
+            if settings.gc_rate:  # deletions per second: a collection never starves the worker's disk
+                ahead = params["deleted"] / settings.gc_rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
 
 
 def send_for(jobs: list[Job]) -> list[Send]:

@@ -31,6 +31,7 @@ from pipeline.db.transitions import create_job, now, renew_lease, transition
 from pipeline.integrity.gc import copy_deleted
 from pipeline.integrity.repair import request_repair
 from pipeline.integrity.scrub import record_rehash
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind
 from pipeline.steps import Send, start_job
@@ -65,76 +66,79 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
             return []
         client = WorkerClient(worker.url, settings.key(), worker_id)
 
-    sends: list[Send] = []
-    while True:
-        with session_scope(settings.db_url) as s:
-            params = dict(one(s, Job, job_id).params)
-        cursor = params["cursor"]
-        page = client.inventory_page(after=cursor, limit=PAGE)
-        end = page[-1][0] if page else None  # None: the inventory is over
-        with session_scope(settings.db_url) as s:
-            q = (select(ContentCopy.sha256, ContentCopy.state, Content.state)
-                 .join(Content, Content.sha256 == ContentCopy.sha256)
-                 .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256 > cursor))
-            if end is not None:
-                q = q.where(ContentCopy.sha256 <= end)
-            rows = {sha: (state, cstate) for sha, state, cstate in s.execute(q)}
-        held = {name for name, _size in page}
-        expected = {sha for sha, (state, cstate) in rows.items()
-                    if state in states.EXPECTED and cstate == ContentState.LIVE}
-        garbage = sorted(sha for sha in held if sha in rows and sha not in expected)
-        unknown = sorted(held - set(rows))
-        check = sorted(held & expected)
-        answers: dict[str, dict[str, Any]] = {}
-        for i in range(0, len(check), settings.scrub_batch):
-            batch = check[i:i + settings.scrub_batch]
-            answers.update({r["name"]: r for r in client.verify(batch, rate=settings.scrub_rate)})
+    # A batch can outlast the lease (a throttled re-hash, a slow link): kept by time meanwhile.
+    with leased(settings, [job_id]):
+        sends: list[Send] = []
+        while True:
             with session_scope(settings.db_url) as s:
-                renew_lease(s, job_id, settings.lease_seconds)
-        absent = sorted(expected - held)
-        with session_scope(settings.db_url) as s:
-            t = now()
-            bad = record_rehash(s, worker_id, answers, t)
-            for sha in absent:
-                mark(s, worker_id, sha, states=states.SENT, state=CopyState.MISSING, checked_at=t,
-                     last_error="absent when the worker came back")
-            for sha in bad + absent:
-                repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy")
-                if repair is not None:
-                    sends.append(Send("repair", (repair.id,)))
-            corrupt = [n for n in bad if answers[n]["sha256"] is not None]
-            # Counted for the whole page first; only the few above RF are decided one by one.
-            counts = good_counts(s, check)
-            surplus = [n for n in check if n not in bad and counts.get(n, 0) > settings.rf
-                       and _trim_if_surplus(s, worker_id, n, settings.rf)]
-            # Decided under the contents' row locks (as the collection's sweep does): every row
-            # of condemned content goes; of live content only a retired row (not one placement
-            # reused for a new upload meanwhile).
-            now_state = dict(s.execute(select(Content.sha256, Content.state).where(Content.sha256.in_(garbage))
-                                       .with_for_update()).all())
-            garbage = [sha for sha in garbage
-                       if mark(s, worker_id, sha, state=CopyState.DELETING,
-                               states=set(CopyState) if now_state.get(sha) == ContentState.CONDEMNED
-                               else states.REUSABLE | {CopyState.DELETING.value}) == 1]
-        if unknown or corrupt:
-            client.quarantine(unknown + corrupt)
-        for name in surplus + garbage:
-            client.delete(name)
-        with session_scope(settings.db_url) as s:
-            for sha in surplus + garbage:
-                copy_deleted(s, worker_id, sha)
-            params.update(cursor=end if end is not None else cursor, held=params["held"] + len(held),
-                          matched=params["matched"] + len(check) - len(bad), bad=params["bad"] + len(bad) + len(absent),
-                          unknown=params["unknown"] + len(unknown), trimmed=params["trimmed"] + len(surplus),
-                          deleted=params["deleted"] + len(garbage))
-            if end is None:
-                detail = (f"{params['held']} held: {params['matched']} matched, {params['bad']} bad or absent, "
-                          f"{params['unknown']} unknown quarantined, {params['trimmed']} surplus trimmed, "
-                          f"{params['deleted']} garbage deleted")
-                transition(s, job_id, JobKind.RECONCILE, Q.RECONCILING, Q.DONE, detail=detail, params=params)
-                log.info("reconciled %s: %s", worker_id, detail)
-                return sends
-            renew_lease(s, job_id, settings.lease_seconds, params=params)
+                params = dict(one(s, Job, job_id).params)
+            cursor = params["cursor"]
+            page = client.inventory_page(after=cursor, limit=PAGE)
+            end = page[-1][0] if page else None  # None: the inventory is over
+            with session_scope(settings.db_url) as s:
+                q = (select(ContentCopy.sha256, ContentCopy.state, Content.state)
+                     .join(Content, Content.sha256 == ContentCopy.sha256)
+                     .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256 > cursor))
+                if end is not None:
+                    q = q.where(ContentCopy.sha256 <= end)
+                rows = {sha: (state, cstate) for sha, state, cstate in s.execute(q)}
+            held = {name for name, _size in page}
+            expected = {sha for sha, (state, cstate) in rows.items()
+                        if state in states.EXPECTED and cstate == ContentState.LIVE}
+            garbage = sorted(sha for sha in held if sha in rows and sha not in expected)
+            unknown = sorted(held - set(rows))
+            check = sorted(held & expected)
+            answers: dict[str, dict[str, Any]] = {}
+            for i in range(0, len(check), settings.scrub_batch):
+                batch = check[i:i + settings.scrub_batch]
+                answers.update({r["name"]: r for r in client.verify(batch, rate=settings.scrub_rate)})
+                with session_scope(settings.db_url) as s:
+                    renew_lease(s, job_id, settings.lease_seconds)
+            absent = sorted(expected - held)
+            with session_scope(settings.db_url) as s:
+                t = now()
+                bad = record_rehash(s, worker_id, answers, t)
+                for sha in absent:
+                    mark(s, worker_id, sha, states=states.SENT, state=CopyState.MISSING, checked_at=t,
+                         last_error="absent when the worker came back")
+                for sha in bad + absent:
+                    repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy")
+                    if repair is not None:
+                        sends.append(Send("repair", (repair.id,)))
+                corrupt = [n for n in bad if answers[n]["sha256"] is not None]
+                # Counted for the whole page first; only the few above RF are decided one by one.
+                counts = good_counts(s, check)
+                surplus = [n for n in check if n not in bad and counts.get(n, 0) > settings.rf
+                           and _trim_if_surplus(s, worker_id, n, settings.rf)]
+                # Decided under the contents' row locks (as the collection's sweep does): every row
+                # of condemned content goes; of live content only a retired row (not one placement
+                # reused for a new upload meanwhile).
+                now_state = dict(s.execute(select(Content.sha256, Content.state).where(Content.sha256.in_(garbage))
+                                           .with_for_update()).all())
+                garbage = [sha for sha in garbage
+                           if mark(s, worker_id, sha, state=CopyState.DELETING,
+                                   states=set(CopyState) if now_state.get(sha) == ContentState.CONDEMNED
+                                   else states.REUSABLE | {CopyState.DELETING.value}) == 1]
+            if unknown or corrupt:
+                client.quarantine(unknown + corrupt)
+            for name in surplus + garbage:
+                client.delete(name)
+            with session_scope(settings.db_url) as s:
+                for sha in surplus + garbage:
+                    copy_deleted(s, worker_id, sha)
+                params.update(cursor=end if end is not None else cursor, held=params["held"] + len(held),
+                              matched=params["matched"] + len(check) - len(bad),
+                              bad=params["bad"] + len(bad) + len(absent),
+                              unknown=params["unknown"] + len(unknown), trimmed=params["trimmed"] + len(surplus),
+                              deleted=params["deleted"] + len(garbage))
+                if end is None:
+                    detail = (f"{params['held']} held: {params['matched']} matched, {params['bad']} bad or absent, "
+                              f"{params['unknown']} unknown quarantined, {params['trimmed']} surplus trimmed, "
+                              f"{params['deleted']} garbage deleted")
+                    transition(s, job_id, JobKind.RECONCILE, Q.RECONCILING, Q.DONE, detail=detail, params=params)
+                    log.info("reconciled %s: %s", worker_id, detail)
+                    return sends
+                renew_lease(s, job_id, settings.lease_seconds, params=params)
 
 
 def _trim_if_surplus(s: Session, worker_id: str, sha: str, rf: int) -> bool:

@@ -24,6 +24,7 @@ from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_job, now, renew_lease, transition
 from pipeline.errors import CkptError, WorkerError
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind
 from pipeline.steps import Send, start_job
@@ -88,25 +89,27 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
 
     key = settings.key()
     fixed, lost = 0, False
-    for w in _passes(settings, sha):
-        try:
-            for worker_id, url, state in w.fix_in_place:
-                _rebuild_on(settings, key, w, worker_id, url, quarantine_first=state == CopyState.CORRUPT)
-                fixed += 1
-            for _ in range(w.need):
-                with session_scope(settings.db_url) as s:
-                    target = place_one(s, one(s, Content, sha)).worker_id
-                    url = one(s, StorageWorker, target).url
-                _rebuild_on(settings, key, w, target, url, quarantine_first=False)
-                fixed += 1
-        except _NoSource:
-            lost = True
-            for bad_worker, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
-                if state == CopyState.CORRUPT:
-                    _quarantine(key, bad_worker, url, w.sha)
-            break
-        with session_scope(settings.db_url) as s:
-            renew_lease(s, job_id, settings.lease_seconds)
+    # One copy can outlast the lease (a slow link): kept by time meanwhile.
+    with leased(settings, [job_id]):
+        for w in _passes(settings, sha):
+            try:
+                for worker_id, url, state in w.fix_in_place:
+                    _rebuild_on(settings, key, w, worker_id, url, quarantine_first=state == CopyState.CORRUPT)
+                    fixed += 1
+                for _ in range(w.need):
+                    with session_scope(settings.db_url) as s:
+                        target = place_one(s, one(s, Content, sha)).worker_id
+                        url = one(s, StorageWorker, target).url
+                    _rebuild_on(settings, key, w, target, url, quarantine_first=False)
+                    fixed += 1
+            except _NoSource:
+                lost = True
+                for bad_worker, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
+                    if state == CopyState.CORRUPT:
+                        _quarantine(key, bad_worker, url, w.sha)
+                break
+            with session_scope(settings.db_url) as s:
+                renew_lease(s, job_id, settings.lease_seconds)
 
     with session_scope(settings.db_url) as s:
         if lost:

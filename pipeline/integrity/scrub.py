@@ -27,6 +27,7 @@ from pipeline.db.transitions import (
 )
 from pipeline.errors import CkptError
 from pipeline.integrity.repair import request_repair
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import HELD, CopyState, JobKind
 from pipeline.steps import Send, start_job
@@ -58,27 +59,29 @@ def scrub(settings: Settings, job_id: int) -> list[Send]:
         worker = one(s, StorageWorker, worker_id)
         client = WorkerClient(worker.url, settings.key(), worker_id)
 
-    sends: list[Send] = []
-    while True:
-        with session_scope(settings.db_url) as s:
-            params = dict(one(s, Job, job_id).params)
-            batch = shas_on(s, worker_id, HELD, after=params["cursor"], limit=settings.scrub_batch)
-            if not batch:
-                transition(s, job_id, JobKind.SCRUB, C.SCRUBBING, C.DONE,
-                           detail=f"{params['checked']} shards checked, {params['bad']} bad")
-                log.info("scrub of %s done: %d checked, %d bad", worker_id, params["checked"], params["bad"])
-                return sends
-        answers = {r["name"]: r for r in client.verify(batch, rate=settings.scrub_rate)}
-        with session_scope(settings.db_url) as s:
-            t = now()
-            bad = record_rehash(s, worker_id, answers, t)
-            for sha in bad:
-                repair = request_repair(s, settings, sha, f"scrub of {worker_id} found its copy bad")
-                if repair is not None:
-                    sends.append(Send("repair", (repair.id,)))
-            params.update(cursor=batch[-1], checked=params["checked"] + len(batch), bad=params["bad"] + len(bad))
-            renew_lease(s, job_id, settings.lease_seconds, params=params,
-                        bytes_done=Job.bytes_done + sum(a["size"] or 0 for a in answers.values()))
+    # A batch can outlast the lease (a throttled re-hash, a slow link): kept by time meanwhile.
+    with leased(settings, [job_id]):
+        sends: list[Send] = []
+        while True:
+            with session_scope(settings.db_url) as s:
+                params = dict(one(s, Job, job_id).params)
+                batch = shas_on(s, worker_id, HELD, after=params["cursor"], limit=settings.scrub_batch)
+                if not batch:
+                    transition(s, job_id, JobKind.SCRUB, C.SCRUBBING, C.DONE,
+                               detail=f"{params['checked']} shards checked, {params['bad']} bad")
+                    log.info("scrub of %s done: %d checked, %d bad", worker_id, params["checked"], params["bad"])
+                    return sends
+            answers = {r["name"]: r for r in client.verify(batch, rate=settings.scrub_rate)}
+            with session_scope(settings.db_url) as s:
+                t = now()
+                bad = record_rehash(s, worker_id, answers, t)
+                for sha in bad:
+                    repair = request_repair(s, settings, sha, f"scrub of {worker_id} found its copy bad")
+                    if repair is not None:
+                        sends.append(Send("repair", (repair.id,)))
+                params.update(cursor=batch[-1], checked=params["checked"] + len(batch), bad=params["bad"] + len(bad))
+                renew_lease(s, job_id, settings.lease_seconds, params=params,
+                            bytes_done=Job.bytes_done + sum(a["size"] or 0 for a in answers.values()))
 
 
 def record_rehash(s: Session, worker_id: str, answers: dict[str, dict[str, Any]], t: datetime) -> list[str]:

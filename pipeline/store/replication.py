@@ -26,6 +26,7 @@ from pipeline.db.engine import one, session_scope
 from pipeline.db.models import CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
 from pipeline.errors import AttemptsExhausted, PlacementError, WorkerError
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import COUNTING_WORKERS, ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
@@ -59,14 +60,25 @@ def replicate(settings: Settings, copy_id: int) -> list[Send]:
         if cp.attempts > settings.max_attempts:
             raise AttemptsExhausted(f"copy {copy_id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
                                     cp.last_error)
-        for job in waiting_jobs(s, cp.sha256):
-            renew_lease(s, job.id, settings.lease_seconds)
+        waiting = [job.id for job in waiting_jobs(s, cp.sha256)]
+        for job_id in waiting:
+            renew_lease(s, job_id, settings.lease_seconds)
         src = local_source(s, cp.sha256)
         sha, size, worker_id, url = cp.sha256, cp.content.size, cp.worker_id, cp.worker.url
-        if src is None:
-            peers = [(c.worker.url, c.worker_id) for c in cp.content.copies
-                     if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
+        peers = [] if src is not None else [
+            (c.worker.url, c.worker_id) for c in cp.content.copies
+            if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
 
+    # One upload can outlast the lease on a slow link: the stores waiting for it keep theirs
+    # by time meanwhile, or the scheduler would send this step again beside the running one.
+    with leased(settings, waiting):
+        return _send_copy(settings, copy_id, sha, size, worker_id, url, src, peers)
+
+
+def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id: str, url: str,
+               src: Source | None, peers: list[tuple[str, str]]) -> list[Send]:
+    """Upload the content to the worker (from the local file, else from a peer's copy) and
+    record the worker's re-hash; the follow-up messages."""
     client = WorkerClient(url, settings.key(), worker_id)
     try:
         held = client.head(sha)

@@ -40,3 +40,28 @@ def test_failing_remembers_where_to_resume(db):
         job = s.get(Job, job_id)
         assert (job.state, job.last_error, job.params["failed_from"]) == ("failed", "boom", "detected")
         assert not fail_job(s, job_id, "again")
+
+
+def test_leases_are_kept_by_time_only_for_jobs_still_being_worked_on(db):
+    """leased() renews from a helper thread while the block runs (one long upload); a job that
+    ended meanwhile is left alone."""
+    import dataclasses
+    import time
+
+    from pipeline.db.transitions import now, transition
+    from pipeline.leases import extend, leased
+
+    s = dataclasses.replace(db, lease_seconds=1.0)  # renewed every third of it
+    with session_scope(s.db_url) as ses:
+        working = create_job(ses, "scrub", checkpoint_id=None, lease_seconds=1.0).id
+        ended = create_job(ses, "scrub", checkpoint_id=None, lease_seconds=1.0).id
+        transition(ses, ended, "scrub", "queued", "failed")
+    assert extend(s, [working, ended]) == 1
+    with leased(s, [working]):
+        time.sleep(2.5)  # two and a half leases
+        with session_scope(s.db_url) as ses:
+            assert ses.get(Job, working).lease_until > now()  # still held
+    time.sleep(1.3)
+    with session_scope(s.db_url) as ses:
+        assert ses.get(Job, working).lease_until < now()  # and free to expire once the block is over
+        assert ses.get(Job, ended).lease_until is None
