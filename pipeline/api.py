@@ -136,7 +136,7 @@ def _describe(s: Settings, ref: str | int | Path) -> Protected:
     from pipeline.detection.catalog import latest_store_job, resolve
 
     with session_scope(s.db_url, readonly=True) as session:
-        ckpt = resolve(session, str(ref))
+        ckpt = resolve(session, str(ref), s.host_id)
         job = latest_store_job(session, ckpt.id)
         if job is None:
             raise UnknownCheckpoint(str(ref))

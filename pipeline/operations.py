@@ -49,7 +49,8 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
                                        layout=found.verdict.layout,
                                        completed_by="structure" if found.verdict.complete else "declared")
     with session_scope(settings.db_url) as s:
-        ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail)
+        ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail,
+                                            host=settings.host_id)
         result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))
     if created:
         _send([Send("shard", (result.job_id,))])

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -103,6 +104,10 @@ class Settings:
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
     tick_seconds: float = 2.0
+    #: This machine's name among the training hosts: checkpoints it detects are its own, and the
+    #: steps that touch their local files run here only (docs/design.md, "Hosts"). Empty: the
+    #: hostname. Set it when hostnames are not unique or not stable.
+    host: str = ""
     #: Directories a restore may write under; empty means the watched roots' parents (and, for
     #: the CLI and the Python API, the caller's current directory). docs/design.md, invariant 7.
     restore_roots: tuple[str, ...] = ()
@@ -146,6 +151,11 @@ class Settings:
     web_port: int = 8080
 
     # -- derived values -------------------------------------------------------------
+
+    @property
+    def host_id(self) -> str:
+        """This machine's name among the training hosts (``CKPT_HOST``, else the hostname)."""
+        return self.host or socket.gethostname()
 
     @property
     def db_url(self) -> str:

@@ -71,7 +71,8 @@ class Checkpoint(Base):
 
     __tablename__ = "checkpoints"
     __table_args__ = (
-        UniqueConstraint("path", "version", name="uq_checkpoints_path_version"),
+        # A path names a checkpoint on one host: two hosts may write the same path.
+        UniqueConstraint("host", "path", "version", name="uq_checkpoints_host_path_version"),
         Index("ix_checkpoints_run_current", "run", "current"),
         # A run's newest checkpoints (status, the runs view) without sorting the run.
         Index("ix_checkpoints_run_step", "run", "current", "step", "id"),
@@ -81,6 +82,9 @@ class Checkpoint(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     path: Mapped[str] = mapped_column(String(4096), index=True)
+    #: The training host whose disk holds its local files (Settings.host_id of the watcher or
+    #: the process that recorded it); NULL for checkpoints recorded before hosts were (any host).
+    host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     run: Mapped[str] = mapped_column(String(4096), index=True)
     name: Mapped[str] = mapped_column(String(1024))
     is_dir: Mapped[bool] = mapped_column(Boolean)

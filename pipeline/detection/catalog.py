@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, or_, select, true
 from sqlalchemy.orm import Session
 
 from pipeline import states
@@ -81,9 +81,25 @@ def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int
     return tuple((e.relpath, e.size, e.mtime_ns) for e in entries)
 
 
-def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) -> tuple[Checkpoint, Job, bool]:
-    """Insert ``d`` as the current version at its path, with a ``detected`` store job;
-    ``(checkpoint, job, created)``.
+def on_host(host: str | None) -> ColumnElement[bool]:
+    """Checkpoints whose local files are on ``host`` (and those recorded before hosts were,
+    which belong to any host). ``host`` None: every checkpoint."""
+    if host is None:
+        return true()
+    return or_(Checkpoint.host == host, Checkpoint.host.is_(None))
+
+
+def owner_elsewhere(session: Session, checkpoint_id: int | None, host: str) -> str | None:
+    """The host holding checkpoint ``checkpoint_id``'s local files, if that is not ``host``: a
+    step that touches them must not run here (a message from before hosts were routed)."""
+    owner = session.scalar(select(Checkpoint.host).where(Checkpoint.id == checkpoint_id))
+    return owner if owner is not None and owner != host else None
+
+
+def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
+           host: str | None = None) -> tuple[Checkpoint, Job, bool]:
+    """Insert ``d`` as the current version at its path on ``host``, with a ``detected`` store
+    job; ``(checkpoint, job, created)``.
 
     One path, many versions (docs/design.md, section 2): new content at a path makes every
     older version ``superseded`` (never counted, never latest, never what a restore by path
@@ -92,8 +108,10 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
     and, if its store was superseded, stored again (unchanged shards are not re-sent).
     """
     version = d.version
-    existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version))
-    _supersede_others(session, str(d.path), keep=existing.id if existing is not None else None)
+    existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version,
+                                                       Checkpoint.host.is_(None) if host is None
+                                                       else Checkpoint.host == host))
+    _supersede_others(session, str(d.path), host, keep=existing.id if existing is not None else None)
     _reference(session, {sha: p.size for shards in d.shards for p, sha in shards})
     if existing is not None:
         existing.current = True
@@ -110,7 +128,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str) 
         path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
         step=roots.step_of(d.path.name), mtime=max(e.mtime_ns for e in d.entries) / 1e9,
         total_bytes=d.total_bytes, local_present=True, current=True, layout=d.layout or None,
-        completed_by=d.completed_by, metrics=d.metrics,
+        completed_by=d.completed_by, metrics=d.metrics, host=host,
     )
     session.add(ckpt)
     session.flush()
@@ -142,11 +160,12 @@ def _reference(session: Session, sizes: dict[str, int]) -> None:
     session.flush()
 
 
-def _supersede_others(session: Session, path: str, keep: int | None) -> None:
-    """Every other current version at ``path`` stops being current, and its store job ends
-    ``superseded``: the path now holds other content."""
+def _supersede_others(session: Session, path: str, host: str | None, keep: int | None) -> None:
+    """Every other current version at ``path`` on ``host`` stops being current, and its store
+    job ends ``superseded``: the path now holds other content there (another host's
+    checkpoint at the same path is another checkpoint)."""
     for old in session.scalars(select(Checkpoint).where(Checkpoint.path == path, Checkpoint.current.is_(True),
-                                                        Checkpoint.id != (keep or -1))):
+                                                        on_host(host), Checkpoint.id != (keep or -1))):
         old.current = False
         old.local_present = False
         job = latest_store_job(session, old.id)
@@ -161,8 +180,9 @@ def latest_store_job(session: Session, checkpoint_id: int) -> Job | None:
     )
 
 
-def resolve(session: Session, ref: str | int) -> Checkpoint:
-    """A checkpoint by id, or the current version at a path (the newest recorded, if none is)."""
+def resolve(session: Session, ref: str | int, host: str | None = None) -> Checkpoint:
+    """A checkpoint by id, or the current version at a path (the newest recorded, if none is),
+    this ``host``'s first when several hosts have one there."""
     text = str(ref)
     if text.isdigit():
         c = session.get(Checkpoint, int(text))
@@ -172,7 +192,8 @@ def resolve(session: Session, ref: str | int) -> Checkpoint:
     candidates = {path, str(Path(path).parent.resolve() / Path(path).name)}
     c = session.scalar(
         select(Checkpoint).where(Checkpoint.path.in_(sorted(candidates)))
-        .order_by(Checkpoint.current.desc(), Checkpoint.id.desc()).limit(1)
+        .order_by((Checkpoint.host == host).desc() if host is not None else Checkpoint.id.is_not(None),
+                  Checkpoint.current.desc(), Checkpoint.id.desc()).limit(1)
     )
     if c is None:
         raise UnknownCheckpoint(text)

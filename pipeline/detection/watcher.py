@@ -116,7 +116,10 @@ class Watcher:
         with session_scope(self.settings.db_url) as s:
             problems.clear_all(s)
             # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
-            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True)).with_for_update()):
+            # Only this host's: another host's checkpoints are on a disk this one cannot see.
+            mine = catalog.on_host(self.settings.host_id)
+            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), mine)
+                                  .with_for_update()):
                 if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
@@ -164,7 +167,8 @@ class Watcher:
             for path in gone:
                 self.known.pop(path, None)
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
-                                                               Checkpoint.local_present.is_(True))
+                                                               Checkpoint.local_present.is_(True),
+                                                               catalog.on_host(self.settings.host_id))
                                       .with_for_update()):
                     if trash.put_back(path):  # a rotation crashed before it committed
                         log.warning("%s was in the trash of a rotation that did not commit; put back", path)
@@ -217,7 +221,7 @@ class Watcher:
             return self.settings.settle_seconds
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
-                                                detail="detected by the watcher")
+                                                detail="detected by the watcher", host=self.settings.host_id)
             problems.clear(s, key)
             job_id = job.id
         self.known[key] = sig

@@ -64,7 +64,7 @@ def plan(s: Session, settings: Settings, sha: str) -> ContentWork | None:
     content = s.get(Content, sha)
     if content is None or content.state != ContentState.LIVE:
         return None
-    w = ContentWork(sha, content.size, local_source(s, sha))
+    w = ContentWork(sha, content.size, local_source(s, sha, settings.host_id))
     for c in s.scalars(select(ContentCopy).where(ContentCopy.sha256 == sha).order_by(ContentCopy.id)):
         ws = c.worker.state
         if c.state in states.READABLE_COPIES and ws in states.READABLE_WORKERS:

@@ -42,7 +42,7 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
     """Validate a restore request and create its job (the caller enqueues ``restore``).
 
     ``extra_roots``: directories this caller may also restore under (its current directory)."""
-    ckpt = resolve(session, ref)
+    ckpt = resolve(session, ref, settings.host_id)
     target = Path(dest).expanduser().resolve()
     destination.check(session, settings, target, extra_roots)
     if target.exists() and not overwrite:
@@ -60,12 +60,16 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
         state = store.state if store else "unknown"
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
     return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
-                      params={"dest": str(target), "overwrite": overwrite}, bytes_total=ckpt.total_bytes,
+                      params={"dest": str(target), "overwrite": overwrite, "host": settings.host_id},
+                      bytes_total=ckpt.total_bytes,
                       detail=f"restore to {target}")
 
 
 def restore(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
+        asked_on = (s.scalar(select(Job.params).where(Job.id == job_id)) or {}).get("host")
+        if asked_on not in (None, settings.host_id):
+            return [Send("restore", (job_id,))]  # its destination is on the host that asked: sent there
         job = start_job(s, settings, job_id, JobKind.RESTORE, R.QUEUED, R.GATHERING)
         if job is None:
             return []

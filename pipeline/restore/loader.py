@@ -36,7 +36,7 @@ def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> 
     """All tensors of a protected checkpoint, by name (keys of every safetensors file merged)."""
     settings = settings or settings_mod.current()
     with session_scope(settings.db_url) as s:
-        files = manifest(s, resolve(s, checkpoint))
+        files = manifest(s, resolve(s, checkpoint, settings.host_id))
     key = settings.key()
     tensor_files = [f for f in files if f.format == "safetensors"]
     if tensor_files:

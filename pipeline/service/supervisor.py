@@ -29,6 +29,7 @@ from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
+from pipeline.queues import SHARED, host_queue
 from pipeline.service.lifetime import die_with_parent
 from pipeline.service.readiness import ready
 from pipeline.settings import Settings
@@ -144,7 +145,7 @@ class Supervisor:
     def start_services(self) -> None:
         env = self._env()
         dramatiq_argv = [sys.executable, "-m", "dramatiq", "pipeline.tasks", "--processes", str(self.processes),
-                         "--threads", str(self.threads), "--queues", "ckpt"]
+                         "--threads", str(self.threads), "--queues", SHARED, host_queue(self.settings.host_id)]
         services = [("dramatiq", dramatiq_argv), ("scheduler", self._ckpt("scheduler")),
                     ("watcher", self._ckpt("watch"))]
         if self.settings.web_port:

@@ -63,7 +63,7 @@ def replicate(settings: Settings, copy_id: int) -> list[Send]:
         waiting = [job.id for job in waiting_jobs(s, cp.sha256)]
         for job_id in waiting:
             renew_lease(s, job_id, settings.lease_seconds)
-        src = local_source(s, cp.sha256)
+        src = local_source(s, cp.sha256, settings.host_id)
         sha, size, worker_id, url = cp.sha256, cp.content.size, cp.worker_id, cp.worker.url
         peers = [] if src is not None else [
             (c.worker.url, c.worker_id) for c in cp.content.copies

@@ -23,7 +23,7 @@ from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Job, StorageWorker
 from pipeline.db.transitions import note, transition
-from pipeline.detection.catalog import latest_store_job
+from pipeline.detection.catalog import latest_store_job, on_host, owner_elsewhere
 from pipeline.errors import WorkerError
 from pipeline.settings import Settings
 from pipeline.states import JobKind
@@ -35,9 +35,11 @@ log = logging.getLogger("ckpt.rotate")
 S = states.StoreState
 
 
-def rotation_candidates(session: Session, run: str, keep_last: int) -> list[int]:
-    """Checkpoint ids of ``run`` that the retention policy wants gone."""
-    local = session.scalars(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.local_present.is_(True)))
+def rotation_candidates(session: Session, run: str, keep_last: int, host: str | None) -> list[int]:
+    """Checkpoint ids of ``run`` on ``host`` that the local retention policy wants gone (each
+    host keeps its own newest ``keep_last``)."""
+    local = session.scalars(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.local_present.is_(True),
+                                                     on_host(host)))
     return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime) for c in local], keep_last)
 
 
@@ -46,7 +48,7 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
     sends = []
     with session_scope(settings.db_url) as s:
         _empty_trash(s, run)
-        for cid in rotation_candidates(s, run, settings.keep_last):
+        for cid in rotation_candidates(s, run, settings.keep_last, settings.host_id):
             job = latest_store_job(s, cid)
             if job is None:
                 continue
@@ -137,7 +139,10 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         if job is None or job.state != S.VERIFIED:
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
-        if job.checkpoint_id not in rotation_candidates(s, ckpt.run, settings.keep_last):
+        if owner_elsewhere(s, ckpt.id, settings.host_id):
+            # Its files are on another host: deleting nothing here must not count as rotated.
+            return [Send("rotate", (job_id,))]
+        if job.checkpoint_id not in rotation_candidates(s, ckpt.run, settings.keep_last, settings.host_id):
             return []
         checkpoint_id, path = ckpt.id, ckpt.path
         reason = unsafe_reason(s, settings, checkpoint_id, job_id)

@@ -21,9 +21,9 @@ from pipeline.capacity import capacity_reason
 from pipeline.core.planner import plan
 from pipeline.db.copies import contents_of, place
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, Content
+from pipeline.db.models import Checkpoint, Content, Job
 from pipeline.db.transitions import renew_lease, transition
-from pipeline.detection.catalog import file_path
+from pipeline.detection.catalog import file_path, owner_elsewhere
 from pipeline.detection.completeness import read_header
 from pipeline.errors import PlacementError
 from pipeline.hashing import scan
@@ -38,6 +38,8 @@ S = states.StoreState
 
 def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
+        if owner_elsewhere(s, s.scalar(select(Job.checkpoint_id).where(Job.id == job_id)), settings.host_id):
+            return [Send("shard", (job_id,))]  # its files are on another host: sent there
         job = begin_step(s, settings, job_id, S.DETECTED)
         if job is None:
             return []

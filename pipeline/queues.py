@@ -1,0 +1,79 @@
+"""Which queue a message goes to: the host that holds the files it touches (docs/design.md, "Hosts").
+
+Every training host runs Dramatiq workers that consume the shared queue ``ckpt`` and their
+own ``ckpt.host.<host>``. A step that reads or deletes a checkpoint's local files goes to the
+queue of the host whose disk holds them; a step that only talks to storage workers and the
+database goes to the shared queue, where any host takes it. A checkpoint recorded before
+hosts were (no host) is any host's, as before.
+
+| actor | where |
+|---|---|
+| shard, rotate (a store job) | the checkpoint's host |
+| replicate (a copy) | a host with a local file holding the content; shared when only peers hold it |
+| rotate_run (a run) | every host with local checkpoints in the run |
+| restore (a restore job) | the host that asked (its destination is there) |
+| repair (a content) | a host with a local file, if no storage worker has a good copy; else shared |
+| verify, scrub, reconcile, gc | shared |
+"""
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline import states
+from pipeline.db.copies import good_copy
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.steps import Send
+
+SHARED = "ckpt"
+
+
+def host_queue(host: str) -> str:
+    """The queue of the steps that must run on ``host``."""
+    return "ckpt.host." + re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:100]
+
+
+def queues_for(session: Session, send: Send) -> list[str]:
+    """The queues ``send`` goes to (one, or one per host for a run's rotation)."""
+    hosts: list[str | None]
+    if send.actor in ("shard", "rotate"):
+        hosts = [session.scalar(select(Checkpoint.host).join(Job, Job.checkpoint_id == Checkpoint.id)
+                                .where(Job.id == send.args[0]))]
+    elif send.actor == "replicate":
+        sha = session.scalar(select(ContentCopy.sha256).where(ContentCopy.id == send.args[0]))
+        hosts = [_local_host(session, sha)] if sha is not None else [None]
+    elif send.actor == "rotate_run":
+        hosts = list(session.scalars(select(Checkpoint.host).where(
+            Checkpoint.run == send.args[0], Checkpoint.local_present.is_(True)).distinct())) or [None]
+    elif send.actor == "restore":
+        params = session.scalar(select(Job.params).where(Job.id == send.args[0])) or {}
+        hosts = [params.get("host")]
+    elif send.actor == "repair":
+        sha = session.scalar(select(Job.sha256).where(Job.id == send.args[0]))
+        hosts = [_local_host(session, sha) if sha is not None and not _has_good_copy(session, sha) else None]
+    else:
+        hosts = [None]
+    return sorted({host_queue(h) if h else SHARED for h in hosts})
+
+
+def _local_host(session: Session, sha: str) -> str | None:
+    """A host holding a local file with content ``sha`` (the one whose store is sending it first)."""
+    rows = session.execute(
+        select(Checkpoint.host, Job.state)
+        .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .outerjoin(Job, (Job.checkpoint_id == Checkpoint.id) & (Job.kind == states.JobKind.STORE))
+        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True))
+        .order_by(Checkpoint.id.desc(), Job.id.desc())
+    ).all()
+    sending = [host for host, state in rows if state == states.StoreState.SHARDED]
+    return (sending or [host for host, _state in rows] or [None])[0]
+
+
+def _has_good_copy(session: Session, sha: str) -> bool:
+    return session.scalar(
+        select(ContentCopy.id).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(ContentCopy.sha256 == sha, good_copy()).limit(1)) is not None
