@@ -17,6 +17,7 @@ from pipeline.db.models import (
     Job,
     Shard,
     StorageWorker,
+    TrainingHost,
 )
 from pipeline.db.transitions import latest_store_ids, now
 from pipeline.detection import problems
@@ -71,9 +72,13 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
     jobs = store_jobs_of(session, [c.id for c in ckpts]) if jobs is None else jobs
     counts = replica_counts(session, [c.id for c in ckpts])
     health = checkpoint_health(session, settings, ckpts)
+    silent = silent_hosts(session, {c.host for c in ckpts if c.host})
     out = []
     for c in ckpts:
         job, h = jobs.get(c.id), health.get(c.id, {})
+        blocked = job.blocked_reason if job else None
+        if job is not None and c.host in silent and job.state in states.ACTIVE[JobKind.STORE]:
+            blocked = f"waiting for host {c.host}: {silent[c.host]} (its files are there)"
         out.append({
             "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
             "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
@@ -81,11 +86,32 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
             "pinned": c.pinned, "pin_note": c.pin_note, "metrics": c.metrics or {},
             "written_at": datetime.fromtimestamp(c.mtime, tz=UTC),
             "state": job.state if job else "unknown", "job_id": job.id if job else None,
-            "blocked_reason": job.blocked_reason if job else None,
+            "blocked_reason": blocked, "host": c.host,
             "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
             "health": h.get("health", "unprotected"),
             "shards": {k: v for k, v in h.items() if k != "health"},
         })
+    return out
+
+
+#: A training host whose watcher has not reported in for this long is called silent.
+HOST_SILENT_SECONDS = 60.0
+
+
+def silent_hosts(session: Session, names: set[str]) -> dict[str, str]:
+    """Of ``names``, the hosts that have not reported in lately: name -> since when, in words."""
+    if not names:
+        return {}
+    seen = dict(session.execute(select(TrainingHost.name, TrainingHost.last_seen)
+                                .where(TrainingHost.name.in_(sorted(names)))).all())
+    t = now()
+    out = {}
+    for name in names:
+        last = seen.get(name)
+        if last is None:
+            out[name] = "it never reported in"
+        elif (t - last).total_seconds() > HOST_SILENT_SECONDS:
+            out[name] = f"not seen for {(t - last).total_seconds() / 60:.0f} min"
     return out
 
 

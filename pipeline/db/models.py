@@ -308,6 +308,16 @@ class DetectionProblem(Base):
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
 
+class TrainingHost(Base):
+    """A training host, as its watcher last reported in: a checkpoint whose local steps wait
+    for a host that has gone silent says so (docs/design.md, "Hosts")."""
+
+    __tablename__ = "hosts"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
 class CapacitySample(Base):
     """The cluster's usage at one time (the scheduler samples it): what "days until full"
     and the usage chart are computed from."""

@@ -32,7 +32,8 @@ from watchdog.observers import Observer
 
 from pipeline import failpoints
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint
+from pipeline.db.models import Checkpoint, TrainingHost
+from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, problems, roots
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
@@ -41,7 +42,8 @@ from pipeline.steps import Send
 from pipeline.store import trash
 
 log = logging.getLogger("ckpt.watcher")
-
+#: How often a watcher reports its host in (pipeline.status judges a host silent after several).
+HOST_REPORT_SECONDS = 10.0
 
 
 def shown(path: str) -> str:
@@ -78,6 +80,7 @@ class _NewRuns(FileSystemEventHandler):
 class Watcher:
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *, use_events: bool = True) -> None:
         self.settings, self.send, self.use_events = settings, send, use_events
+        self._reported_at = float("-inf")
         self.known: dict[str, tuple[tuple[str, int, int], ...]] = {}  # path -> signature already recorded
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
@@ -126,12 +129,29 @@ class Watcher:
                     continue
                 self.known[ckpt.path] = tuple((f.relpath, f.size, f.mtime_ns) for f in ckpt.files)
 
+    def report_in(self) -> None:
+        """Say this host is alive (at most every few seconds): a checkpoint waiting for its
+        host's steps shows whether that host has gone silent."""
+        if time.monotonic() - self._reported_at < HOST_REPORT_SECONDS:
+            return
+        try:
+            with session_scope(self.settings.db_url) as s:
+                host = s.get(TrainingHost, self.settings.host_id)
+                if host is None:
+                    s.add(TrainingHost(name=self.settings.host_id, last_seen=now()))
+                else:
+                    host.last_seen = now()
+            self._reported_at = time.monotonic()
+        except Exception as exc:  # the control plane is unreachable: detection goes on, reported later
+            log.warning("could not report this host in: %s", exc)
+
     def scan(self, only: set[Path] | None = None) -> float:
         """Scan runs (all, or ``only``); returns seconds until something needs a new look.
 
         One entry never stops the others: whatever goes wrong with it is reported (once)
         and the scan goes on with the rest of the run and the other runs.
         """
+        self.report_in()
         found = roots.runs_of(self.settings.roots)
         self._watch_new_runs([run for _root, run in found])
         next_look = self.settings.scan_interval

@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Checkpoint, Job, StorageWorker
+from pipeline.db.models import Checkpoint, Job, StorageWorker, TrainingHost
 from tests.checkpoints import atomic_save, state_dict
 from tests.conftest import POSTGRES_ADMIN_URL
 from tests.multihost.lan import MARKS, PORT, SVC_IP, Lan
@@ -101,6 +101,8 @@ def test_each_host_protects_rotates_and_restores_its_own_checkpoints(tmp_path, p
                 kept = disks[h] / "runs" / "run" / "step_2.safetensors"
                 assert kept.read_bytes() == saved[(h, "step_2.safetensors")]
             assert len(checkpoints()) == 4  # nothing recorded twice, nothing superseded by the other host
+            with session_scope(local_url) as s:  # each host's watcher reports it in
+                assert set(s.scalars(select(TrainingHost.name))) == {"h1", "h2"}
             # A restore by path on h2 gives h2's step_1 back, into h2's disk.
             r = _run_in(lan, "h2", on_disk("h2", [py, "-m", "pipeline.cli", "restore",
                                                   str(view / "runs" / "run" / "step_1.safetensors"),

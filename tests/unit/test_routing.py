@@ -87,3 +87,27 @@ def test_a_checkpoint_from_before_hosts_is_any_hosts(db, tmp_path):
     with session_scope(db.db_url) as ses:
         assert queues_for(ses, Send("shard", (job,))) == [SHARED]
         assert catalog.owner_elsewhere(ses, _ckpt, "node-a") is None
+
+
+def test_a_checkpoint_waiting_for_a_silent_host_says_so(db, tmp_path):
+    """A host that is gone leaves its checkpoints as they are; status says what they wait for."""
+    from datetime import timedelta
+
+    from pipeline.db.models import TrainingHost
+    from pipeline.detection.watcher import Watcher
+    from pipeline.status import checkpoint_rows
+
+    (tmp_path / "runs" / "r").mkdir()
+    gone, _, _ = _record(db, atomic_save(state_dict(1), tmp_path / "runs" / "r" / "a.safetensors"), "node-gone")
+    here, _, _ = _record(db, atomic_save(state_dict(2), tmp_path / "runs" / "r" / "b.safetensors"), "node-here")
+    never, _, _ = _record(db, atomic_save(state_dict(3), tmp_path / "runs" / "r" / "c.safetensors"), "node-never")
+    with session_scope(db.db_url) as ses:
+        ses.add(TrainingHost(name="node-gone", last_seen=now() - timedelta(minutes=12)))
+    import dataclasses
+
+    Watcher(dataclasses.replace(db, host="node-here"), lambda sends: None, use_events=False).report_in()
+    with session_scope(db.db_url) as ses:
+        rows = {r["id"]: r for r in checkpoint_rows(ses, db, [ses.get(Checkpoint, i) for i in (gone, here, never)])}
+    assert rows[gone]["blocked_reason"] == "waiting for host node-gone: not seen for 12 min (its files are there)"
+    assert rows[here]["blocked_reason"] is None and rows[here]["host"] == "node-here"
+    assert "node-never: it never reported in" in rows[never]["blocked_reason"]
