@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import pytest
 
+from tests.faults.harness import Table, Verdict
 from tests.integration.netns import netns_available, run_scenario
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def trials_run(request, tmp_path_factory) -> list[dict]:
+    """The scenario's results, once per trial (``--soak N``)."""
     if not netns_available():
         pytest.skip("requires unshare -n (root or user namespaces) and iproute2")
-    return run_scenario("tests.integration.hostile_scenario", tmp_path_factory.mktemp("hostile"))
+    return [run_scenario("tests.integration.hostile_scenario", tmp_path_factory.mktemp("hostile"))
+            for _ in range(max(1, request.config.getoption("--soak")))]
+
+
+@pytest.fixture(scope="module")
+def result(trials_run) -> dict:
+    return trials_run[0]
 
 
 def test_only_the_real_workers_are_admitted_and_a_relay_never_moves_one(result):
@@ -49,3 +57,45 @@ def test_a_tick_among_bad_peers_does_its_other_work(result):
     rows = result["rows_after_tick"]
     assert rows["w-oldnode00000"][1] == "rejected"  # kept (it has copies), no foreign-key failure
     assert rows[result["nodes"]["w2"]][1] == "up"
+
+
+def _verdicts(doc: dict) -> dict[str, tuple[Verdict, str]]:
+    """Per hostile input, what one trial did: data lost, anything unsafe (admitted, believed,
+    deleted or rotated on a stranger's word), and the outcome, from the scenario's evidence."""
+    urls, nodes = doc["urls"], doc["nodes"]
+    rows = doc["rows_after_second_probe"]
+    admitted = {url for url, state in rows.values() if state == "up"}
+    real_moved = rows[nodes["w1"]][0] != urls["w1"]
+    replies = doc["delete_replies"]
+    believed = doc["rogue_answers_believed"]
+    tick = doc["tick_sent"]
+    return {
+        "relay forwarding probes to a real worker": (
+            Verdict(unsafe=int(urls["relay"] in admitted or real_moved)),
+            "refused (421)" if "does not reach" in doc["probe_answers"][urls["relay"]] else "answered"),
+        "rogue answering uploads, re-hashes, stats without the key": (
+            Verdict(lost=int(not doc["local_copy_kept"]),
+                    unsafe=int(any(believed.values()) or doc["confirm_with_rogue"] is None)),
+            "nothing believed" if not any(believed.values()) else "believed"),
+        "captured DELETE replayed to another worker and again": (
+            Verdict(lost=int(not doc["w2_still_holds"]),
+                    unsafe=int(replies["replayed to w2"][0] < 400 or replies["replayed to w1"][0] < 400)),
+            "refused twice"),
+        "candidates answering garbage or not JSON": (
+            Verdict(unsafe=int(bool({urls["garbage"], urls["not_json"], urls["rogue"]} & admitted))),
+            "rejected, tick went on" if any(args == [doc["stale_job"]] for _a, args in tick) else "tick stopped"),
+        "rejected worker with copies back under a new node id": (
+            Verdict(problems=[] if doc["rows_after_tick"].get("w-oldnode00000", [None, None])[1] == "rejected"
+                    and doc["rows_after_tick"][nodes["w2"]][1] == "up" else ["rows not as expected"]),
+            "kept rejected, new id admitted"),
+    }
+
+
+def test_hostile_inputs_are_rows_of_the_fault_table(trials_run):
+    rows = {}
+    for doc in trials_run:
+        for fault, (verdict, outcome) in _verdicts(doc).items():
+            row = rows.get(fault) or rows.setdefault(fault, Table.row(f"hostile: {fault}"))
+            row.add(verdict, 0.0, outcome)  # nothing to recover from: refused as it came
+    bad = {fault: (r.lost, r.unsafe, r.problems) for fault, r in rows.items() if not r.ok}
+    assert not bad, bad
