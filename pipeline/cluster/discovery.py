@@ -125,11 +125,6 @@ class Browser:
                                   lambda node, url, zone: record_candidate(settings, node, url, zone))
         self.browser = ServiceBrowser(self.zc, SERVICE, self.listener)
 
-    @property
-    def foreign(self) -> int:
-        """How many adverts of other clusters were seen (and ignored)."""
-        return len(self.listener.foreign)
-
     def close(self) -> None:
         self.browser.cancel()
         self.zc.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -22,11 +21,12 @@ from pipeline.core.planner import plan
 from pipeline.db.copies import contents_of, place
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Content, Job
-from pipeline.db.transitions import renew_lease, transition
+from pipeline.db.transitions import transition
 from pipeline.detection.catalog import file_path, owner_elsewhere
 from pipeline.detection.completeness import read_header
 from pipeline.errors import PlacementError
 from pipeline.hashing import scan
+from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind
 from pipeline.steps import Send, begin_step
@@ -48,21 +48,22 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256)
                  for f in ckpt.files]
 
-    keep_alive = _LeaseKeeper(settings, job_id)
-    for _file_id, name, path, fmt, size, mtime_ns, sha in files:
-        try:
-            st = os.stat(path)
-            if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
-                continue
-            # Touched since detection: read it again (a `touch` is not a change).
-            plans = plan(read_header(path) if fmt == "safetensors" else None, size, settings.shard_size)
-            file_sha, _shard_shas = scan(path, plans, expected_size=size, progress=keep_alive)
-            if file_sha != sha:
-                return _end(settings, job_id, S.SUPERSEDED, f"{name}: content changed since detection")
-        except FileNotFoundError:
-            return _end(settings, job_id, S.VANISHED, f"{name} was deleted before it was protected")
-        except (OSError, ValueError) as exc:
-            return _end(settings, job_id, S.SUPERSEDED, f"{name} can no longer be read as detected ({exc})")
+    # Re-hashing a touched file can outlast the lease: kept by time meanwhile (pipeline/leases.py).
+    with leased(settings, [job_id]):
+        for _file_id, name, path, fmt, size, mtime_ns, sha in files:
+            try:
+                st = os.stat(path)
+                if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+                    continue
+                # Touched since detection: read it again (a `touch` is not a change).
+                plans = plan(read_header(path) if fmt == "safetensors" else None, size, settings.shard_size)
+                file_sha, _shard_shas = scan(path, plans, expected_size=size)
+                if file_sha != sha:
+                    return _end(settings, job_id, S.SUPERSEDED, f"{name}: content changed since detection")
+            except FileNotFoundError:
+                return _end(settings, job_id, S.VANISHED, f"{name} was deleted before it was protected")
+            except (OSError, ValueError) as exc:
+                return _end(settings, job_id, S.SUPERSEDED, f"{name} can no longer be read as detected ({exc})")
 
     with session_scope(settings.db_url) as s:
         contents = revive(s, contents_of(s, ckpt_id))
@@ -114,22 +115,6 @@ def _wait(s: Session, settings: Settings, job_id: int, reason: str) -> list[Send
                lease_seconds=settings.lease_seconds)
     log.warning("job %d waits: %s", job_id, reason)
     return []
-
-
-class _LeaseKeeper:
-    """Renews the job's lease while a long hash runs (at most every ``lease/4`` seconds),
-    so the scheduler does not take a slow step for a lost one."""
-
-    def __init__(self, settings: Settings, job_id: int) -> None:
-        self.settings, self.job_id = settings, job_id
-        self.every = max(1.0, settings.lease_seconds / 4)
-        self.last = time.monotonic()
-
-    def __call__(self, _n: int) -> None:
-        if time.monotonic() - self.last >= self.every:
-            self.last = time.monotonic()
-            with session_scope(self.settings.db_url) as s:
-                renew_lease(s, self.job_id, self.settings.lease_seconds)
 
 
 def _end(settings: Settings, job_id: int, state: S, why: str) -> list[Send]:

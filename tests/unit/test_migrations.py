@@ -4,10 +4,28 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import text
 
 from pipeline.db.engine import get_engine
 from pipeline.db.migrate import alembic_config
 from pipeline.db.models import Base
+
+
+def insert_checkpoint(conn, i: int) -> None:
+    """Checkpoint ``i`` at /r/c<i>, as an older schema holds it (columns every revision has)."""
+    conn.execute(text(
+        "INSERT INTO checkpoints (id, path, run, name, is_dir, version, step, mtime, total_bytes,"
+        " local_present, detected_at, current) VALUES (:i, :p, '/r', 'x', false, 'v', NULL, 0, 1, true,"
+        " '2026-11-21 00:00:00', true)"), {"i": i, "p": f"/r/c{i}"})
+
+
+def insert_jobs(conn, jobs: list[tuple[int, str, int, str]]) -> None:
+    """Jobs (id, kind, checkpoint id, state), as an older schema holds them."""
+    for jid, kind, ckpt, state in jobs:
+        conn.execute(text("INSERT INTO jobs (id, kind, checkpoint_id, state, attempts, params, bytes_done,"
+                          " bytes_total, created_at, updated_at) VALUES (:i, :k, :c, :s, 0, '{}', 0, 0,"
+                          " '2026-11-21 00:00:00', '2026-11-21 00:00:00')"),
+                     {"i": jid, "k": kind, "c": ckpt, "s": state})
 
 
 def test_migrations_round_trip_and_match_the_models(db):
@@ -23,7 +41,6 @@ def test_migrations_round_trip_and_match_the_models(db):
 
 def test_0003_marks_only_the_newest_version_of_each_path_current(db):
     """Existing databases: every older version of a path stops being current, data kept."""
-    from sqlalchemy import text
 
     cfg = alembic_config(db.db_url)
     with get_engine(db.db_url).connect() as conn:
@@ -52,7 +69,6 @@ def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
     on the same worker; after the upgrade that content has one copy there (a damaged row
     wins, else the newest verification), superseded checkpoints are released, old repair
     jobs that were still running end. The downgrade gives every shard its replicas back."""
-    from sqlalchemy import text
 
     cfg = alembic_config(db.db_url)
     a, b = "a" * 64, "b" * 64
@@ -64,10 +80,7 @@ def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
             conn.execute(text("INSERT INTO storage_workers (id, url, zone, source, state, capacity_bytes, free_bytes)"
                               " VALUES (:w, 'http://x', '', 'static', 'up', 0, 0)"), {"w": w})
         for i in (1, 2):
-            conn.execute(text(
-                "INSERT INTO checkpoints (id, path, run, name, is_dir, version, step, mtime, total_bytes,"
-                " local_present, detected_at, current) VALUES (:i, :p, '/r', 'x', false, 'v', NULL, 0, 1, true,"
-                " '2026-11-21 00:00:00', true)"), {"i": i, "p": f"/r/c{i}"})
+            insert_checkpoint(conn, i)
             conn.execute(text("INSERT INTO checkpoint_files (id, checkpoint_id, relpath, size, sha256, format,"
                               " mtime_ns) VALUES (:i, :i, '', 2, :h, 'opaque', 0)"), {"i": i, "h": "0" * 64})
             for seq, sha in enumerate((a, b)):
@@ -85,11 +98,7 @@ def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
                          {"s": shard, "w": w, "st": state, "v": verified})
         jobs = [(1, "store", 1, "verified"), (2, "store", 2, "verified"), (3, "store", 2, "superseded"),
                 (4, "repair", 1, "repairing")]
-        for jid, kind, ckpt, state in jobs:
-            conn.execute(text("INSERT INTO jobs (id, kind, checkpoint_id, state, attempts, params, bytes_done,"
-                              " bytes_total, created_at, updated_at) VALUES (:i, :k, :c, :s, 0, '{}', 0, 0,"
-                              " '2026-11-21 00:00:00', '2026-11-21 00:00:00')"),
-                         {"i": jid, "k": kind, "c": ckpt, "s": state})
+        insert_jobs(conn, jobs)
         conn.commit()
         command.upgrade(cfg, "head")
         conn.commit()
@@ -118,7 +127,6 @@ def test_0004_merges_replicas_into_one_copy_per_content_and_worker(db):
 def test_0005_fills_each_checkpoints_state_from_its_newest_store_job(db):
     """Existing databases: a checkpoint shows the state of its newest store job (not an older
     one, not a repair job's); one without a store job shows none."""
-    from sqlalchemy import text
 
     cfg = alembic_config(db.db_url)
     with get_engine(db.db_url).connect() as conn:
@@ -126,17 +134,10 @@ def test_0005_fills_each_checkpoints_state_from_its_newest_store_job(db):
         command.downgrade(cfg, "0004")
         conn.commit()
         for i in (1, 2, 3):
-            conn.execute(text(
-                "INSERT INTO checkpoints (id, path, run, name, is_dir, version, step, mtime, total_bytes,"
-                " local_present, detected_at, current) VALUES (:i, :p, '/r', 'x', false, 'v', NULL, 0, 1, true,"
-                " '2026-11-21 00:00:00', true)"), {"i": i, "p": f"/r/c{i}"})
+            insert_checkpoint(conn, i)
         jobs = [(1, "store", 1, "failed"), (2, "store", 1, "verified"), (3, "repair", 1, "repairing"),
                 (4, "store", 2, "replicated"), (5, "restore", 3, "done")]
-        for jid, kind, ckpt, state in jobs:
-            conn.execute(text("INSERT INTO jobs (id, kind, checkpoint_id, state, attempts, params, bytes_done,"
-                              " bytes_total, created_at, updated_at) VALUES (:i, :k, :c, :s, 0, '{}', 0, 0,"
-                              " '2026-11-21 00:00:00', '2026-11-21 00:00:00')"),
-                         {"i": jid, "k": kind, "c": ckpt, "s": state})
+        insert_jobs(conn, jobs)
         conn.commit()
         command.upgrade(cfg, "head")
         conn.commit()
