@@ -10,7 +10,8 @@ hosts were (no host) is any host's, as before.
 |---|---|
 | shard, rotate (a store job) | the checkpoint's host |
 | replicate (a copy) | a host with a local file holding the content; shared when only peers hold it |
-| rotate_run (a run) | every host with local checkpoints in the run |
+| rotate_run (a run) | every host with local checkpoints, or parts of checkpoints, in the run |
+| rotate_part (a store job, a host) | that host: its part of a rotated checkpoint |
 | restore (a restore job) | the host that asked (its destination is there) |
 | repair (a content) | a host with a local file, if no storage worker has a good copy; else shared |
 | verify, scrub, reconcile, gc | shared |
@@ -19,12 +20,21 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.db.copies import good_copy
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    CheckpointPart,
+    Content,
+    ContentCopy,
+    Job,
+    Shard,
+    StorageWorker,
+)
 from pipeline.steps import Send
 
 SHARED = "ckpt"
@@ -46,7 +56,13 @@ def queues_for(session: Session, send: Send) -> list[str]:
         hosts = [_local_host(session, sha)] if sha is not None else [None]
     elif send.actor == "rotate_run":
         hosts = list(session.scalars(select(Checkpoint.host).where(
-            Checkpoint.run == send.args[0], Checkpoint.local_present.is_(True)).distinct())) or [None]
+            Checkpoint.run == send.args[0], Checkpoint.local_present.is_(True)).distinct()))
+        hosts += session.scalars(select(CheckpointPart.host).where(
+            CheckpointPart.run == send.args[0], CheckpointPart.local_present.is_(True),
+            CheckpointPart.checkpoint_id.is_not(None)).distinct())
+        hosts = hosts or [None]
+    elif send.actor == "rotate_part":
+        hosts = [send.args[1]]
     elif send.actor == "restore":
         params = session.scalar(select(Job.params).where(Job.id == send.args[0])) or {}
         hosts = [params.get("host")]
@@ -59,16 +75,17 @@ def queues_for(session: Session, send: Send) -> list[str]:
 
 
 def _local_host(session: Session, sha: str) -> str | None:
-    """A host holding a local file with content ``sha`` (the one whose store is sending it first)."""
+    """A host holding a local file with content ``sha`` (the one whose store is sending it
+    first): the checkpoint's host, or the host of the part that holds the file."""
     rows = session.execute(
-        select(Checkpoint.host, Job.state)
+        select(func.coalesce(CheckpointFile.host, Checkpoint.host), Job.state).select_from(Checkpoint)
         .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
         .join(Shard, Shard.file_id == CheckpointFile.id)
         .outerjoin(Job, (Job.checkpoint_id == Checkpoint.id) & (Job.kind == states.JobKind.STORE))
         .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True))
         .order_by(Checkpoint.id.desc(), Job.id.desc())
     ).all()
-    sending = [host for host, state in rows if state == states.StoreState.SHARDED]
+    sending: list[str | None] = [host for host, state in rows if state == states.StoreState.SHARDED]
     return (sending or [host for host, _state in rows] or [None])[0]
 
 

@@ -194,7 +194,8 @@ def run_summaries(session: Session, settings: Settings, at: datetime | None = No
 
 
 def problem_dicts(session: Session) -> list[dict[str, Any]]:
-    return [{"path": p.path, "run": p.run, "reason": p.reason, "first_seen": p.first_seen, "last_seen": p.last_seen}
+    return [{"path": p.path, "host": p.host or None, "run": p.run, "reason": p.reason,
+             "first_seen": p.first_seen, "last_seen": p.last_seen}
             for p in problems.listed(session)]
 
 

@@ -136,11 +136,42 @@ class CheckpointFile(Base):
     #: "safetensors" or "opaque".
     format: Mapped[str] = mapped_column(String(16))
     mtime_ns: Mapped[int] = mapped_column(BigInteger)
+    #: The host whose disk holds this file when it is not the checkpoint's own (a part another
+    #: rank's host wrote: docs/design.md, "One checkpoint, several hosts"); NULL: the checkpoint's.
+    host: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="files")
     shards: Mapped[list[Shard]] = relationship(
         back_populates="file", order_by="Shard.seq", cascade="all, delete-orphan"
     )
+
+
+class CheckpointPart(Base):
+    """Files one host holds of a checkpoint another host records: a torch DCP rank's ``.distcp``
+    files at the path where the coordinator's host writes ``.metadata``.
+
+    The part's host announces it (hashed and planned, as detection does for a checkpoint);
+    the coordinator's host records the checkpoint once the parts cover every file its
+    ``.metadata`` names, and claims them (``checkpoint_id``). docs/design.md, "One checkpoint,
+    several hosts".
+    """
+
+    __tablename__ = "checkpoint_parts"
+    __table_args__ = (UniqueConstraint("host", "path", name="uq_checkpoint_parts_host_path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    path: Mapped[str] = mapped_column(String(4096), index=True)
+    run: Mapped[str] = mapped_column(String(4096), index=True)
+    #: Per file: relpath, size, mtime_ns, sha256, format, facts_format and its shard rows.
+    files: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    #: SHA-256 over its (relpath, size, file SHA-256): changes when the host writes new bytes there.
+    version: Mapped[str] = mapped_column(String(64))
+    #: The checkpoint recorded with these files, once the coordinator's host claimed them.
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id", ondelete="SET NULL"),
+                                                      nullable=True, index=True)
+    local_present: Mapped[bool] = mapped_column(Boolean, default=True)
+    announced_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
 
 class Shard(Base):
@@ -299,9 +330,12 @@ class DetectionProblem(Base):
     metrics) until it is fixed or goes away."""
 
     __tablename__ = "detection_problems"
+    __table_args__ = (UniqueConstraint("host", "path", name="uq_detection_problems_host_path"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    path: Mapped[str] = mapped_column(String(4096), unique=True)
+    #: The host whose watcher found it ("" for problems found before hosts were).
+    host: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    path: Mapped[str] = mapped_column(String(4096))
     run: Mapped[str] = mapped_column(String(4096), index=True)
     reason: Mapped[str] = mapped_column(Text)
     first_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)

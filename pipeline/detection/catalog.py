@@ -13,19 +13,35 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import ColumnElement, or_, select, true
+from sqlalchemy import ColumnElement, and_, or_, select, true
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.core.planner import ShardPlan, plan
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, Job, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Content, Job, Shard
 from pipeline.db.transitions import create_job, note, now, transition
 from pipeline.detection import completeness, metrics, roots
 from pipeline.errors import SourceChanged, UnknownCheckpoint
 from pipeline.hashing import scan
 from pipeline.states import ContentState, JobKind
 from pipeline.states import StoreState as S
+
+
+@dataclass(frozen=True)
+class PartFile:
+    """A file another host holds of a checkpoint this host records (docs/design.md, "One
+    checkpoint, several hosts"): hashed and planned there, announced as a part."""
+
+    host: str
+    relpath: str
+    size: int
+    mtime_ns: int
+    sha256: str
+    format: str
+    #: its shard rows, as that host planned and hashed them (pipeline.detection.parts.shard_rows)
+    shards: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -41,14 +57,18 @@ class Detected:
     completed_by: str = "structure"
     #: training metrics the checkpoint carries (pipeline.detection.metrics)
     metrics: dict[str, float] | None = None
+    #: files other hosts hold (their parts), and the ids of the parts they come from
+    remote: tuple[PartFile, ...] = ()
+    parts: tuple[int, ...] = ()
 
     @property
     def version(self) -> str:
-        return version_of((e.relpath, e.size, s) for e, s in zip(self.entries, self.shas, strict=True))
+        return version_of([*((e.relpath, e.size, s) for e, s in zip(self.entries, self.shas, strict=True)),
+                           *((f.relpath, f.size, f.sha256) for f in self.remote)])
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.size for e in self.entries)
+        return sum(e.size for e in self.entries) + sum(f.size for f in self.remote)
 
 
 def version_of(files: Iterable[tuple[str, int, str]]) -> str:
@@ -89,6 +109,19 @@ def on_host(host: str | None) -> ColumnElement[bool]:
     return or_(Checkpoint.host == host, Checkpoint.host.is_(None))
 
 
+def file_on_host(host: str | None) -> ColumnElement[bool]:
+    """Checkpoint files on ``host``'s disk: its checkpoints' own files and the parts it holds
+    of other hosts' checkpoints (join CheckpointFile and Checkpoint). ``host`` None: every file."""
+    if host is None:
+        return true()
+    return or_(CheckpointFile.host == host, and_(CheckpointFile.host.is_(None), on_host(host)))
+
+
+def own_files(ckpt: Checkpoint) -> list[CheckpointFile]:
+    """The files on the checkpoint's own host (not the parts other hosts hold)."""
+    return [f for f in ckpt.files if f.host is None or f.host == ckpt.host]
+
+
 def owner_elsewhere(session: Session, checkpoint_id: int | None, host: str) -> str | None:
     """The host holding checkpoint ``checkpoint_id``'s local files, if that is not ``host``: a
     step that touches them must not run here (a message from before hosts were routed)."""
@@ -112,8 +145,10 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
                                                        Checkpoint.host.is_(None) if host is None
                                                        else Checkpoint.host == host))
     _supersede_others(session, str(d.path), host, keep=existing.id if existing is not None else None)
-    _reference(session, {sha: p.size for shards in d.shards for p, sha in shards})
+    _reference(session, {sha: p.size for shards in d.shards for p, sha in shards}
+               | {r["sha256"]: r["size"] for f in d.remote for r in f.shards})
     if existing is not None:
+        _claim(session, d.parts, existing.id)
         existing.current = True
         existing.local_present = True
         job = latest_store_job(session, existing.id)
@@ -139,9 +174,21 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
                           length=p.length, payload_offset=p.payload_offset, tensors=list(p.tensors) or None)
                     for p, shard_sha in shards]
         session.add(f)
+    for r in d.remote:
+        f = CheckpointFile(checkpoint_id=ckpt.id, relpath=r.relpath, size=r.size, sha256=r.sha256, format=r.format,
+                           mtime_ns=r.mtime_ns, host=r.host)
+        f.shards = [Shard(**row) for row in r.shards]
+        session.add(f)
+    _claim(session, d.parts, ckpt.id)
     job = create_job(session, JobKind.STORE, checkpoint_id=ckpt.id, lease_seconds=lease_seconds,
                      bytes_total=d.total_bytes, detail=detail)
     return ckpt, job, True
+
+
+def _claim(session: Session, parts: tuple[int, ...], checkpoint_id: int) -> None:
+    """The parts other hosts announced are now files of ``checkpoint_id``."""
+    for part in session.scalars(select(CheckpointPart).where(CheckpointPart.id.in_(parts))):
+        part.checkpoint_id = checkpoint_id
 
 
 def _reference(session: Session, sizes: dict[str, int]) -> None:

@@ -1,8 +1,9 @@
 """Entries detection cannot protect as they are, reported once (status, UI, metrics).
 
-A row per path: written when the watcher first finds the entry unreadable (a name that is
-not UTF-8, a tree nested too deep, hostile JSON) or stuck incomplete for a whole quiet
-period, refreshed quietly after that, and removed when the entry is protected or is gone.
+A row per host and path (two hosts may each have an entry at one path): written when the
+watcher first finds the entry unreadable (a name that is not UTF-8, a tree nested too deep,
+hostile JSON) or stuck incomplete for a whole quiet period, refreshed quietly after that, and
+removed when the entry is protected or is gone.
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from pipeline.db.transitions import now
 MAX_REASON = 2000
 
 
-def report(session: Session, path: str, run: str, reason: str) -> bool:
-    """Record ``reason`` for ``path``; True when it is new (or changed): the caller logs it then."""
+def report(session: Session, path: str, run: str, reason: str, host: str = "") -> bool:
+    """Record ``reason`` for ``path`` on ``host``; True when it is new (or changed): the caller
+    logs it then."""
     reason = reason[:MAX_REASON]
     t = now()
-    row = session.scalar(select(DetectionProblem).where(DetectionProblem.path == path))
+    row = session.scalar(select(DetectionProblem).where(DetectionProblem.host == host, DetectionProblem.path == path))
     if row is None:
-        session.add(DetectionProblem(path=path, run=run, reason=reason, first_seen=t, last_seen=t))
+        session.add(DetectionProblem(host=host, path=path, run=run, reason=reason, first_seen=t, last_seen=t))
         return True
     row.last_seen = t
     if row.reason != reason:
@@ -31,14 +33,15 @@ def report(session: Session, path: str, run: str, reason: str) -> bool:
     return False
 
 
-def clear(session: Session, path: str) -> None:
-    """``path`` is fine now (protected, or no longer a problem)."""
-    session.execute(delete(DetectionProblem).where(DetectionProblem.path == path))
+def clear(session: Session, path: str, host: str = "") -> None:
+    """``path`` on ``host`` is fine now (protected, or no longer a problem)."""
+    session.execute(delete(DetectionProblem).where(DetectionProblem.host == host, DetectionProblem.path == path))
 
 
-def clear_all(session: Session) -> None:
-    """Forget every problem (a watcher starting finds them again)."""
-    session.execute(delete(DetectionProblem))
+def clear_all(session: Session, host: str = "") -> None:
+    """Forget ``host``'s problems, and those found before hosts were (its watcher starting
+    finds them again); another host's are its watcher's to keep or clear."""
+    session.execute(delete(DetectionProblem).where(DetectionProblem.host.in_(sorted({host, ""}))))
 
 
 def listed(session: Session, limit: int = 1000) -> list[DetectionProblem]:

@@ -7,6 +7,7 @@ copy vanished are marked so.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -31,10 +32,11 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from pipeline import failpoints
+from pipeline.core.layouts import Entry, Verdict, judge
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, TrainingHost
 from pipeline.db.transitions import now
-from pipeline.detection import catalog, completeness, problems, roots
+from pipeline.detection import catalog, completeness, parts, problems, roots
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
@@ -82,6 +84,8 @@ class Watcher:
         self.settings, self.send, self.use_events = settings, send, use_events
         self._reported_at = float("-inf")
         self.known: dict[str, tuple[tuple[str, int, int], ...]] = {}  # path -> signature already recorded
+        #: path -> (signature, when announced) of the parts this host announced (pipeline.detection.parts)
+        self.parts: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = {}
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
         self.reported: dict[str, str] = {}      # path -> last problem reported
@@ -116,18 +120,25 @@ class Watcher:
     def reconcile(self) -> None:
         """Startup sweep: remember what is recorded; mark vanished local copies. Problems are
         found again by the first scan (those of entries fixed meanwhile are forgotten)."""
+        host = self.settings.host_id
         with session_scope(self.settings.db_url) as s:
-            problems.clear_all(s)
+            problems.clear_all(s, host)
             # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
-            mine = catalog.on_host(self.settings.host_id)
-            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), mine)
+            for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
                                   .with_for_update()):
                 if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
                     continue
-                self.known[ckpt.path] = tuple((f.relpath, f.size, f.mtime_ns) for f in ckpt.files)
+                self.known[ckpt.path] = tuple((f.relpath, f.size, f.mtime_ns) for f in catalog.own_files(ckpt))
+            for part in parts.held(s, host):  # and the parts it holds of other hosts' checkpoints
+                if not os.path.lexists(part.path) and not trash.put_back(part.path):
+                    parts.vanished(s, part)
+                    log.warning("this host's part of %s vanished", part.path)
+                    continue
+                sig = tuple((f["relpath"], f["size"], f["mtime_ns"]) for f in part.files)
+                self.parts[part.path] = (sig, part.announced_at.timestamp())
 
     def report_in(self) -> None:
         """Say this host is alive (at most every few seconds): a checkpoint waiting for its
@@ -175,15 +186,24 @@ class Watcher:
 
     def _vanished(self, run: Path, present: set[str]) -> None:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
+        parts_gone = [p for p in self.parts if os.path.dirname(p) == str(run) and p not in present]
         fixed = [p for p in self.reported if os.path.dirname(p) == str(run) and p not in present]
         for path in [p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present]:
             self.waiting.pop(path, None)
-        if not gone and not fixed:
+        if not gone and not fixed and not parts_gone:
             return
         with session_scope(self.settings.db_url) as s:
             for path in fixed:
                 self.reported.pop(path, None)
-                problems.clear(s, path)
+                problems.clear(s, path, self.settings.host_id)
+            for path in parts_gone:
+                self.parts.pop(path, None)
+                for part in parts.held(s, self.settings.host_id, path=path):
+                    if trash.put_back(path):  # a part's rotation crashed before it committed
+                        log.warning("%s was in the trash of a rotation that did not commit; put back", path)
+                        continue
+                    parts.vanished(s, part)
+                    log.warning("this host's part of %s vanished", path)
             for path in gone:
                 self.known.pop(path, None)
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
@@ -207,7 +227,11 @@ class Watcher:
             return None  # looked at again when it changes (an event) or at the next full scan
         except OSError:
             return self.settings.settle_seconds  # vanished or changed while looking
-        verdict = found.verdict
+        verdict, remote = found.verdict, None
+        if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
+            if parts.is_part(e.relpath for e in found.entries):
+                return self._part(run, path, found, options)
+            verdict, remote = self._with_parts(path, found, options)
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
             self._problem(run, key, verdict.reason)
             return None
@@ -237,12 +261,14 @@ class Watcher:
                                                completed_by="structure" if verdict.complete else "quiet")
         except (SourceChanged, OSError):
             return self.settings.settle_seconds
+        if remote is not None:
+            detected = dataclasses.replace(detected, remote=tuple(remote[0]), parts=tuple(remote[1]))
         if completeness.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing
             return self.settings.settle_seconds
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
                                                 detail="detected by the watcher", host=self.settings.host_id)
-            problems.clear(s, key)
+            problems.clear(s, key, self.settings.host_id)
             job_id = job.id
         self.known[key] = sig
         self.waiting.pop(key, None)
@@ -253,6 +279,55 @@ class Watcher:
             self.send([Send("shard", (job_id,))])
         return None
 
+    def _with_parts(self, path: Path, found: completeness.Examined, options: RootOptions
+                    ) -> tuple[Verdict, tuple[list[catalog.PartFile], list[int]] | None]:
+        """A DCP step whose ``.metadata`` names files this host does not hold: complete with the
+        parts other hosts announced at the same path, if together they hold them all."""
+        with session_scope(self.settings.db_url) as s:
+            facts, files, used = parts.covering(parts.offered(s, str(path), self.settings.host_id),
+                                                (e.relpath for e in found.entries))
+        if not files:
+            v = found.verdict
+            return Verdict(v.kind, v.layout, v.reason + " (on this host; no other host announced it: a multi-host"
+                                                         " step needs a watcher on every rank's host)"), None
+        local = tuple(e.facts for e in found.entries if e.facts is not None)
+        merged = judge(Entry(path.name, True, local + tuple(facts), commit_marker=options.commit_marker))
+        return merged, ((files, used) if merged.complete else None)
+
+    def _part(self, run: Path, path: Path, found: completeness.Examined, options: RootOptions) -> float | None:
+        """A DCP rank's files without ``.metadata``: announced as this host's part of the step
+        another host records (pipeline.detection.parts), once settled."""
+        key, sig = str(path), catalog.signature(found.entries)
+        known = self.parts.get(key)
+        if known is not None and known[0] == sig:
+            with session_scope(self.settings.db_url) as s:
+                taken = parts.claimed(s, key, self.settings.host_id) is not None
+                if taken and key in self.reported:
+                    problems.clear(s, key, self.settings.host_id)
+            if taken:
+                self.reported.pop(key, None)
+                return None
+            waited = time.time() - known[1]
+            if waited >= max(options.quiet_seconds, self.settings.settle_seconds):
+                self._problem(run, key, f"torch DCP rank files without .metadata, announced as this host's part"
+                                        f" {waited:.0f} s ago: no host has recorded a step whose .metadata names"
+                                        " them (is the coordinator's host watched?)")
+            return None
+        tree_ns = completeness.tree_mtime_ns(path)
+        if not completeness.settled(found.entries, self.settings.settle_seconds, tree_ns=tree_ns):
+            newest = max(max(e.mtime_ns for e in found.entries), tree_ns) / 1e9
+            return max(0.05, self.settings.settle_seconds - (time.time() - newest))
+        try:
+            detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
+                                               layout="torch-dcp-part")
+        except (SourceChanged, OSError):
+            return self.settings.settle_seconds
+        with session_scope(self.settings.db_url) as s:
+            part = parts.announce(s, detected, self.settings.host_id)
+            log.info("announced %s as this host's part %d (%d files)", path, part.id, len(found.entries))
+        self.parts[key] = (sig, time.time())
+        return None
+
     def _problem(self, run: Path, path: str, reason: str) -> None:
         """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped."""
         if self.reported.get(path) == reason:
@@ -261,7 +336,7 @@ class Watcher:
         log.error("not protecting %s: %s", path, reason)
         try:
             with session_scope(self.settings.db_url) as s:
-                problems.report(s, path, str(run), reason)
+                problems.report(s, path, str(run), reason, self.settings.host_id)
         except Exception:  # the control plane may be away: the log line above stands
             log.exception("could not record the problem of %s", path)
 

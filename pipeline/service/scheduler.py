@@ -30,6 +30,7 @@ from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
+    CheckpointPart,
     Content,
     ContentCopy,
     Job,
@@ -175,8 +176,10 @@ def retry_waiting(settings: Settings) -> list[Send]:
 
 def rotation_sweep(settings: Settings) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        runs = s.scalars(select(Checkpoint.run).where(Checkpoint.local_present.is_(True)).distinct()).all()
-    return [Send("rotate_run", (run,)) for run in runs]
+        runs = set(s.scalars(select(Checkpoint.run).where(Checkpoint.local_present.is_(True)).distinct()))
+        runs |= set(s.scalars(select(CheckpointPart.run).where(  # parts left of rotated checkpoints
+            CheckpointPart.local_present.is_(True), CheckpointPart.checkpoint_id.is_not(None)).distinct()))
+    return [Send("rotate_run", (run,)) for run in sorted(runs)]
 
 
 def last_fire(cron: str, now: datetime, timezone: tzinfo | None = None) -> datetime | None:

@@ -21,9 +21,9 @@ from pipeline.core import copies
 from pipeline.core.retention import LocalCheckpoint, to_rotate
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, Job, StorageWorker
+from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, StorageWorker
 from pipeline.db.transitions import note, transition
-from pipeline.detection.catalog import latest_store_job, on_host, owner_elsewhere
+from pipeline.detection.catalog import latest_store_job, on_host, own_files, owner_elsewhere
 from pipeline.errors import WorkerError
 from pipeline.settings import Settings
 from pipeline.states import JobKind
@@ -58,6 +58,14 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
                 reason = f"rotation waits: the checkpoint is {job.state}, not yet verified"
                 if job.blocked_reason != reason:
                     job.blocked_reason = reason
+        # This host's parts of checkpoints the coordinator's host rotated (a message lost, or
+        # blocked then): removed here too.
+        for part in s.scalars(select(CheckpointPart).where(
+                CheckpointPart.run == run, CheckpointPart.host == settings.host_id,
+                CheckpointPart.local_present.is_(True), CheckpointPart.checkpoint_id.is_not(None))):
+            job = latest_store_job(s, part.checkpoint_id) if part.checkpoint_id is not None else None
+            if job is not None and job.state == S.ROTATED:
+                sends.append(Send("rotate_part", (job.id, part.host)))
     return sends
 
 
@@ -66,7 +74,9 @@ def _empty_trash(session: Session, run: str) -> None:
     their delete); an entry whose rotation did not commit is left for it to put back."""
     for entry, was in trash.entries(run):
         rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
-        undecided = any(c.local_present and not os.path.lexists(was) for c in rows)
+        held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
+        undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
+        undecided = undecided and not os.path.lexists(was)
         rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None) == S.ROTATED
                       for c in rows)
         if rotated and not undecided:
@@ -82,21 +92,22 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
         .limit(1)
     )
     ckpt = session.get(Checkpoint, checkpoint_id)
+    changed = changed_since_detection(Path(ckpt.path), ckpt.is_dir, own_files(ckpt)) if ckpt is not None else None
     return copies.deletion_blocker(
         shard_copies(session, checkpoint_id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
-        active_job=active, changed=changed_since_detection(ckpt) if ckpt is not None else None,
+        active_job=active, changed=changed,
     )
 
 
-def changed_since_detection(ckpt: Checkpoint) -> str | None:
-    """What on the local copy differs from what was detected (and stored), or None.
+def changed_since_detection(root: Path, is_dir: bool, files: list[CheckpointFile]) -> str | None:
+    """What on the local copy at ``root`` (its recorded ``files``) differs from what was
+    detected (and stored), or None.
 
     A file rewritten in place, or a file added to a checkpoint folder since, holds bytes
     that no replica has: deleting the local copy would lose them.
     """
-    recorded = {f.relpath: f for f in ckpt.files}
-    root = Path(ckpt.path)
-    if ckpt.is_dir and root.is_dir():
+    recorded = {f.relpath: f for f in files}
+    if is_dir and root.is_dir():
         for dirpath, _dirs, names in os.walk(root):
             for name in names:
                 rel = os.path.relpath(os.path.join(dirpath, name), root)
@@ -179,6 +190,53 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
     if trashed is not None:
         trash.remove(Path(trashed))
     log.info("rotated %s (job %d)", path, job_id)
+    with session_scope(settings.db_url) as s:  # and the parts other hosts hold of it, there
+        return [Send("rotate_part", (job_id, h)) for h in s.scalars(
+            select(CheckpointPart.host).where(CheckpointPart.checkpoint_id == checkpoint_id,
+                                              CheckpointPart.local_present.is_(True)))]
+
+
+def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
+    """Remove ``host``'s part of a checkpoint its coordinator's host rotated (docs/design.md,
+    "One checkpoint, several hosts"): one decision for the whole checkpoint, taken by
+    :func:`rotate`; each host deletes its own files, inside a transaction that sees the
+    rule of invariant 1 hold again and the part as it was stored."""
+    if host != settings.host_id:
+        return [Send("rotate_part", (job_id, host))]  # its files are on that host: sent there
+    trashed = None
+    try:
+        with session_scope(settings.db_url) as s:
+            job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
+            if job is None or job.state != S.ROTATED or job.checkpoint_id is None:
+                return []
+            part = s.scalars(select(CheckpointPart).where(
+                CheckpointPart.checkpoint_id == job.checkpoint_id, CheckpointPart.host == host,
+                CheckpointPart.local_present.is_(True)).with_for_update()).one_or_none()
+            if part is None:
+                return []
+            path = part.path
+            if put_back(path):
+                log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
+            ckpt = one(s, Checkpoint, job.checkpoint_id)
+            mine = [f for f in ckpt.files if f.host == host]
+            reason = copies.deletion_blocker(
+                shard_copies(s, ckpt.id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
+                active_job=None, changed=changed_since_detection(Path(path), True, mine))
+            if reason is None:
+                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
+                part.local_present = False
+                job.blocked_reason = None
+                note(s, job_id, f"{host}'s part removed from {path}")
+    except BaseException:
+        if trashed is not None:
+            os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
+        raise
+    if reason:
+        _block(settings, job_id, f"{host}'s part: {reason}")
+        return []
+    if trashed is not None:
+        trash.remove(Path(trashed))
+    log.info("removed this host's part of %s (job %d)", path, job_id)
     return []
 
 

@@ -22,7 +22,7 @@ from pipeline.db.copies import contents_of, place
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Content, Job
 from pipeline.db.transitions import transition
-from pipeline.detection.catalog import file_path, owner_elsewhere
+from pipeline.detection.catalog import file_path, own_files, owner_elsewhere
 from pipeline.detection.completeness import read_header
 from pipeline.errors import PlacementError
 from pipeline.hashing import scan
@@ -45,8 +45,10 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
         ckpt_id = ckpt.id
+        # Only this host's files: the parts other hosts hold were hashed there when announced,
+        # and each storage worker refuses bytes that do not match what was announced.
         files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256)
-                 for f in ckpt.files]
+                 for f in own_files(ckpt)]
 
     # Re-hashing a touched file can outlast the lease: kept by time meanwhile (pipeline/leases.py).
     with leased(settings, [job_id]):

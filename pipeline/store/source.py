@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.core.header import Header, shard_header
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, Shard
-from pipeline.detection.catalog import file_path, on_host
+from pipeline.detection.catalog import file_on_host, file_path
 from pipeline.detection.completeness import read_header
 from pipeline.states import JobKind, StoreState
 
@@ -36,13 +36,13 @@ class Source:
 
 def local_source(session: Session, sha: str, host: str | None) -> Source | None:
     """A local file shard with content ``sha`` on ``host`` (this process's: docs/design.md,
-    "Hosts"): of a checkpoint whose store is sending it first, else of any checkpoint that
-    still has its local copy there."""
+    "Hosts"; a part it holds of another host's checkpoint counts): of a checkpoint whose store
+    is sending it first, else of any checkpoint that still has its local copy there."""
     rows = session.execute(
         select(Shard, CheckpointFile, Checkpoint)
         .join(CheckpointFile, CheckpointFile.id == Shard.file_id)
         .join(Checkpoint, Checkpoint.id == CheckpointFile.checkpoint_id)
-        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True), on_host(host))
+        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True), file_on_host(host))
         .order_by(Checkpoint.id.desc())
     ).all()
     best: Source | None = None

@@ -24,6 +24,7 @@ from pipeline.steps import Send
 from pipeline.store.replication import replicate as replicate_step
 from pipeline.store.rotation import plan_run
 from pipeline.store.rotation import rotate as rotate_step
+from pipeline.store.rotation import rotate_part as rotate_part_step
 from pipeline.store.sharding import shard_checkpoint
 from pipeline.store.verification import verify_checkpoint
 
@@ -82,6 +83,11 @@ def rotate_run(run: str) -> None:
 @dramatiq.actor(actor_name="rotate", queue_name="ckpt", **_CONTROL)
 def rotate(job_id: int) -> None:
     send_all(rotate_step(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="rotate_part", queue_name="ckpt", **_CONTROL)
+def rotate_part(job_id: int, host: str) -> None:
+    send_all(rotate_part_step(settings_mod.current(), job_id, host))
 
 
 @dramatiq.actor(actor_name="restore", queue_name="ckpt", **_TRANSFER)

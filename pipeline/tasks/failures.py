@@ -13,7 +13,7 @@ from pipeline.steps import fail_job, record_error
 from pipeline.store.replication import waiting_jobs
 
 #: Actors whose first argument is the id of the job they run.
-JOB_ACTORS = frozenset({"shard", "verify", "rotate", "restore", "scrub", "repair", "reconcile", "gc"})
+JOB_ACTORS = frozenset({"shard", "verify", "rotate", "rotate_part", "restore", "scrub", "repair", "reconcile", "gc"})
 
 
 def job_ids_for(session: Session, actor: str, args: tuple[Any, ...], *, failed: bool = False) -> list[int]:
