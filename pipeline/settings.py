@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import home as home_mod
 from pipeline.core.retention import Policy
 from pipeline.durable import fsync_dir
 from pipeline.errors import ConfigError
@@ -297,7 +298,7 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
     if unknown:
         raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
 
-    home = Path(overrides.get("home") or env.get("CKPT_HOME") or Settings.home)
+    home = home_mod.find(overrides.get("home"), env).path
     values: dict[str, Any] = {}
     running = home / "up.json"
     if running.exists():

@@ -2,24 +2,43 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from pipeline import home
 from pipeline import settings as settings_mod
+from pipeline.errors import CkptError
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
     from pipeline.steps import Send
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    overrides: dict[str, Any] = {"home": getattr(args, "home", None)}
+def settings_from(args: argparse.Namespace, *, create: bool = False, **flags: Any) -> Settings:
+    """The settings of the home this command runs against (pipeline/home.py: ``--home``,
+    ``CKPT_HOME``, the nearest ``.ckpt`` upward, this user's default). Only a command that
+    sets a machine up (``create``) may start a new home; the others say where they looked."""
+    found = home.find(getattr(args, "home", None), os.environ)
+    if not create and not found.exists:
+        raise CkptError(found.missing())
+    overrides: dict[str, Any] = {"home": str(found.path), **flags}
     roots = getattr(args, "root", None)
     if roots:
         overrides["roots"] = tuple(roots)
     return settings_mod.configure(settings_mod.load(overrides))
+
+
+def add_home_option(parser: argparse.ArgumentParser) -> None:
+    """``--home`` on a subcommand too (``ckpt status --home DIR``), without hiding one given
+    before it (``ckpt --home DIR status``)."""
+    parser.add_argument("--home", default=argparse.SUPPRESS, help=HOME_HELP)
+
+
+HOME_HELP = ("the ckpt home (state directory). Default: CKPT_HOME, else the nearest .ckpt in this directory or "
+             "its parents, else ~/.local/share/ckpt; `ckpt up` starts ./.ckpt when there is none")
 
 
 def send(sends: list[Send]) -> None:

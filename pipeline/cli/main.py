@@ -1,6 +1,7 @@
 """``ckpt``: the command line.
 
-    ckpt up [--root DIR]... [--home DIR] [--workers N]   everything on one machine
+    ckpt up [--root DIR]... [--workers N]                everything on one machine
+    (every command takes --home DIR, before or after its name; see pipeline/home.py)
     ckpt worker --data DIR --port P [--host H]           a storage worker daemon
     ckpt store PATH [--wait]                             protect a checkpoint now
     ckpt restore ID|PATH --to DEST [--wait]              give a checkpoint back
@@ -26,7 +27,15 @@ from typing import TYPE_CHECKING
 
 from pipeline import settings as settings_mod
 from pipeline import states
-from pipeline.cli.common import control_plane, parse_size, send, settings_from, stop_on_signals
+from pipeline.cli.common import (
+    HOME_HELP,
+    add_home_option,
+    control_plane,
+    parse_size,
+    send,
+    settings_from,
+    stop_on_signals,
+)
 from pipeline.cli.progress import wait_job
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
@@ -46,7 +55,7 @@ log = logging.getLogger("ckpt")
 def cmd_up(args: argparse.Namespace) -> int:
     from pipeline.service.supervisor import Supervisor
 
-    s = settings_from(args)
+    s = settings_from(args, create=True)
     if not s.roots:
         # Quick start: watch ./checkpoints (a run: each entry in it is one checkpoint).
         import dataclasses
@@ -57,6 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         import dataclasses as _dc
 
         s = settings_mod.configure(_dc.replace(s, web_port=args.web_port))
+    existed = (s.home / "ckpt.db").exists() or (s.home / "config.toml").exists()
     sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
     stop = threading.Event()
 
@@ -67,7 +77,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop_on_signals(request_stop)
     try:
         info = sup.up()
-        print(f"ckpt up: home {info['home']}", flush=True)
+        print(f"ckpt up: home {info['home']}" + ("" if existed else " (new: commands run in this directory or"
+                                                 " below find it; elsewhere pass --home or set CKPT_HOME)"), flush=True)
         print(f"  control plane  {settings_mod.masked_url(info['database'])}", flush=True)
         print(f"  broker         {settings_mod.masked_url(info['broker'])}", flush=True)
         for url in info["workers"]:
@@ -86,7 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    s = settings_from(args)
+    s = settings_from(args, create=True)
     if args.action:
         return _worker_action(s, args.action)
     if not args.data or not args.port:
@@ -161,8 +172,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     from pipeline.service.serving import run
     from webui import create_app
 
-    overrides = {"web_host": args.host, "web_port": args.port}
-    s = settings_mod.configure(settings_mod.load({"home": args.home, **overrides}))
+    s = settings_from(args, web_host=args.host, web_port=args.port)
     control_plane(s)
     # Live-update streams may hold at most half of the threads: the pages always get the rest.
     app = create_app({"CKPT_STREAMS": max(1, args.threads // 2)}, settings=s)
@@ -176,7 +186,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
-    s = settings_from(args)
+    s = settings_from(args, create=True)
     upgrade(s.db_url)
     print(f"{settings_mod.masked_url(s.db_url)}: at head")
     return 0
@@ -247,7 +257,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckpt", description="Protect training checkpoints.")
-    p.add_argument("--home", help="state directory (default ./.ckpt, or CKPT_HOME)")
+    p.add_argument("--home", help=HOME_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -326,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "watch":
             c.add_argument("--root", action="append")
         c.set_defaults(func=func)
+    for c in sub.choices.values():
+        add_home_option(c)
     return p
 
 

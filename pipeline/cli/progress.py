@@ -11,8 +11,10 @@ from pipeline.settings import Settings
 
 
 def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
+    from sqlalchemy import select
+
     from pipeline.db.engine import session_scope
-    from pipeline.db.models import Job
+    from pipeline.db.models import Job, JobEvent
 
     bar = Progress(sys.stderr)
     deadline = time.monotonic() + timeout
@@ -24,13 +26,15 @@ def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -
                 raise CkptError(f"no job {job_id}")
             state, done, total, kind = job.state, job.bytes_done, job.bytes_total, job.kind
             error, blocked = job.last_error, job.blocked_reason
+            said = session.scalar(select(JobEvent.detail).where(JobEvent.job_id == job_id, JobEvent.to_state == state)
+                                  .order_by(JobEvent.id.desc()).limit(1)) if state in ok else None
+        if state in ok:  # the last line says what the job found, once
+            bar.line(f"job {job_id}: {state}" + "".join(f": {t}" for t in (said, blocked) if t))
+            return 0
         if state != last_state:
             bar.line(f"job {job_id}: {state}")
             last_state = state
         bar.update(state, done, total)
-        if state in ok:
-            bar.line(f"job {job_id}: {state}" + (f" ({blocked})" if blocked else ""))
-            return 0
         if state in states.TERMINAL[kind]:
             bar.line(f"job {job_id} ended {state}: {error or 'see `ckpt status`'}")
             return 1

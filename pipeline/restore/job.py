@@ -150,9 +150,13 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
             _remove(staging)
             return None
         transition(s, job_id, JobKind.RESTORE, R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
-                   detail=f"{len(files)} files match their recorded SHA-256", bytes_done=done,
+                   detail=matching(len(files)), bytes_done=done,
                    attempts=attempt, params={**job.params, "staging": str(staging)})
     return done
+
+
+def matching(n: int) -> str:
+    return f"{n} files match their recorded SHA-256" if n != 1 else "1 file matches its recorded SHA-256"
 
 
 def _put_in_place(staging: Path, dest: Path, old: Path, overwrite: bool) -> None:
