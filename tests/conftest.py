@@ -16,6 +16,8 @@ from pipeline.db.migrate import upgrade
 def pytest_addoption(parser):
     parser.addoption("--soak", type=int, default=1, metavar="N",
                      help="fault tests (tests/faults): trials per fault (default 1)")
+    parser.addoption("--full-scale", action="store_true",
+                     help="scale tests at full size (a worker with 200k shards) instead of a tenth of it")
 
 
 POSTGRES_ADMIN_URL = os.environ.get("CKPT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
