@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import states
 from pipeline.db.engine import session_scope
+from pipeline.db.models import StorageWorker
 from pipeline.detection import catalog, completeness, roots
-from pipeline.errors import IncompleteCheckpoint
+from pipeline.errors import CkptError, IncompleteCheckpoint
 from pipeline.integrity import gc, retention, scrub
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
@@ -67,6 +69,22 @@ def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool
         result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
     _send([Send("restore", (result.job_id,))])
     return result
+
+
+def drain(settings: Settings, worker_id: str) -> None:
+    """Copy ``worker_id``'s shards to other workers, then mark it removable (the scheduler does both)."""
+    with session_scope(settings.db_url) as s:
+        w = s.get(StorageWorker, worker_id)
+        if w is None:
+            raise CkptError(f"no storage worker {worker_id!r}; `ckpt status` lists them")
+        if w.state not in states.STICKY_WORKERS:  # draining already, or drained: nothing changes
+            w.state = states.WorkerState.DRAINING
+
+
+def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Path:
+    """Where a restore of ``ref`` to ``dest`` would write; raises why it may not, creates nothing."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        return restore_job.validate(s, settings, ref, dest, overwrite=overwrite)[1]
 
 
 def scrub_now(settings: Settings, worker_ids: list[str] | None = None, *, reason: str = "requested") -> list[Requested]:

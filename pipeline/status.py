@@ -57,6 +57,16 @@ def checkpoint_health(session: Session, settings: Settings, ckpts: list[Checkpoi
     return out
 
 
+def iso(t: datetime) -> str:
+    """A time as ISO 8601 in UTC, to the millisecond: ``2026-11-22T10:30:33.599Z``."""
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def jsonable(o: Any) -> Any:
+    """``json.dumps(default=...)`` for what status holds: times as ISO 8601, the rest as text."""
+    return iso(o) if isinstance(o, datetime) else str(o)
+
+
 def job_dict(j: Job) -> dict[str, Any]:
     return {
         "id": j.id, "kind": j.kind, "checkpoint_id": j.checkpoint_id, "state": j.state, "attempts": j.attempts,

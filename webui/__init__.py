@@ -6,8 +6,10 @@ from typing import Any
 
 from flask import Flask
 from flask.json.provider import DefaultJSONProvider
+from markupsafe import Markup
 
 from pipeline import settings as settings_mod
+from pipeline.status import iso
 
 
 def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod.Settings | None = None) -> Flask:
@@ -19,6 +21,7 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     import pipeline.tasks  # noqa: F401  (installs the broker; `ckpt web` and `ckpt up` upgrade the schema)
 
     app = Flask(__name__)
+    app.json = _Json(app)
     app.config.from_mapping(
         SECRET_KEY=s.secret("web.secret").decode(),
         ADMIN_TOKEN=s.admin_token(),
@@ -41,9 +44,17 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     app.jinja_env.filters["bytes"] = _bytes
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["seconds"] = _seconds
-    if isinstance(app.json, DefaultJSONProvider):
-        app.json.sort_keys = False
     return app
+
+
+class _Json(DefaultJSONProvider):
+    """The API's JSON: keys in the order the code builds them, times as ISO 8601 in UTC."""
+
+    sort_keys = False
+
+    @staticmethod
+    def default(o: Any) -> Any:
+        return iso(o) if isinstance(o, datetime) else DefaultJSONProvider.default(o)
 
 
 def _bytes(n: int | None) -> str:
@@ -57,8 +68,11 @@ def _bytes(n: int | None) -> str:
     return f"{value:,.1f} TB"
 
 
-def _when(t: datetime | None) -> str:
-    return t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
+def _when(t: datetime | None) -> Markup | str:
+    """A time: UTC in the page, shown in the browser's time zone by live.js."""
+    if t is None:
+        return "-"
+    return Markup('<time datetime="{}">{}</time>').format(iso(t), t.strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
 def _seconds(s: float | None) -> str:

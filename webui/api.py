@@ -94,7 +94,8 @@ def workers() -> ResponseReturnValue:
 
 @bp.get("/health")
 def health() -> ResponseReturnValue:
-    return jsonify(data.health(settings()))
+    return jsonify(data.health(settings(), problems_only=request.args.get("problems") == "1",
+                               before=request.args.get("before", type=int)))
 
 
 @bp.get("/capacity")

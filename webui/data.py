@@ -4,10 +4,11 @@ Pages and API read the same functions, so the browser and scripts see the same d
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
@@ -90,40 +91,83 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
             files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
                           "shards": shards})
         out["files"] = files
+        out["versions"] = [{"id": v.id, "version": v.version, "detected_at": v.detected_at, "current": v.current,
+                            "state": v.store_state or "-"}
+                           for v in s.scalars(select(Checkpoint).where(
+                               Checkpoint.path == c.path,
+                               Checkpoint.host.is_(None) if c.host is None else Checkpoint.host == c.host)
+                               .order_by(Checkpoint.id.desc()).limit(20))]
         out["jobs"] = [job_dict(j) for j in s.scalars(select(Job).where(Job.checkpoint_id == c.id)
                                                        .order_by(Job.id.desc()))]
         return out
 
 
-def health(settings: Settings) -> dict[str, Any]:
-    """Shard x replica matrices of every checkpoint, and cluster-wide counts."""
+def health(settings: Settings, *, problems_only: bool = False, before: int | None = None,
+           limit: int = 20) -> dict[str, Any]:
+    """The shard health matrix: one column per storage worker, one row per shard, grouped by
+    checkpoint (newest first, ``limit`` checkpoints a page, ids below ``before``), with the
+    counts of the page. ``problems_only``: only shards that are not healthy, and the
+    checkpoints holding them."""
     since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url, readonly=True) as s:
-        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.current.is_(True))
-                               .options(selectinload(Checkpoint.files).selectinload(CheckpointFile.shards))
-                               .order_by(Checkpoint.id.desc()).limit(50)))
-        shas = {sh.sha256 for c in ckpts for f in c.files for sh in f.shards}
-        per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, shas).items()}
-        matrices = []
+        q = select(Checkpoint).where(Checkpoint.current.is_(True)).order_by(Checkpoint.id.desc())
+        if before:
+            q = q.where(Checkpoint.id < before)
+        if problems_only:  # the checkpoints whose health is not plain: read by pages, not all at once
+            q = q.where(Checkpoint.store_state.in_(sorted(states.RESTORABLE | {StoreState.ROTATED.value})))
+        workers = [w.id for w in s.scalars(select(StorageWorker).where(
+            StorageWorker.state.not_in([WorkerState.REJECTED, WorkerState.CANDIDATE])).order_by(StorageWorker.id))]
+        matrices: list[dict[str, Any]] = []
         replica_totals: dict[str, int] = {}
         shard_totals: dict[str, int] = {}
-        for c in ckpts:
-            rows = []
-            for f in c.files:
-                for sh in f.shards:
-                    copies = per_worker[sh.sha256]  # one cell per worker: the copy of this content there
-                    cells, cell_workers = list(copies.values()), list(copies)
-                    h = shard_health(cells, settings.rf, c.local_present)
-                    shard_totals[h] = shard_totals.get(h, 0) + 1
-                    for cell in cells:
-                        replica_totals[cell] = replica_totals.get(cell, 0) + 1
-                    row_cells = [{"worker_id": w, "health": x} for w, x in zip(cell_workers, cells, strict=True)]
-                    rows.append({"label": f"{f.relpath or c.name}#{sh.seq}", "sha256": sh.sha256, "health": h,
-                                 "cells": row_cells})
-            if rows:
-                matrices.append({"id": c.id, "path": c.path, "rows": rows,
-                                 "width": max(len(r["cells"]) for r in rows)})
-        return {"checkpoints": matrices, "replicas": replica_totals, "shards": shard_totals}
+        last_id = None
+        for page in _pages(s, q.options(selectinload(Checkpoint.files).selectinload(CheckpointFile.shards)), limit):
+            shas = {sh.sha256 for c in page for f in c.files for sh in f.shards}
+            per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, shas).items()}
+            for c in page:
+                last_id = c.id
+                m = _matrix(c, per_worker, workers, settings.rf, problems_only, replica_totals, shard_totals)
+                if m is not None:
+                    matrices.append(m)
+                if len(matrices) == limit:
+                    break
+            if len(matrices) == limit or not problems_only:
+                break
+        return {"checkpoints": matrices, "replicas": replica_totals, "shards": shard_totals, "workers": workers,
+                "older": last_id if len(matrices) == limit else None}
+
+
+def _pages(s: Session, q: Any, limit: int) -> Iterator[list[Checkpoint]]:
+    """``q``'s rows, ``limit`` at a time (at most 50 pages: a problems-only view of a healthy
+    cluster stops looking after 50 x limit checkpoints and offers the next page)."""
+    before = None
+    for _ in range(50):
+        page = list(s.scalars((q.where(Checkpoint.id < before) if before else q).limit(limit)))
+        if not page:
+            return
+        yield page
+        before = page[-1].id
+
+
+def _matrix(c: Checkpoint, per_worker: dict[str, dict[str, str]], workers: list[str], rf: int, problems_only: bool,
+            replica_totals: dict[str, int], shard_totals: dict[str, int]) -> dict[str, Any] | None:
+    rows, counts = [], {"healthy": 0, "under-replicated": 0, "lost": 0}
+    for f in c.files:
+        for sh in f.shards:
+            copies = per_worker.get(sh.sha256, {})  # the copy of this content on each worker
+            h = shard_health(list(copies.values()), rf, c.local_present)
+            counts[h] += 1
+            shard_totals[h] = shard_totals.get(h, 0) + 1
+            for cell in copies.values():
+                replica_totals[cell] = replica_totals.get(cell, 0) + 1
+            if problems_only and h == "healthy":
+                continue
+            rows.append({"label": f"{f.relpath or c.name} #{sh.seq}", "sha256": sh.sha256, "health": h,
+                         "cells": [copies.get(w, "") for w in workers]})
+    if not rows:
+        return None
+    worst = "lost" if counts["lost"] else "under-replicated" if counts["under-replicated"] else "healthy"
+    return {"id": c.id, "name": c.name, "path": c.path, "run": c.run, "rows": rows, "counts": counts, "health": worst}
 
 
 def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, before: int | None = None,
@@ -138,14 +182,45 @@ def jobs(settings: Settings, *, state: str | None = None, kind: str | None = Non
         if kind:
             q = q.where(Job.kind == kind)
         out = []
-        for j in s.scalars(q):
-            d = job_dict(j)
-            end = j.finished_at or now()
-            d["duration_s"] = (end - j.created_at).total_seconds()
+        found = list(s.scalars(q))
+        took = durations(s, found)
+        for j in found:
+            d = job_dict(j) | progress_of(j)
+            d["duration_s"] = took[j.id]
             d["checkpoint_path"] = j.checkpoint.path if j.checkpoint else None
+            d["checkpoint_name"] = j.checkpoint.name if j.checkpoint else None
             d["active"] = j.state in states.ACTIVE[j.kind]
             out.append(d)
         return out
+
+
+def durations(s: Session, jobs: list[Job]) -> dict[int, float]:
+    """Seconds each job worked: until its work ended, else until now. A store job's work ends
+    when it is verified (rotating, superseding or forgetting it later is retention, not the
+    store); any job's when it comes to rest (``states.RESTING``)."""
+    ids = [j.id for j in jobs]
+    if not ids:
+        return {}
+    rest = or_(*(and_(Job.kind == kind, JobEvent.to_state.in_(sorted(st))) for kind, st in states.RESTING.items()))
+    moved = and_(JobEvent.job_id.in_(ids), JobEvent.from_state.is_not(None), JobEvent.from_state != JobEvent.to_state)
+    q = select(JobEvent.job_id, func.max(JobEvent.at)).join(Job, Job.id == JobEvent.job_id).group_by(JobEvent.job_id)
+    verified: dict[int, datetime] = dict(s.execute(q.where(moved, Job.kind == JobKind.STORE,
+                                                           JobEvent.to_state == StoreState.VERIFIED)).all())
+    rested: dict[int, datetime] = dict(s.execute(q.where(moved, rest)).all())
+    t = now()
+    return {j.id: ((verified.get(j.id) or rested.get(j.id) or j.finished_at or t) - j.created_at).total_seconds()
+            for j in jobs}
+
+
+def progress_of(j: Job) -> dict[str, Any]:
+    """What a job's bytes count, in words: a store job's are the copies it sends (RF of each
+    content a worker does not hold yet), shown beside the checkpoint's own size."""
+    if j.kind == states.JobKind.STORE:
+        source = j.checkpoint.total_bytes if j.checkpoint else None
+        return {"bytes_label": "copies sent", "source_bytes": source}
+    label = {states.JobKind.RESTORE: "gathered", states.JobKind.SCRUB: "re-hashed",
+             states.JobKind.REPAIR: "copied"}.get(states.JobKind(j.kind), "done")
+    return {"bytes_label": label, "source_bytes": None}
 
 
 def job(settings: Settings, job_id: int) -> dict[str, Any]:
@@ -153,13 +228,12 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
         j = s.get(Job, job_id)
         if j is None:
             raise UnknownJob(job_id)
-        d = job_dict(j)
+        d = job_dict(j) | progress_of(j)
         d["checkpoint_path"] = j.checkpoint.path if j.checkpoint else None
         d["terminal"] = j.state in states.TERMINAL[j.kind]
         d["resting"] = j.state in states.RESTING[j.kind]
         d["active"] = j.state in states.ACTIVE[j.kind]
-        end = j.finished_at or now()
-        d["duration_s"] = (end - j.created_at).total_seconds()
+        d["duration_s"] = durations(s, [j])[j.id]
         d["timeline"] = [{"at": e.at, "from": e.from_state, "to": e.to_state, "detail": e.detail}
                          for e in s.scalars(select(JobEvent).where(JobEvent.job_id == j.id).order_by(JobEvent.id))]
         return d

@@ -10,6 +10,7 @@ from flask import (
     Response,
     current_app,
     flash,
+    jsonify,
     redirect,
     render_template,
     request,
@@ -19,11 +20,12 @@ from flask.typing import ResponseReturnValue
 from markupsafe import Markup
 
 from pipeline import operations, states
-from pipeline.errors import CkptError, UnknownCheckpoint
+from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
 from webui import data, streams
 from webui.charts import capacity_chart, transfers_chart
+from webui.errors import status_of
 from webui.security import form_admin
 
 bp = Blueprint("pages", __name__)
@@ -81,16 +83,55 @@ def checkpoint_retention(checkpoint_id: int, action: str) -> ResponseReturnValue
     return redirect(url_for("pages.checkpoint", checkpoint_id=checkpoint_id), code=303)
 
 
+@bp.route("/checkpoints/<int:checkpoint_id>/restore", methods=("POST",))
+@form_admin
+def checkpoint_restore(checkpoint_id: int) -> ResponseReturnValue:
+    """Restore from the checkpoint's page; a refusal is shown in that form, with what was typed."""
+    dest, overwrite = request.form.get("dest", "").strip(), request.form.get("overwrite") == "on"
+    try:
+        if not dest:
+            raise RestoreError("give the destination: a path that does not exist yet, under a restore root")
+        r = operations.restore_to(settings(), str(checkpoint_id), dest, overwrite=overwrite)
+    except UnknownCheckpoint:
+        raise
+    except CkptError as e:
+        c = data.checkpoint(settings(), checkpoint_id)
+        return render_template("checkpoint.html", c=c, restore_error=str(e), dest=dest, overwrite=overwrite), \
+            status_of(e)
+    return redirect(url_for("pages.job", job_id=r.job_id), code=303)
+
+
+@bp.route("/checkpoints/<int:checkpoint_id>/restore-check")
+@form_admin
+def checkpoint_restore_check(checkpoint_id: int) -> ResponseReturnValue:
+    """Whether a restore to ``dest`` may go ahead (the form asks as it is typed)."""
+    dest = request.args.get("dest", "").strip()
+    try:
+        if not dest:
+            raise RestoreError("give the destination: a path that does not exist yet, under a restore root")
+        target = operations.check_restore(settings(), str(checkpoint_id), dest,
+                                          overwrite=request.args.get("overwrite") == "1")
+    except UnknownCheckpoint:
+        raise
+    except CkptError as e:
+        return jsonify(ok=False, error=str(e))
+    return jsonify(ok=True, target=str(target))
+
+
 @bp.route("/health")
 def health() -> ResponseReturnValue:
-    return render_template("health.html", h=data.health(settings()))
+    problems = request.args.get("problems") == "1"
+    h = data.health(settings(), problems_only=problems, before=request.args.get("before", type=int))
+    return render_template("health.html", h=h, problems=problems)
 
 
 @bp.route("/jobs")
 def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
     items = data.jobs(settings(), state=state, kind=kind, before=request.args.get("before", type=int))
+    every = sorted({st for edges in states.TRANSITIONS.values() for src, dsts in edges.items() for st in (src, *dsts)})
     return render_template("jobs.html", items=items, state=state, kind=kind, kinds=sorted(states.TRANSITIONS),
+                           all_states=every,
                            older=items[-1]["id"] if len(items) == data.PAGE else None)
 
 
@@ -137,7 +178,20 @@ def job_stream(job_id: int) -> ResponseReturnValue:
 
 @bp.route("/workers")
 def workers() -> ResponseReturnValue:
-    return render_template("workers.html", items=data.workers(settings()))
+    return render_template("workers.html", items=data.workers(settings()), sticky=sorted(states.STICKY_WORKERS))
+
+
+@bp.route("/workers/<worker_id>/drain", methods=("POST",))
+@form_admin
+def worker_drain(worker_id: str) -> ResponseReturnValue:
+    """Drain a worker: its shards are copied elsewhere, then it is marked removable."""
+    try:
+        operations.drain(settings(), worker_id)
+        flash(f"storage worker {worker_id} is draining: its shards are copied to other workers; it shows as "
+              "removable when that is done", "info")
+    except CkptError as e:
+        flash(str(e), "error")
+    return redirect(url_for("pages.workers"), code=303)
 
 
 @bp.route("/dead-letters")
@@ -178,7 +232,13 @@ def restore() -> ResponseReturnValue:
     if not ref or not dest:
         flash("choose a checkpoint and a destination path", "error")
         return redirect(url_for("pages.actions"), code=303)
-    r = operations.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
+    try:
+        r = operations.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
+    except UnknownCheckpoint:
+        raise
+    except CkptError as e:  # shown in the form that asked, with what was typed
+        return render_template("actions.html", roots=settings().roots, ckpts=data.checkpoints(settings()),
+                               restore_error=str(e), form=request.form), status_of(e)
     return redirect(url_for("pages.job", job_id=r.job_id), code=303)
 
 

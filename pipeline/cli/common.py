@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 def settings_from(args: argparse.Namespace, *, create: bool = False, **flags: Any) -> Settings:
     """The settings of the home this command runs against (pipeline/home.py: ``--home``,
     ``CKPT_HOME``, the nearest ``.ckpt`` upward, this user's default). Only a command that
-    sets a machine up (``create``) may start a new home; the others say where they looked."""
+    sets a machine up or runs a service (``create``) may start a new home; the others say
+    where they looked (unless the control plane is elsewhere: ``CKPT_DATABASE_URL``)."""
     found = home.find(getattr(args, "home", None), os.environ)
-    if not create and not found.exists:
+    if not create and not found.exists and not os.environ.get("CKPT_DATABASE_URL"):
         raise CkptError(found.missing())
     overrides: dict[str, Any] = {"home": str(found.path), **flags}
     roots = getattr(args, "root", None)

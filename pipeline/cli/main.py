@@ -41,7 +41,6 @@ from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
-from pipeline.states import STICKY_WORKERS, WorkerState
 
 if TYPE_CHECKING:
     pass
@@ -112,19 +111,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _worker_action(s: Settings, action: list[str]) -> int:
-    from pipeline.db.engine import session_scope
+    from pipeline import operations
     from pipeline.db.migrate import upgrade
-    from pipeline.db.models import StorageWorker
 
     if len(action) != 2 or action[0] != "drain":
         raise CkptError(f"unknown worker action {' '.join(action)!r}; try `ckpt worker drain ID`")
     upgrade(s.db_url)
-    with session_scope(s.db_url) as session:
-        w = session.get(StorageWorker, action[1])
-        if w is None:
-            raise CkptError(f"no storage worker {action[1]!r}; `ckpt status` lists them")
-        if w.state not in STICKY_WORKERS:
-            w.state = WorkerState.DRAINING
+    operations.drain(s, action[1])
     print(f"storage worker {action[1]} is draining: its shards are copied to other workers; "
           "`ckpt status` shows it as removable when it is done")
     return 0
@@ -149,7 +142,7 @@ def cmd_scrub(args: argparse.Namespace) -> int:
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from pipeline.service.scheduler import Scheduler
 
-    s = settings_from(args)
+    s = settings_from(args, create=True)
     control_plane(s)
     sched = Scheduler(s, send)
     stop_on_signals(lambda: sched.stopping.set())
@@ -160,7 +153,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     from pipeline.detection.watcher import Watcher
 
-    s = settings_from(args)
+    s = settings_from(args, create=True)
     control_plane(s)
     w = Watcher(s, send)
     stop_on_signals(w.stop)
@@ -172,7 +165,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     from pipeline.service.serving import run
     from webui import create_app
 
-    s = settings_from(args, web_host=args.host, web_port=args.port)
+    s = settings_from(args, create=True, web_host=args.host, web_port=args.port)
     control_plane(s)
     # Live-update streams may hold at most half of the threads: the pages always get the rest.
     app = create_app({"CKPT_STREAMS": max(1, args.threads // 2)}, settings=s)
@@ -235,6 +228,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_dead_letters(args: argparse.Namespace) -> int:
     s = settings_from(args)
     control_plane(s)
+    from pipeline.status import jsonable
     from pipeline.tasks import deadletters
     if args.requeue:
         ids = None if args.requeue == "all" else [args.requeue]
@@ -243,7 +237,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         return 0 if n else 1
     letters = deadletters.list_letters(s)
     if args.json:
-        print(json.dumps(letters, indent=2, default=str))
+        print(json.dumps(letters, indent=2, default=jsonable))
         return 0
     if not letters:
         print("no dead letters")

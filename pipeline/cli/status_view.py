@@ -15,7 +15,7 @@ def gb(n: int) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pipeline.status import status
+    from pipeline.status import jsonable, status
 
     s = settings_from(args)
     from pipeline.db.migrate import upgrade
@@ -23,7 +23,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     upgrade(s.db_url)
     doc = status(s, all_versions=args.all, run=args.run, state=args.state, before=args.before, limit=args.limit)
     if args.json:
-        print(json.dumps(doc, indent=2, default=str))
+        print(json.dumps(doc, indent=2, default=jsonable))
         return 0
     if doc["runs"]:
         print("runs:")

@@ -39,13 +39,15 @@ def transition(
     """Move job ``job_id`` from ``expected`` to ``target``; True if this call moved it.
 
     ``values`` are further columns set in the same UPDATE. A new step starts with its
-    attempts at zero and, when ``lease_seconds`` is given, a fresh lease.
+    attempts at zero and, when ``lease_seconds`` is given, a fresh lease; a job that comes to
+    rest (``states.RESTING``) keeps the attempts its last step took, as it is shown.
     """
     expected, target = str(expected), str(target)
     if not states.allowed(kind, expected, target):
         raise InvalidTransition(kind, job_id, expected, target)
     t = now()
-    values.setdefault("attempts", 0)
+    if target not in states.RESTING[kind]:
+        values.setdefault("attempts", 0)
     if lease_seconds is not None:
         values["lease_until"] = t + timedelta(seconds=lease_seconds)
     if target in states.TERMINAL[kind]:

@@ -42,6 +42,17 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
     """Validate a restore request and create its job (the caller enqueues ``restore``).
 
     ``extra_roots``: directories this caller may also restore under (its current directory)."""
+    ckpt, target = validate(session, settings, ref, dest, overwrite=overwrite, extra_roots=extra_roots)
+    return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
+                      params={"dest": str(target), "overwrite": overwrite, "host": settings.host_id},
+                      bytes_total=ckpt.total_bytes,
+                      detail=f"restore to {target}")
+
+
+def validate(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
+             extra_roots: Iterable[Path] = ()) -> tuple[Checkpoint, Path]:
+    """The checkpoint and resolved destination of a restore that may go ahead; raises the
+    reason it may not (what a form checks before it is submitted, and :func:`request`)."""
     ckpt = resolve(session, ref, settings.host_id)
     target = Path(dest).expanduser().resolve()
     destination.check(session, settings, target, extra_roots)
@@ -59,10 +70,7 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
     if store is None or store.state not in states.RESTORABLE:
         state = store.state if store else "unknown"
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
-    return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
-                      params={"dest": str(target), "overwrite": overwrite, "host": settings.host_id},
-                      bytes_total=ckpt.total_bytes,
-                      detail=f"restore to {target}")
+    return ckpt, target
 
 
 def restore(settings: Settings, job_id: int) -> list[Send]:

@@ -24,6 +24,14 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+#: The elements that reach past the right edge of the window (what makes a page too wide).
+WIDER = """Array.from(document.querySelectorAll('body *')).map(e => [e,
+    e.getBoundingClientRect().right + parseFloat(getComputedStyle(e).marginRight || 0)])
+  .filter(([e, right]) => right > innerWidth + 0.5).slice(0, 8)
+  .map(([e, right]) => e.tagName + (e.id ? '#' + e.id : '') + (e.className ? '.' + e.className : '') + ' '
+    + Math.round(right))"""
+
+
 def not_blank(png: Path) -> bool:
     """True when the screenshot has real content: many distinct colours, not one flat fill."""
     from PIL import Image
@@ -57,6 +65,7 @@ def test_every_page_store_restore_and_requeue_in_the_browser(make_cluster, brows
     points = tmp_path / "failpoints"
     points.mkdir()
     (points / "verify.commit1.before").write_text("always raise\n")  # every verify fails, until removed
+    (points / "repair.commit1.before").write_text("always raise\n")  # a damaged copy stays damaged
     cluster = make_cluster(env={"CKPT_WEB_PORT": str(port), "CKPT_MAX_RETRIES": "1", "CKPT_SCRUB_CRON": "",
                                 "CKPT_FAILPOINTS": str(points)})
     base = f"http://127.0.0.1:{port}"
@@ -71,7 +80,7 @@ def test_every_page_store_restore_and_requeue_in_the_browser(make_cluster, brows
     first_job = checkpoint_job(cluster, first)
     cluster.wait_job(first_job, ("failed",), timeout=60)
 
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.goto(base + "/login")
     page.fill("input[name=token]", cluster.settings.admin_token())
     page.click("#login button")
@@ -80,6 +89,9 @@ def test_every_page_store_restore_and_requeue_in_the_browser(make_cluster, brows
     def shoot(name: str, path: str) -> None:
         page.goto(base + path)
         page.wait_for_load_state("load")
+        shoot_here(name)
+
+    def shoot_here(name: str) -> None:
         out = shots / f"{name}.png"
         page.screenshot(path=str(out), full_page=True)
         assert not_blank(out), f"{name} screenshot is blank"
@@ -123,6 +135,50 @@ def test_every_page_store_restore_and_requeue_in_the_browser(make_cluster, brows
     shoot("overview-after", "/")
     assert page.locator("svg.chart rect.bar-store").count() >= 2
     assert page.locator("svg.chart rect.bar-restore").count() == 1
+
+    # Restore from the checkpoint's own page: the destination is checked as it is typed.
+    page.goto(f"{base}/checkpoints/{second_id}")
+    page.fill("#restore-form input[name=dest]", "/etc/ckpt-browser-test")
+    page.wait_for_selector("#restore-verdict.error")
+    assert "outside the restore roots" in page.inner_text("#restore-verdict")
+    assert page.locator("#restore-form button").is_disabled()
+    shoot_here("checkpoint-bad-destination")
+    again = tmp_path / "again.safetensors"
+    page.fill("#restore-form input[name=dest]", str(again))
+    page.wait_for_selector("#restore-verdict.ok")
+    assert page.locator("#restore-form button").is_enabled() and "load_state_dict" in page.inner_text("#load-snippet")
+    page.click("#restore-form button")
+    page.wait_for_url(f"{base}/jobs/*")
+    page.wait_for_selector("#job-state.done", timeout=60_000)
+    assert files_of(again) == files_of(second)
+
+    # A corrupted copy (repair held back): found by a scrub started from the page, shown by the
+    # problems-only view of the health matrix.
+    worker_id, sha, _seq = cluster.copies(second)[0]
+    shard = cluster.worker(worker_id).shard(sha)
+    shard.write_bytes(b"\0" * 4096 + shard.read_bytes()[4096:])
+    page.goto(base + "/actions")
+    page.click("#scrub-form button")
+    wait_for(lambda: all(j["state"] == "done" for j in api(base, "/api/jobs?kind=scrub")["jobs"]), 90, "the scrub")
+    page.goto(base + "/health?problems=1")
+    assert page.locator("details.matrix-group").count() == 1
+    assert page.locator("table.matrix td.cell.corrupt").count() == 1
+    assert page.locator("table.matrix tr").count() == 2  # the header and the damaged shard only
+    shoot_here("health-problems")
+
+    # Every page at a phone's width: nothing wider than the screen, and real content.
+    narrow = browser.new_page(viewport={"width": 420, "height": 900})
+    narrow.context.add_cookies(page.context.cookies())
+    for name, path in [("overview", "/"), ("checkpoints", "/checkpoints"), ("checkpoint", f"/checkpoints/{second_id}"),
+                       ("health", "/health"), ("jobs", "/jobs"), ("job", f"/jobs/{first_job}"),
+                       ("workers", "/workers"), ("actions", "/actions")]:
+        narrow.goto(base + path)
+        narrow.wait_for_load_state("load")
+        out = shots / f"{name}-420px.png"
+        narrow.screenshot(path=str(out), full_page=True)
+        assert not_blank(out), f"{name} at 420 px is blank"
+        width = narrow.evaluate("document.documentElement.scrollWidth")
+        assert width <= 420, f"{name} is {width} px wide at 420 px: {narrow.evaluate(WIDER)}"
     print("screenshots:", ", ".join(sorted(p.name for p in shots.iterdir())))
 
 

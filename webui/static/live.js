@@ -2,6 +2,17 @@
 // list polls the JSON API for rows that are still running.
 (function () {
   function fmt(n) { return (n / 1e6).toFixed(1) + " MB"; }
+  function pad(n) { return (n < 10 ? "0" : "") + n; }
+  // Times come in UTC (<time datetime="ISO 8601">): shown in this browser's time zone.
+  document.querySelectorAll("time[datetime]").forEach(function (el) {
+    var d = new Date(el.getAttribute("datetime"));
+    if (isNaN(d)) { return; }
+    var off = -d.getTimezoneOffset(), sign = off >= 0 ? "+" : "-";
+    el.title = el.textContent;
+    el.textContent = d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " +
+      pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + " UTC" + sign +
+      pad(Math.floor(Math.abs(off) / 60)) + ":" + pad(Math.abs(off) % 60);
+  });
   var live = document.getElementById("live");
   if (live && live.dataset.terminal !== "1" && window.EventSource) {
     var seen = parseInt(live.dataset.events, 10);
@@ -15,6 +26,24 @@
       document.getElementById("job-bytes").textContent = fmt(d.bytes_done) + " / " + fmt(d.bytes_total);
       if (d.events !== seen || d.terminal) { es.close(); window.location.reload(); }
     };
+  }
+  // A restore form checks its destination as it is typed, before it is submitted.
+  var form = document.getElementById("restore-form");
+  if (form && form.dataset.check) {
+    var verdict = document.getElementById("restore-verdict"), timer = null;
+    var check = function () {
+      var dest = form.elements.dest.value.trim();
+      if (!dest) { verdict.textContent = ""; return; }
+      var q = "?dest=" + encodeURIComponent(dest) + (form.elements.overwrite.checked ? "&overwrite=1" : "");
+      fetch(form.dataset.check + q, {credentials: "same-origin"}).then(function (r) { return r.json(); })
+        .then(function (d) {
+          verdict.textContent = d.ok ? "restores to " + d.target : d.error;
+          verdict.className = d.ok ? "note ok" : "flash error";
+          form.querySelector("button[type=submit]").disabled = !d.ok;
+        });
+    };
+    form.elements.dest.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(check, 250); });
+    form.elements.overwrite.addEventListener("change", check);
   }
   var rows = document.querySelectorAll("tr[data-live]");
   if (rows.length) {
