@@ -210,9 +210,13 @@ def problem_dicts(session: Session) -> list[dict[str, Any]]:
 
 
 def checkpoint_page(session: Session, *, all_versions: bool = False, run: str | None = None,
-                    state: str | None = None, before: int | None = None, limit: int = 50) -> list[Checkpoint]:
-    """Checkpoints newest first (by id), filtered, one page: ids below ``before``."""
+                    state: str | None = None, before: int | None = None, limit: int = 50,
+                    search: str | None = None) -> list[Checkpoint]:
+    """Checkpoints newest first (by id), filtered, one page: ids below ``before``. ``search``:
+    only those whose path holds this text (any case)."""
     q = select(Checkpoint).order_by(Checkpoint.id.desc()).limit(limit)
+    if search:
+        q = q.where(func.lower(Checkpoint.path).contains(search.lower(), autoescape=True))
     if not all_versions:
         q = q.where(Checkpoint.current.is_(True))
     if run:

@@ -44,6 +44,7 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     app.jinja_env.filters["bytes"] = _bytes
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["seconds"] = _seconds
+    app.jinja_env.filters["runname"] = _runname
     return app
 
 
@@ -73,6 +74,11 @@ def _when(t: datetime | None) -> Markup | str:
     if t is None:
         return "-"
     return Markup('<time datetime="{}">{}</time>').format(iso(t), t.strftime("%Y-%m-%d %H:%M:%S UTC"))
+
+
+def _runname(run: str) -> str:
+    """A run as people name it: its last two path parts (``runs/llama-7b``)."""
+    return "/".join(run.rstrip("/").split("/")[-2:])
 
 
 def _seconds(s: float | None) -> str:

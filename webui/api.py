@@ -64,7 +64,7 @@ def page(name: str, rows: list[dict[str, Any]], limit: int) -> ResponseReturnVal
 def checkpoints() -> ResponseReturnValue:
     args = page_args()
     rows = data.checkpoints(settings(), state=request.args.get("state") or None,
-                            run=request.args.get("run") or None, **args)
+                            run=request.args.get("run") or None, search=request.args.get("q") or None, **args)
     return page("checkpoints", rows, args["limit"])
 
 

@@ -1,76 +1,123 @@
-"""Server-rendered SVG charts (no scripts or assets from the internet). Pure functions."""
+"""Server-rendered SVG charts (no scripts or assets from the internet). Pure functions.
+
+Each chart has one unit on its y axis and time on its x axis (UTC), with labelled ticks.
+"""
 from __future__ import annotations
 
+import math
+from datetime import datetime, timedelta
 from html import escape
 from typing import Any
 
-W, H, PAD = 720, 220, 40
+W, H = 720, 230
+LEFT, RIGHT, TOP, BOTTOM = 64, 16, 30, 40
+#: The shortest time a chart spans (a few transfers a second apart still get readable ticks).
+MIN_SPAN = timedelta(minutes=2)
 
 
-def transfers_chart(transfers: list[dict[str, Any]]) -> str:
-    """Bars: throughput (MB/s) of recent stores (blue) and restores (green); dots: time to
-    protection of each store (seconds, right axis)."""
+def _empty(text: str, label: str) -> str:
+    return (f'<svg class="chart" viewBox="0 0 {W} 60" role="img" aria-label="{escape(label)}">'
+            f'<text x="10" y="35">{escape(text)}</text></svg>')
+
+
+def _nice(top: float) -> float:
+    """A round number at or above ``top`` for the y axis (1, 2 or 5 times a power of ten)."""
+    if top <= 0:
+        return 1.0
+    exp = 10.0 ** math.floor(math.log10(top))
+    return next(m * exp for m in (1, 2, 5, 10) if m * exp >= top * (1 - 1e-9))
+
+
+class _Frame:
+    """Axes of one chart: time from ``t0`` to ``t1`` across, 0 to ``top`` ``unit`` up."""
+
+    def __init__(self, t0: datetime, t1: datetime, top: float, unit: str, label: str) -> None:
+        if t1 - t0 < MIN_SPAN:
+            pad = (MIN_SPAN - (t1 - t0)) / 2
+            t0, t1 = t0 - pad, t1 + pad
+        self.t0, self.t1, self.top, self.unit = t0, t1, _nice(top), unit
+        self.parts = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="{escape(label)}">']
+        self._axes()
+
+    def x(self, t: datetime) -> float:
+        span = (self.t1 - self.t0).total_seconds()
+        return LEFT + (W - LEFT - RIGHT) * (t - self.t0).total_seconds() / span
+
+    def y(self, v: float) -> float:
+        return H - BOTTOM - (H - TOP - BOTTOM) * min(v, self.top) / self.top
+
+    def _axes(self) -> None:
+        p = self.parts
+        for i in range(5):  # y: 0, 1/4 ... top, in the unit
+            v = self.top * i / 4
+            y = self.y(v)
+            p.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}" class="grid"/>')
+            p.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" class="label" text-anchor="end">{_num(v)}</text>')
+        p.append(f'<text x="{LEFT - 6}" y="14" class="label unit" text-anchor="end">{escape(self.unit)}</text>')
+        p.append(f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{W - RIGHT}" y2="{H - BOTTOM}" class="axis"/>')
+        span = (self.t1 - self.t0).total_seconds()
+        fmt = "%H:%M:%S" if span < 600 else "%H:%M" if span < 86400 else "%m-%d %H:%M"
+        for i in range(5):  # x: five times across, UTC
+            t = self.t0 + timedelta(seconds=span * i / 4)
+            x = self.x(t)
+            anchor = "start" if i == 0 else "end" if i == 4 else "middle"
+            p.append(f'<line x1="{x:.1f}" y1="{H - BOTTOM}" x2="{x:.1f}" y2="{H - BOTTOM + 4}" class="axis"/>')
+            p.append(f'<text x="{x:.1f}" y="{H - BOTTOM + 17}" class="label" text-anchor="{anchor}">'
+                     f'{escape(t.strftime(fmt))}</text>')
+        p.append(f'<text x="{W - RIGHT}" y="{H - 4}" class="label" text-anchor="end">time (UTC)</text>')
+
+    def done(self) -> str:
+        return "".join(self.parts) + "</svg>"
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 or v == 0 else f"{v:,.2g}"
+
+
+def throughput_chart(transfers: list[dict[str, Any]]) -> str:
+    """Bars at the time each recent store (blue) and restore (green) finished: its throughput."""
     if not transfers:
-        return ('<svg class="chart" viewBox="0 0 720 60" role="img" aria-label="no transfers yet">'
-                '<text x="10" y="35">No store or restore has finished yet.</text></svg>')
-    n = len(transfers)
-    top_rate = max(t["mb_per_s"] for t in transfers) or 1.0
-    ttps = [t["time_to_protection_s"] for t in transfers if t["time_to_protection_s"] is not None]
-    top_ttp = max(ttps) if ttps else 1.0
-    top_ttp = top_ttp or 1.0
-    slot = (W - 2 * PAD) / n
-    parts = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" '
-             f'aria-label="throughput and time to protection of the last {n} transfers">',
-             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" class="axis"/>',
-             f'<text x="4" y="14" class="label">{top_rate:,.0f} MB/s</text>',
-             f'<text x="{W - PAD - 60}" y="14" class="label">{top_ttp:,.1f} s</text>']
-    for i, t in enumerate(transfers):
-        h = (H - 2 * PAD) * t["mb_per_s"] / top_rate
-        x = PAD + i * slot + slot * 0.15
+        return _empty("No store or restore has finished yet.", "no transfers yet")
+    f = _Frame(transfers[0]["at"], transfers[-1]["at"], max(t["mb_per_s"] for t in transfers), "MB/s",
+               f"throughput of the last {len(transfers)} stores and restores")
+    width = max(3.0, min(14.0, (W - LEFT - RIGHT) / len(transfers) * 0.6))
+    for t in transfers:
+        x, y = f.x(t["at"]), f.y(t["mb_per_s"])
         cls = "bar-store" if t["kind"] == "store" else "bar-restore"
         title = (f'{t["kind"]} job {t["job_id"]}: {t["bytes"] / 1e6:,.1f} MB in {t["seconds"]:,.2f} s '
                  f'= {t["mb_per_s"]:,.1f} MB/s')
-        if t["time_to_protection_s"] is not None:
-            title += f'; written to verified in {t["time_to_protection_s"]:,.1f} s'
-        parts.append(f'<rect class="{cls}" x="{x:.1f}" y="{H - PAD - h:.1f}" width="{slot * 0.7:.1f}" '
-                     f'height="{max(h, 1):.1f}"><title>{escape(title)}</title></rect>')
-        if t["time_to_protection_s"] is not None:
-            y = H - PAD - (H - 2 * PAD) * t["time_to_protection_s"] / top_ttp
-            parts.append(f'<circle class="ttp" cx="{x + slot * 0.35:.1f}" cy="{y:.1f}" r="4">'
-                         f'<title>{escape(title)}</title></circle>')
-    parts.append(f'<text x="{PAD}" y="{H - 10}" class="label">oldest</text>'
-                 f'<text x="{W - PAD - 40}" y="{H - 10}" class="label">newest</text></svg>')
-    return "".join(parts)
+        f.parts.append(f'<rect class="{cls}" x="{x - width / 2:.1f}" y="{y:.1f}" width="{width:.1f}" '
+                       f'height="{max(H - BOTTOM - y, 1):.1f}"><title>{escape(title)}</title></rect>')
+    return f.done()
+
+
+def protection_chart(transfers: list[dict[str, Any]]) -> str:
+    """Dots at the time each recent store was verified: seconds from the checkpoint written to verified."""
+    stores = [t for t in transfers if t["time_to_protection_s"] is not None]
+    if not stores:
+        return _empty("No store has been verified yet.", "no stores yet")
+    f = _Frame(stores[0]["at"], stores[-1]["at"], max(t["time_to_protection_s"] for t in stores), "seconds",
+               f"time from written to verified of the last {len(stores)} stores")
+    for t in stores:
+        title = f'store job {t["job_id"]}: written to verified in {t["time_to_protection_s"]:,.1f} s'
+        f.parts.append(f'<circle class="ttp" cx="{f.x(t["at"]):.1f}" cy="{f.y(t["time_to_protection_s"]):.1f}" '
+                       f'r="4"><title>{escape(title)}</title></circle>')
+    return f.done()
 
 
 def capacity_chart(history: list[dict[str, Any]], limit: int | None = None) -> str:
     """Lines over time: bytes the storage workers hold (blue) and the control plane's stored
     copies (green); a dashed line at the high watermark when it is known."""
     if len(history) < 2:
-        return ('<svg class="chart" viewBox="0 0 720 60" role="img" aria-label="no usage history yet">'
-                '<text x="10" y="35">The usage history starts with the scheduler (a sample every 10 minutes).'
-                '</text></svg>')
-    t0, t1 = history[0]["at"], history[-1]["at"]
-    span = max(1.0, (t1 - t0).total_seconds())
+        return _empty("The usage history starts with the scheduler (a sample every 10 minutes).",
+                      "no usage history yet")
     top = max(max(h["used"], h["stored"]) for h in history)
-    top = max(top, limit or 0) or 1
-
-    def xy(h: dict[str, Any], key: str) -> str:
-        x = PAD + (W - 2 * PAD) * (h["at"] - t0).total_seconds() / span
-        y = H - PAD - (H - 2 * PAD) * h[key] / top
-        return f"{x:.1f},{y:.1f}"
-
-    parts = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="cluster usage over time">',
-             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" class="axis"/>',
-             f'<text x="4" y="14" class="label">{top / 1e9:,.1f} GB</text>']
+    f = _Frame(history[0]["at"], history[-1]["at"], max(top, limit or 0) / 1e9, "GB", "cluster usage over time")
     for key, cls in (("used", "line-used"), ("stored", "line-stored")):
-        points = " ".join(xy(h, key) for h in history)
-        parts.append(f'<polyline class="{cls}" fill="none" points="{points}"><title>{key}</title></polyline>')
+        points = " ".join(f'{f.x(h["at"]):.1f},{f.y(h[key] / 1e9):.1f}' for h in history)
+        f.parts.append(f'<polyline class="{cls}" fill="none" points="{points}"><title>{key}</title></polyline>')
     if limit:
-        y = H - PAD - (H - 2 * PAD) * limit / top
-        parts.append(f'<line class="watermark" x1="{PAD}" y1="{y:.1f}" x2="{W - PAD}" y2="{y:.1f}">'
-                     f'<title>high watermark: {limit / 1e9:,.1f} GB</title></line>')
-    parts.append(f'<text x="{PAD}" y="{H - 10}" class="label">{escape(t0.strftime("%Y-%m-%d %H:%M"))}</text>'
-                 f'<text x="{W - PAD - 110}" y="{H - 10}" class="label">{escape(t1.strftime("%Y-%m-%d %H:%M"))}'
-                 '</text></svg>')
-    return "".join(parts)
+        y = f.y(limit / 1e9)
+        f.parts.append(f'<line class="watermark" x1="{LEFT}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}">'
+                       f'<title>high watermark: {limit / 1e9:,.1f} GB</title></line>')
+    return f.done()

@@ -44,11 +44,13 @@ PAGE = 100
 
 
 def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None,
-                all_versions: bool = False, before: int | None = None, limit: int = PAGE) -> list[dict[str, Any]]:
+                all_versions: bool = False, before: int | None = None, limit: int = PAGE,
+                search: str | None = None) -> list[dict[str, Any]]:
     """One page of the current version of each checkpoint (every version with
-    ``all_versions``), newest first: ids below ``before``."""
+    ``all_versions``), newest first: ids below ``before``; ``search`` in their paths."""
     with session_scope(settings.db_url, readonly=True) as s:
-        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit)
+        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
+                               search=search)
         return checkpoint_rows(s, settings, page)
 
 

@@ -24,7 +24,7 @@ from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
 from webui import data, streams
-from webui.charts import capacity_chart, transfers_chart
+from webui.charts import capacity_chart, protection_chart, throughput_chart
 from webui.errors import status_of
 from webui.security import form_admin
 
@@ -45,17 +45,19 @@ def dead_letter_count() -> int:
 @bp.route("/")
 def overview() -> ResponseReturnValue:
     doc = data.overview(settings(), dead_letter_count())
-    return render_template("overview.html", o=doc, chart=Markup(transfers_chart(doc["transfers"])),
+    return render_template("overview.html", o=doc, chart=Markup(throughput_chart(doc["transfers"])),
+                           protection_chart=Markup(protection_chart(doc["transfers"])),
                            capacity_chart=Markup(capacity_chart(doc["capacity_history"], doc["capacity"]["limit"])))
 
 
 @bp.route("/checkpoints")
 def checkpoints() -> ResponseReturnValue:
     state, run = request.args.get("state") or None, request.args.get("run") or None
+    q = request.args.get("q", "").strip() or None
     before = request.args.get("before", type=int)
-    items = data.checkpoints(settings(), state=state, run=run, before=before)
-    return render_template("checkpoints.html", items=items, runs=data.runs(settings()), state=state, run=run,
-                           states=sorted(states.all_states("store")),
+    items = data.checkpoints(settings(), state=state, run=run, before=before, search=q)
+    return render_template("checkpoints.html", items=items, runs=data.runs(settings()), state=state, run=run, q=q,
+                           states=sorted(states.all_states("store")), now=data.now(),
                            older=items[-1]["id"] if len(items) == data.PAGE else None)
 
 
