@@ -32,13 +32,17 @@ from pipeline.states import COUNTING_WORKERS, PLACED, ContentState
 
 SAMPLE_SECONDS = 600.0
 RATE_WINDOW = timedelta(days=3)
+#: The least history a forecast is made from: a rate from a few minutes of a first store says
+#: "full in 0.1 days" of a cluster that fills up in years.
+MIN_HISTORY = timedelta(hours=1)
 KEEP_SAMPLES = timedelta(days=400)
 
 
 def days_until_full(samples: Sequence[tuple[datetime, int]], limit: int) -> float | None:
     """Days until ``used`` reaches ``limit`` at the rate of ``samples`` ``(at, used)`` (least
-    squares over the window); None when the usage is not growing or there is too little data."""
-    if len(samples) < 2 or limit <= 0:
+    squares over the window); None when the usage is not growing or the samples span less than
+    :data:`MIN_HISTORY`."""
+    if len(samples) < 2 or limit <= 0 or samples[-1][0] - samples[0][0] < MIN_HISTORY:
         return None
     t0 = samples[0][0]
     xs = [(at - t0).total_seconds() / 86400 for at, _u in samples]
@@ -65,6 +69,8 @@ class Usage:
     workers: int
     full_workers: int
     days_until_full: float | None
+    #: The forecast in words: when it fills at the recent rate, or why there is none.
+    forecast: str
     limit: int           # the high watermark, in bytes
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,7 +108,16 @@ def usage(session: Session, settings: Settings) -> Usage:
     return Usage(used=used, capacity=capacity, free=sum(w.free_bytes for w in workers), stored=stored,
                  garbage=garbage, workers=len(workers),
                  full_workers=sum(1 for w in workers if w.state == states.WorkerState.FULL),
-                 days_until_full=days_until_full(samples, limit), limit=limit)
+                 days_until_full=(days := days_until_full(samples, limit)), limit=limit,
+                 forecast=forecast(samples, days))
+
+
+def forecast(samples: Sequence[tuple[datetime, int]], days: float | None) -> str:
+    if days is not None:
+        return f"full in {days:,.1f} days at the recent rate"
+    if len(samples) < 2 or samples[-1][0] - samples[0][0] < MIN_HISTORY:
+        return "too little history to forecast yet (an hour of samples)"
+    return "not filling up"
 
 
 def sample(session: Session, settings: Settings) -> bool:

@@ -223,7 +223,11 @@ def store() -> ResponseReturnValue:
     if not path:
         flash("give the path of a checkpoint inside a watched root", "error")
         return redirect(url_for("pages.actions"), code=303)
-    r = operations.store(settings(), path, detail="requested from the web UI")
+    try:
+        r = operations.store(settings(), path, detail="requested from the web UI")
+    except CkptError as e:  # shown in the form that asked, with what was typed
+        return render_template("actions.html", roots=settings().roots, ckpts=data.checkpoints(settings()),
+                               store_error=str(e), form=request.form), status_of(e)
     return redirect(url_for("pages.job", job_id=r.job_id), code=303)
 
 

@@ -49,8 +49,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                       "(deleted before their copies were verified)")
         print()
     cap = doc["capacity"]
-    forecast = (f"full in {cap['days_until_full']:.1f} days at the recent rate" if cap["days_until_full"] is not None
-                else "not filling up")
+    forecast = cap["forecast"]
     print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['workers']} worker(s), "
           f"high watermark at {gb(cap['limit'])}; {forecast}"
           + (f"; {cap['full_workers']} worker(s) FULL" if cap["full_workers"] else "")

@@ -77,6 +77,7 @@ def test_store_form_creates_a_job_and_goes_to_its_page(admin, web_settings, tmp_
     assert r.status_code == 303 and r.headers["Location"] == f"/jobs/{job.id}"
     r = admin.post("/actions/store", data={"path": "/etc/hosts", "csrf_token": token})
     assert r.status_code == 400 and b"not a checkpoint inside a watched root" in r.data
+    assert b'id="store-error"' in r.data and b'value="/etc/hosts"' in r.data  # in the form, input kept
 
 
 def test_restore_and_scrub_forms(admin, web_settings, tmp_path):
