@@ -95,7 +95,10 @@ def test_returning_worker_is_inventoried_and_surplus_trimmed(make_cluster):
         q = gone.quarantined()
         return any(x.startswith(stray) for x in q) and any(x.startswith(held[0]) for x in q)
 
-    wait_for(settled, 60, "the stray and the rotten copy to be quarantined")
+    try:  # failed once in five full runs (not reproduced alone or under CPU load): say what happened
+        wait_for(settled, 60, "the stray and the rotten copy to be quarantined")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; quarantined: {gone.quarantined()}\n{cluster.logs()}") from None
     # Its good copies matched the manifest, then were surplus (RF already met elsewhere): trimmed.
     wait_for(lambda: not any(gone.shard(sha).exists() for sha in held[1:]), 60, "surplus copies trimmed")
     assert at_rf(cluster, path)
