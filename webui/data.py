@@ -116,7 +116,7 @@ def health(settings: Settings, *, problems_only: bool = False, before: int | Non
         if before:
             q = q.where(Checkpoint.id < before)
         if problems_only:  # the checkpoints whose health is not plain: read by pages, not all at once
-            q = q.where(Checkpoint.store_state.in_(sorted(states.RESTORABLE | {StoreState.ROTATED.value})))
+            q = q.where(Checkpoint.store_state.in_(sorted(states.RESTORABLE)))
         workers = [w.id for w in s.scalars(select(StorageWorker).where(
             StorageWorker.state.not_in([WorkerState.REJECTED, WorkerState.CANDIDATE])).order_by(StorageWorker.id))]
         matrices: list[dict[str, Any]] = []
