@@ -146,3 +146,34 @@ def test_0005_fills_each_checkpoints_state_from_its_newest_store_job(db):
             conn.execute(text(f"DELETE FROM {table}"))
         conn.commit()
     assert shown == {1: "verified", 2: "replicated", 3: None}
+
+
+def test_the_heads_read_from_the_files_are_alembics():
+    from alembic.script import ScriptDirectory
+
+    from pipeline.db.migrate import heads_on_disk
+
+    assert heads_on_disk() == set(ScriptDirectory.from_config(alembic_config("sqlite://")).get_heads())
+
+
+def test_a_database_at_head_is_checked_without_alembic(tmp_path):
+    """Every command first brings the database to head; one already there costs a query,
+    not an import of Alembic and of every revision."""
+    import subprocess
+    import sys
+
+    from pipeline.db.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'ckpt.db'}"
+    probe = (f"import sys; from pipeline.db.migrate import upgrade; upgrade({url!r}); "
+             "print('alembic' in sys.modules)")
+    upgrade(url)  # a new database: Alembic builds it
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    cfg = alembic_config(url)
+    with get_engine(url).connect() as conn:  # one revision behind: Alembic runs again
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "-1")
+        conn.commit()
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
