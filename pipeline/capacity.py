@@ -140,9 +140,9 @@ def history(session: Session, limit: int = 2000) -> list[dict[str, Any]]:
     return [{"at": at, "used": u, "stored": st, "capacity": cap} for at, u, st, cap in rows[::step]]
 
 
-def per_run(session: Session) -> dict[str, dict[str, int]]:
-    """Per run, stored bytes of the content its kept checkpoints reference: ``unique`` (only this
-    run references it) and ``shared`` (other runs do too), and the number of kept checkpoints."""
+def per_run(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, int]]:
+    """Per run (``runs`` only, if given), stored bytes of the content its kept checkpoints
+    reference: ``unique`` (only this run references it) and ``shared`` (other runs do too)."""
     refs = (select(Checkpoint.run.label("run"), Shard.sha256.label("sha"))
             .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
             .join(Shard, Shard.file_id == CheckpointFile.id)
@@ -151,13 +151,14 @@ def per_run(session: Session) -> dict[str, dict[str, int]]:
                         .group_by(refs.c.sha)).subquery()
     copies = (select(ContentCopy.sha256.label("sha"), func.count(ContentCopy.id).label("n"))
               .where(ContentCopy.state.in_(sorted(states.SENT))).group_by(ContentCopy.sha256)).subquery()
-    rows = session.execute(
-        select(refs.c.run, runs_per_content.c.runs > 1, func.sum(Content.size * func.coalesce(copies.c.n, 0)))
-        .join(runs_per_content, runs_per_content.c.sha == refs.c.sha)
-        .join(Content, Content.sha256 == refs.c.sha)
-        .outerjoin(copies, copies.c.sha == refs.c.sha)
-        .group_by(refs.c.run, runs_per_content.c.runs > 1)
-    ).all()
+    q = (select(refs.c.run, runs_per_content.c.runs > 1, func.sum(Content.size * func.coalesce(copies.c.n, 0)))
+         .join(runs_per_content, runs_per_content.c.sha == refs.c.sha)
+         .join(Content, Content.sha256 == refs.c.sha)
+         .outerjoin(copies, copies.c.sha == refs.c.sha)
+         .group_by(refs.c.run, runs_per_content.c.runs > 1))
+    if runs is not None:  # whether content is shared is still decided over every run
+        q = q.where(refs.c.run.in_(runs))
+    rows = session.execute(q).all()
     out: dict[str, dict[str, int]] = {}
     for run, shared, size in rows:
         entry = out.setdefault(run, {"unique": 0, "shared": 0})

@@ -141,7 +141,8 @@ def _newest(session: Session, run: str, *where: ColumnElement[bool]) -> Checkpoi
             or session.scalar(base.where(Checkpoint.step.is_(None)).order_by(Checkpoint.id.desc()).limit(1)))
 
 
-def _newest_first() -> tuple[Any, ...]:
+def newest_first() -> tuple[Any, ...]:
+    """Checkpoints by step, newest first; those without a step last, newest first."""
     return (Checkpoint.step.is_not(None).desc(), Checkpoint.step.desc(), Checkpoint.id.desc())
 
 
@@ -229,14 +230,15 @@ def checkpoint_page(session: Session, *, all_versions: bool = False, run: str | 
 
 
 def status(settings: Settings, *, all_versions: bool = False, run: str | None = None, state: str | None = None,
-           before: int | None = None, limit: int = 50) -> dict[str, Any]:
+           before: int | None = None, limit: int = 50, search: str | None = None) -> dict[str, Any]:
     """Everything ``ckpt status`` shows: runs, one page of checkpoints (the current versions,
-    every version with ``all_versions``; newest first), unfinished jobs, storage workers,
-    capacity and detection problems."""
+    every version with ``all_versions``; newest first; ``search``: whose path holds that text),
+    unfinished jobs, storage workers, capacity and detection problems."""
     from pipeline import capacity
 
     with session_scope(settings.db_url, readonly=True) as s:
-        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit)
+        page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
+                               search=search)
         rows = checkpoint_rows(s, settings, page, jobs=store_jobs_of(s, [c.id for c in page]))
         active = or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
         jobs = s.scalars(select(Job).where(active | (Job.state == "failed")).order_by(Job.id.desc()).limit(200))
@@ -248,7 +250,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "jobs": [job_dict(j) for j in jobs],
             "workers": [worker_dict(w) for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))],
             "capacity": usage.as_dict(),
-            "run_usage": capacity.per_run(s),
+            "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),
         }
 

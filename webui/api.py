@@ -79,7 +79,8 @@ def jobs() -> ResponseReturnValue:
     if kind and kind not in states.TRANSITIONS:
         raise ApiError(400, f"unknown job kind {kind!r}; one of {', '.join(sorted(states.TRANSITIONS))}")
     args = page_args()
-    return page("jobs", data.jobs(settings(), state=state, kind=kind, **args), args["limit"])
+    return page("jobs", data.jobs(settings(), state=state, kind=kind, search=request.args.get("q") or None, **args),
+                args["limit"])
 
 
 @bp.get("/jobs/<int:job_id>")
@@ -89,7 +90,20 @@ def job(job_id: int) -> ResponseReturnValue:
 
 @bp.get("/workers")
 def workers() -> ResponseReturnValue:
-    return jsonify(workers=data.workers(settings()))
+    """Storage workers by id, a page (``?page=``, from 0) at a time; ``more`` when there is another."""
+    rows, more = data.paged(data.workers(settings(), search=request.args.get("q") or None),
+                            request.args.get("page", 0, type=int))
+    return jsonify(workers=rows, more=more)
+
+
+@bp.get("/runs")
+def run() -> ResponseReturnValue:
+    """One run (``?name=``): its summary and a page (``?page=``, from 0) of its checkpoints by step."""
+    name = request.args.get("name")
+    if not name:
+        raise ApiError(400, "name the run: /api/runs?name=<run>")
+    return jsonify(data.run(settings(), name, state=request.args.get("state") or None,
+                            search=request.args.get("q") or None, page=max(0, request.args.get("page", 0, type=int))))
 
 
 @bp.get("/health")
@@ -105,7 +119,9 @@ def capacity() -> ResponseReturnValue:
 
 @bp.get("/dead-letters")
 def dead_letters() -> ResponseReturnValue:
-    return jsonify(dead_letters=deadletters.list_letters(settings()))
+    rows, more = data.paged(data.dead_letters(settings(), search=request.args.get("q") or None),
+                            request.args.get("page", 0, type=int))
+    return jsonify(dead_letters=rows, more=more)
 
 
 def accepted(job_id: int, extra: dict[str, Any] | None = None) -> ResponseReturnValue:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import ColumnElement, Text, and_, cast, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
@@ -26,13 +26,14 @@ from pipeline.db.models import (
     StorageWorker,
 )
 from pipeline.db.transitions import now
-from pipeline.errors import UnknownCheckpoint, UnknownJob
+from pipeline.errors import UnknownCheckpoint, UnknownJob, UnknownRun
 from pipeline.settings import Settings
 from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
 from pipeline.status import (
     checkpoint_page,
     checkpoint_rows,
     job_dict,
+    newest_first,
     problem_dicts,
     run_facts,
     run_summaries,
@@ -52,6 +53,41 @@ def checkpoints(settings: Settings, *, state: str | None = None, run: str | None
         page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
                                search=search)
         return checkpoint_rows(s, settings, page)
+
+
+def run(settings: Settings, name: str, *, state: str | None = None, search: str | None = None,
+        page: int = 0, limit: int = PAGE) -> dict[str, Any]:
+    """One run: its summary (newest protected step, policy, usage) and one page of its current
+    checkpoints by step, newest first, each marked protected or not."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        summary = next(iter(run_summaries(s, settings, runs=[name])), None)
+        if summary is None:
+            raise UnknownRun(name)
+        q = (select(Checkpoint).where(Checkpoint.run == name, Checkpoint.current.is_(True))
+             .order_by(*newest_first()).offset(page * limit).limit(limit + 1))
+        if state:
+            q = q.where(Checkpoint.store_state == state)
+        if search:
+            q = q.where(contains(Checkpoint.path, search))
+        found = list(s.scalars(q))
+        rows = checkpoint_rows(s, settings, found[:limit])
+        for r in rows:
+            r["protected"] = r["state"] in states.PROTECTED
+        return {"summary": summary, "usage": capacity.per_run(s, [name]).get(name, {"unique": 0, "shared": 0}),
+                "checkpoints": rows, "more": len(found) > limit}
+
+
+def paged(rows: list[dict[str, Any]], page: int, limit: int | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """Page ``page`` (from 0) of a short list read whole (workers, dead letters), and whether
+    there is another."""
+    limit = limit or PAGE
+    start = max(0, page) * limit
+    return rows[start:start + limit], len(rows) > start + limit
+
+
+def contains(column: Any, text: str) -> ColumnElement[bool]:
+    """``column`` holds ``text``, in any case (the lists' search)."""
+    return func.lower(column).contains(text.lower(), autoescape=True)
 
 
 def runs(settings: Settings) -> list[str]:
@@ -173,10 +209,19 @@ def _matrix(c: Checkpoint, per_worker: dict[str, dict[str, str]], workers: list[
 
 
 def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, before: int | None = None,
-         limit: int = PAGE) -> list[dict]:
-    """One page of jobs, newest first: ids below ``before``."""
+         limit: int = PAGE, search: str | None = None) -> list[dict]:
+    """One page of jobs, newest first: ids below ``before``. ``search``: a job id (``12`` or
+    ``#12``), else text in the checkpoint's path, the error, the reason it waits or the
+    parameters (worker, destination), or the start of the content's SHA-256."""
     with session_scope(settings.db_url, readonly=True) as s:
         q = select(Job).order_by(Job.id.desc()).limit(limit)
+        if search and search.lstrip("#").isdigit():
+            q = q.where(Job.id == int(search.lstrip("#")))
+        elif search:
+            q = q.outerjoin(Checkpoint, Checkpoint.id == Job.checkpoint_id).where(or_(
+                contains(Checkpoint.path, search), contains(Job.last_error, search),
+                contains(Job.blocked_reason, search), contains(cast(Job.params, Text), search),
+                Job.sha256.startswith(search.lower(), autoescape=True)))
         if before:
             q = q.where(Job.id < before)
         if state:
@@ -241,11 +286,29 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
         return d
 
 
-def workers(settings: Settings) -> list[dict[str, Any]]:
+def workers(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
+    """Every storage worker; ``search``: text in its id, address, zone, state or why it is not used."""
     with session_scope(settings.db_url, readonly=True) as s:
         held = held_per_worker(s)
+        q = select(StorageWorker).order_by(StorageWorker.id)
+        if search:
+            q = q.where(or_(*(contains(c, search) for c in (StorageWorker.id, StorageWorker.url, StorageWorker.zone,
+                                                             StorageWorker.state, StorageWorker.last_error))))
         return [worker_dict(w) | {"shards": held.get(w.id, (0, 0))[0], "bytes": held.get(w.id, (0, 0))[1]}
-                for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))]
+                for w in s.scalars(q)]
+
+
+def dead_letters(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
+    """The dead letters; ``search``: text in the message id, actor, arguments or error."""
+    # Imported here: importing pipeline.tasks installs the broker from the settings of the moment.
+    from pipeline.tasks import deadletters
+
+    letters = deadletters.list_letters(settings)
+    if not search:
+        return letters
+    text = search.lower()
+    return [d for d in letters
+            if any(text in str(d[k]).lower() for k in ("id", "actor", "args", "kwargs", "error"))]
 
 
 def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]]:

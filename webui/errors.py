@@ -12,6 +12,7 @@ from pipeline.errors import (
     SourceChanged,
     UnknownCheckpoint,
     UnknownJob,
+    UnknownRun,
 )
 
 
@@ -27,6 +28,7 @@ class ApiError(Exception):
 STATUS: tuple[tuple[type[CkptError], int], ...] = (
     (UnknownCheckpoint, 404),
     (UnknownJob, 404),
+    (UnknownRun, 404),
     (InvalidTransition, 409),
     (SourceChanged, 409),
     (DestinationExists, 409),

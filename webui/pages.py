@@ -30,6 +30,9 @@ from webui.security import form_admin
 
 bp = Blueprint("pages", __name__)
 
+#: A job's event stream writes at least this often, so that a page that has gone is noticed.
+HEARTBEAT_SECONDS = 2.0
+
 
 def settings() -> Settings:
     return current_app.config["CKPT_SETTINGS"]
@@ -59,6 +62,18 @@ def checkpoints() -> ResponseReturnValue:
     return render_template("checkpoints.html", items=items, runs=data.runs(settings()), state=state, run=run, q=q,
                            states=sorted(states.all_states("store")), now=data.now(),
                            older=items[-1]["id"] if len(items) == data.PAGE else None)
+
+
+@bp.route("/runs")
+def run() -> ResponseReturnValue:
+    """One run (``?name=``; a run is a directory path, kept out of the URL's path): its
+    summary and its checkpoints by step, newest first, with search, a state filter and pages."""
+    name = request.args.get("name") or ""
+    state, q = request.args.get("state") or None, request.args.get("q", "").strip() or None
+    number = max(0, request.args.get("page", 0, type=int))
+    doc = data.run(settings(), name, state=state, search=q, page=number)
+    return render_template("run.html", r=doc, name=name, state=state, q=q, page=number, now=data.now(),
+                           states=sorted(states.all_states("store")))
 
 
 @bp.route("/checkpoints/<int:checkpoint_id>")
@@ -130,9 +145,10 @@ def health() -> ResponseReturnValue:
 @bp.route("/jobs")
 def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
-    items = data.jobs(settings(), state=state, kind=kind, before=request.args.get("before", type=int))
+    q = request.args.get("q", "").strip() or None
+    items = data.jobs(settings(), state=state, kind=kind, search=q, before=request.args.get("before", type=int))
     every = sorted({st for edges in states.TRANSITIONS.values() for src, dsts in edges.items() for st in (src, *dsts)})
-    return render_template("jobs.html", items=items, state=state, kind=kind, kinds=sorted(states.TRANSITIONS),
+    return render_template("jobs.html", items=items, state=state, kind=kind, q=q, kinds=sorted(states.TRANSITIONS),
                            all_states=every,
                            older=items[-1]["id"] if len(items) == data.PAGE else None)
 
@@ -161,6 +177,7 @@ def job_stream(job_id: int) -> ResponseReturnValue:
         try:
             last = None
             deadline = time.monotonic() + 3600
+            sent = time.monotonic()
             while time.monotonic() < deadline:
                 j = data.job(s, job_id)
                 doc = {"id": j["id"], "state": j["state"], "bytes_done": j["bytes_done"],
@@ -168,7 +185,13 @@ def job_stream(job_id: int) -> ResponseReturnValue:
                        "terminal": j["resting"], "events": len(j["timeline"])}
                 if doc != last:
                     yield f"data: {json.dumps(doc)}\n\n"
-                    last = doc
+                    last, sent = doc, time.monotonic()
+                elif time.monotonic() - sent >= HEARTBEAT_SECONDS:
+                    # A comment the browser ignores. Writing is the only way to learn that the
+                    # page has gone (it reloads on every event): the write fails, the stream
+                    # ends and its slot is free for the reloaded page.
+                    yield ": still here\n\n"
+                    sent = time.monotonic()
                 if j["resting"]:
                     return
                 time.sleep(0.5)
@@ -180,7 +203,11 @@ def job_stream(job_id: int) -> ResponseReturnValue:
 
 @bp.route("/workers")
 def workers() -> ResponseReturnValue:
-    return render_template("workers.html", items=data.workers(settings()), sticky=sorted(states.STICKY_WORKERS))
+    q = request.args.get("q", "").strip() or None
+    number = max(0, request.args.get("page", 0, type=int))
+    items, more = data.paged(data.workers(settings(), search=q), number)
+    return render_template("workers.html", items=items, q=q, page=number, more=more,
+                           sticky=sorted(states.STICKY_WORKERS))
 
 
 @bp.route("/workers/<worker_id>/drain", methods=("POST",))
@@ -198,7 +225,10 @@ def worker_drain(worker_id: str) -> ResponseReturnValue:
 
 @bp.route("/dead-letters")
 def dead_letters() -> ResponseReturnValue:
-    return render_template("dead_letters.html", items=deadletters.list_letters(settings()))
+    q = request.args.get("q", "").strip() or None
+    number = max(0, request.args.get("page", 0, type=int))
+    items, more = data.paged(data.dead_letters(settings(), search=q), number)
+    return render_template("dead_letters.html", items=items, q=q, page=number, more=more)
 
 
 @bp.route("/dead-letters/requeue", methods=("POST",))

@@ -106,7 +106,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
     serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
           threads=args.threads, capacity=args.capacity, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
-          advertise_on=advertise, urls=tuple(args.url or ()))
+          advertise_on=advertise, urls=tuple(args.url or ()), compress=s.wire_compression)
     return 0
 
 
@@ -306,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="every version of each checkpoint, not only the current one")
     s.add_argument("--run", help="only this run directory")
     s.add_argument("--state", help="only checkpoints in this state (e.g. waiting, failed, forgotten)")
+    s.add_argument("--search", help="only checkpoints whose path holds this text (any case)")
     s.add_argument("--limit", type=int, default=50, help="checkpoints per page, newest first (default 50)")
     s.add_argument("--before", type=int, help="the page of checkpoints older than this id")
     s.set_defaults(func=cmd_status)

@@ -3,15 +3,39 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import datetime
 
 from pipeline import states
 from pipeline.cli.common import settings_from
 from pipeline.cli.progress import age
+from pipeline.db.transitions import now
 from pipeline.states import WorkerState
 
 
 def gb(n: int) -> str:
     return f"{n / 1e9:,.2f} GB"
+
+
+def _checkpoint_table(rows: list[dict], t: datetime) -> None:
+    """One run's checkpoints on this page, newest step first (those without a step last)."""
+    if not rows:
+        return
+    rows = sorted(rows, key=lambda c: (c["step"] is not None, c["step"] or 0, c["id"]), reverse=True)
+    print(f"    {'ID':>6}  {'STEP':>8}  {'WRITTEN':>11}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} "
+          f"{'SIZE':>10}  NAME")
+    for c in rows:
+        reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
+        health = c["health"].upper() if c["health"] == "lost" else c["health"]
+        local = "kept" if c["local_present"] else "rotated"
+        state = "VANISHED" if c["state"] == "vanished" else c["state"]
+        step = "-" if c["step"] is None else str(c["step"])
+        written = age((t - c["written_at"]).total_seconds()) + " ago"
+        print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {state:<11} {reps:<14} {health:<17} {local:<7} "
+              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['name']}" + ("" if c["current"] else "  (older version)"))
+        if c.get("blocked_reason"):
+            print(f"            {c['blocked_reason']}")
+        if c.get("pinned"):
+            print("            pinned" + (f": {c['pin_note']}" if c.get("pin_note") else ""))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -21,32 +45,43 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
     upgrade(s.db_url)
-    doc = status(s, all_versions=args.all, run=args.run, state=args.state, before=args.before, limit=args.limit)
+    doc = status(s, all_versions=args.all, run=args.run, state=args.state, before=args.before, limit=args.limit,
+                 search=args.search)
     if args.json:
         print(json.dumps(doc, indent=2, default=jsonable))
         return 0
-    if doc["runs"]:
-        print("runs:")
-        usage = doc["run_usage"]
-        for r in doc["runs"]:
-            if r["protected_name"] is None:
-                point = "nothing protected yet"
-            else:
-                step = f"step {r['protected_step']}" if r["protected_step"] is not None else r["protected_name"]
-                point = f"newest protected {step}, written {age(r['protected_age_s'])} ago"
-            u = usage.get(r["run"], {"unique": 0, "shared": 0})
-            print(f"  {r['run']}: {r['checkpoints']} checkpoint(s); {point}; "
-                  f"stores {gb(u['unique'])} unique + {gb(u['shared'])} shared")
-            if r["policy_set"]:
-                print(f"    remote retention: {r['policy']}")
-            else:
-                print("    remote retention: none set, every protected checkpoint is kept on the workers for ever "
-                      "(set CKPT_REMOTE_KEEP_LAST, or a [runs] table in config.toml; `ckpt policy` previews it)")
-            if r["behind"]:
-                print(f"    !! {r['behind']}")
-            if r["vanished_unprotected"]:
-                print(f"    !! {r['vanished_unprotected']} checkpoint(s) vanished unprotected "
-                      "(deleted before their copies were verified)")
+    t = now()
+    by_run: dict[str, list[dict]] = {}
+    for c in doc["checkpoints"]:
+        by_run.setdefault(c["run"], []).append(c)
+    usage = doc["run_usage"]
+    print("runs:" if doc["runs"] else "runs: none yet (a checkpoint written under a watched root starts one)")
+    for r in doc["runs"]:
+        if r["protected_name"] is None:
+            point = "nothing protected yet"
+        else:
+            step = f"step {r['protected_step']}" if r["protected_step"] is not None else r["protected_name"]
+            point = f"newest protected {step}, written {age(r['protected_age_s'])} ago"
+        u = usage.get(r["run"], {"unique": 0, "shared": 0})
+        print(f"  {r['run']}: {r['checkpoints']} checkpoint(s); {point}; "
+              f"stores {gb(u['unique'])} unique + {gb(u['shared'])} shared")
+        if r["policy_set"]:
+            print(f"    remote retention: {r['policy']}")
+        else:
+            print("    remote retention: none set, every protected checkpoint is kept on the workers for ever "
+                  "(set CKPT_REMOTE_KEEP_LAST, or a [runs] table in config.toml; `ckpt policy` previews it)")
+        if r["behind"]:
+            print(f"    !! {r['behind']}")
+        if r["vanished_unprotected"]:
+            print(f"    !! {r['vanished_unprotected']} checkpoint(s) vanished unprotected "
+                  "(deleted before their copies were verified)")
+        _checkpoint_table(by_run.pop(r["run"], []), t)
+        print()
+    for run, rows in by_run.items():  # a run the summaries did not list (none should be)
+        print(f"  {run}:")
+        _checkpoint_table(rows, t)
+        print()
+    if not doc["runs"]:
         print()
     cap = doc["capacity"]
     forecast = cap["forecast"]
@@ -54,22 +89,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"high watermark at {gb(cap['limit'])}; {forecast}"
           + (f"; {cap['full_workers']} worker(s) FULL" if cap["full_workers"] else "")
           + (f"; {gb(cap['garbage'])} being collected" if cap["garbage"] else ""))
-    print()
-    print(f"{'ID':>4}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} {'SIZE':>10}  PATH")
-    for c in doc["checkpoints"]:
-        reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
-        health = c["health"].upper() if c["health"] == "lost" else c["health"]
-        local = "kept" if c["local_present"] else "rotated"
-        state = "VANISHED" if c["state"] == "vanished" else c["state"]
-        print(f"{c['id']:>4}  {state:<11} {reps:<14} {health:<17} {local:<7} "
-              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['path']}" + ("" if c["current"] else "  (older version)"))
-        if c.get("blocked_reason"):
-            print(f"      {c['blocked_reason']}")
-        if c.get("pinned"):
-            print("      pinned" + (f": {c['pin_note']}" if c.get("pin_note") else ""))
     if doc["next_before"]:
         print(f"  ... older checkpoints: `ckpt status --before {doc['next_before']}` (or --limit N, --run RUN, "
-              "--state STATE)")
+              "--state STATE, --search TEXT)")
     if doc["problems"]:
         print(f"\nnot protected ({len(doc['problems'])}):")
         for prob in doc["problems"]:

@@ -7,7 +7,7 @@ failed from, and removes the dead letter.
 """
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import dramatiq
@@ -53,7 +53,8 @@ def list_letters(settings: Settings) -> list[dict[str, Any]]:
         tb = m.options.get("traceback") or ""
         out.append({
             "id": mid, "message_id": m.message_id, "actor": m.actor_name, "args": list(m.args),
-            "kwargs": m.kwargs, "retries": m.options.get("retries", 0), "failed_at": score / 1000.0,
+            "kwargs": m.kwargs, "retries": m.options.get("retries", 0),
+            "failed_at": datetime.fromtimestamp(score / 1000.0, tz=UTC),
             "error": tb.strip().splitlines()[-1] if tb.strip() else None, "traceback": tb,
         })
     return out

@@ -42,7 +42,7 @@ def test_read_endpoints_return_the_control_plane(client, web_settings):
     assert {w["id"] for w in client.get("/api/workers").get_json()["workers"]} == {"w-0", "w-1"}
     health = client.get("/api/health").get_json()
     assert health["shards"] == {"healthy": len(detail["files"][0]["shards"])}
-    assert client.get("/api/dead-letters").get_json() == {"dead_letters": []}
+    assert client.get("/api/dead-letters").get_json() == {"dead_letters": [], "more": False}
 
 
 @pytest.mark.parametrize("url", ["/api/checkpoints/9999", "/api/jobs/9999"])

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import pytest
 
 from pipeline.db.engine import session_scope
 from pipeline.db.transitions import create_job, transition
 from tests.checkpoints import atomic_save, state_dict
+from tests.processes import wait_for
 from tests.webui.conftest import csrf_of, one_job, seed
 from tests.webui.test_api import dead_letter
 
@@ -135,7 +138,7 @@ def test_job_stream_sends_events_until_the_job_ends(client, web_settings):
     assert first["state"] == "queued" and not first["terminal"]
     with session_scope(web_settings.db_url) as s:
         transition(s, job_id, "restore", "queued", "failed", detail="test")
-    events = [json.loads(c.decode().removeprefix("data: ")) for c in chunks if c.strip()]
+    events = [json.loads(c.decode().removeprefix("data: ")) for c in chunks if c.startswith(b"data: ")]
     assert events[-1]["state"] == "failed" and events[-1]["terminal"]
     r.close()
 
@@ -144,7 +147,7 @@ def test_a_store_stream_ends_once_the_job_rests_at_verified(client, web_settings
     """A verified store waits for rotation, perhaps for hours: its stream ends there."""
     ids = seed(web_settings)
     r = client.get(f"/jobs/{ids['store_job']}/stream", buffered=False)
-    events = [json.loads(c.decode().removeprefix("data: ")) for c in r.response if c.strip()]
+    events = [json.loads(c.decode().removeprefix("data: ")) for c in r.response if c.startswith(b"data: ")]
     assert [e["state"] for e in events] == ["verified"] and events[0]["terminal"]
     r.close()
 
@@ -178,6 +181,33 @@ def test_event_streams_are_capped_per_client_and_in_all(app, web_settings):
     for r in (a2, b1, c1):
         r.close()
     assert streams.open_count() == 0
+
+
+def test_a_stream_whose_page_has_gone_ends_and_frees_its_slot(app, web_settings, monkeypatch):
+    """A job page reloads on every event and drops its stream; the server learns that only by
+    writing. A quiet stream writes a comment now and then, so it ends soon after its page has
+    gone, and the reloaded page gets the slot (two per client) instead of a 429."""
+    from werkzeug.serving import make_server
+
+    from webui import pages, streams
+
+    monkeypatch.setattr(pages, "HEARTBEAT_SECONDS", 0.2)
+    with session_scope(web_settings.db_url) as s:
+        job_id = create_job(s, "restore", checkpoint_id=None, params={"dest": "/x"}).id  # never changes
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as sock:
+            sock.sendall(f"GET /jobs/{job_id}/stream HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+            got = b""
+            while b": still here" not in got:  # the event, then the heartbeat of a quiet stream
+                got += sock.recv(4096)
+            assert b'"state": "queued"' in got and streams.open_count() == 1
+        wait_for(lambda: streams.open_count() == 0, 10, "the stream of a page that has gone to end")
+    finally:
+        server.shutdown()
+        thread.join(10)
 
 
 def test_logout_needs_csrf(admin):

@@ -26,6 +26,11 @@
       document.getElementById("job-bytes").textContent = fmt(d.bytes_done) + " / " + fmt(d.bytes_total);
       if (d.events !== seen || d.terminal) { es.close(); window.location.reload(); }
     };
+    // Refused (too many open streams: 429) or cut off for good: the page would stop
+    // following the job without a word. Load it again a little later.
+    es.onerror = function () {
+      if (es.readyState === EventSource.CLOSED) { setTimeout(function () { window.location.reload(); }, 5000); }
+    };
   }
   // A restore form checks its destination as it is typed, before it is submitted.
   var form = document.getElementById("restore-form");
