@@ -4,9 +4,12 @@ Runs the real system (``ckpt up``: embedded Redis, dramatiq workers, 3 storage w
 loopback, RF 2) on checkpoints it generates, prints one table and saves it as JSON: the data
 path at several sizes, HF and DCP folders, the control plane, a month of training under a
 retention policy (bench/month.py, its chart saved as bench/results/month.png), and the
-control plane at 100k checkpoints and 1M job events (bench/scale.py).
-Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale``,
-``--month-saves N``, ``--out FILE``, ``--keep`` (keep the work directory).
+control plane at 100k checkpoints and 1M job events (bench/scale.py), and the cluster in a
+box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fan-out and
+chain replication side by side (bench/cluster.py).
+Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
+``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
+``--cluster-modes fanout,chain,chain+zstd``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import layouts, limits, loading, month, scale, transitions
+from bench import cluster, layouts, limits, loading, month, scale, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -284,15 +287,24 @@ def main() -> None:
     ap.add_argument("--out", help="JSON output (default bench/results/<time>.json)")
     ap.add_argument("--work", help="work directory (default: a temporary one on the same disk as /tmp)")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--parts", default="sizes,dirs,control,month,scale",
-                    help="what to run, comma-separated (default sizes,dirs,control,month,scale)")
+    ap.add_argument("--parts", default="sizes,dirs,control,month,scale,cluster",
+                    help="what to run, comma-separated (default sizes,dirs,control,month,scale,cluster)")
     ap.add_argument("--month-saves", type=int, default=1500, help="saves in the month of training (default 1500)")
+    ap.add_argument("--cluster-rates", default="100mbit,1gbit",
+                    help="link rates of the cluster in a box, comma-separated (default 100mbit,1gbit)")
+    ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
+    ap.add_argument("--cluster-modes", default="fanout,chain,chain+zstd",
+                    help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
+    ap.add_argument("--replication", choices=("chain", "fanout"),
+                    help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
+    if args.replication:
+        System.common["CKPT_REPLICATION"] = args.replication
     work = Path(args.work or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc = [], {}, {}, {}, {}
+        sizes, dirs, cp, month_doc, scale_doc, boxes = [], {}, {}, {}, {}, []
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -308,6 +320,14 @@ def main() -> None:
         if "scale" in parts:
             print("== the control plane at 100k checkpoints ...", flush=True)
             scale_doc = scale.measure_scale(work)
+        if "cluster" in parts:
+            why = cluster.missing()
+            if why:
+                print(f"== cluster in a box: skipped, it {why}", flush=True)
+            for rate in args.cluster_rates.split(",") if not why else []:
+                print(f"== cluster in a box at {rate} ...", flush=True)
+                boxes.append(cluster.measure_cluster(work, rate, args.cluster_gib,
+                                                     tuple(args.cluster_modes.split(","))))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -320,9 +340,11 @@ def main() -> None:
         text += f"\n  chart: {chart}"
     if scale_doc:
         text += "\n" + scale.table(scale_doc)
+    for box in boxes:
+        text += "\n" + cluster.table(box)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "table": text}, indent=2, default=str))
+                               "scale": scale_doc, "cluster": boxes, "table": text}, indent=2, default=str))
     print(f"saved {out}")
 
 

@@ -31,15 +31,20 @@ def shape_for(target_bytes: int) -> tuple[int, int, int]:
 
 
 def decoder(target_bytes: int, seed: int = 0, changed_from_layer: int | None = None,
-            base_seed: int | None = None) -> dict[str, torch.Tensor]:
+            base_seed: int | None = None, *, normal: bool = False) -> dict[str, torch.Tensor]:
     """A decoder state dict; with ``changed_from_layer``, layers below it (and the embedding)
-    are those of ``base_seed`` and the rest are new: a fine-tuning step on a frozen trunk."""
+    are those of ``base_seed`` and the rest are new: a fine-tuning step on a frozen trunk.
+    ``normal``: weights drawn from N(0, 0.02) as a model's initialisation (the exponent bytes
+    of real weights: zstd shrinks them to 0.78, as it does a small Qwen2 trained a few
+    steps); otherwise uniform in (-0.5, 0.5), as the benchmark has always used."""
     hidden, layers, vocab = shape_for(target_bytes)
 
     def rand(name: str, *shape: int) -> torch.Tensor:
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else (-1 if "embed" in name else layers)
         s = seed if changed_from_layer is None or layer >= changed_from_layer else base_seed
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 7919 + s)
+        if normal:
+            return (torch.randn(*shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
         return (torch.rand(*shape, generator=g, dtype=torch.float32) - 0.5).to(torch.bfloat16)
 
     sd = {"model.embed_tokens.weight": rand("model.embed_tokens.weight", vocab, hidden)}

@@ -50,6 +50,9 @@ def cmdline(pid: int) -> str:
 
 
 class System:
+    #: Settings every system of this run gets (``--replication``).
+    common: dict[str, str] = {}
+
     def __init__(self, root: Path, **env: str) -> None:
         self.root, self.home, self.runs = root, root / "home", root / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -57,7 +60,7 @@ class System:
         self.env.update({"CKPT_HOME": str(self.home), "CKPT_ROOTS": str(self.runs / "*"), "CKPT_MDNS": "0",
                          "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "", "CKPT_KEEP_LAST": "1000",
                          "CKPT_TICK_SECONDS": "0.5",
-                         "CKPT_RESTORE_ROOTS": str(root.parent), **env})  # restores go next to the system
+                         "CKPT_RESTORE_ROOTS": str(root.parent), **self.common, **env})  # restores go next to it
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> System:

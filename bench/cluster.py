@@ -1,0 +1,314 @@
+"""The cluster in a box (``./dev bench --parts cluster --cluster-rate 100mbit``): the network,
+not the disk, as the bottleneck, the way users deploy.
+
+One trainer host and four storage hosts, each a network namespace with one link to a bridge,
+every link shaped with ``tc tbf`` to the same rate in both directions (a switched Ethernet
+port). The real system runs on it: ``ckpt up`` (SQLite, embedded Redis, Dramatiq, the
+scheduler and the watcher) on the trainer host, ``ckpt worker`` on each storage host. For
+each replication mode (fan-out, chain) on a fresh cluster: a ~1 GB bf16 checkpoint written
+in place until verified; a second step with half of its tensors unchanged; a restore of the
+first to the trainer's disk, byte for byte. Each time is set against the link's limit
+(bytes / rate), and the bytes the trainer's link sent are counted by its interface.
+
+Needs root and iproute2 (``ip netns``, ``tc``); where either is missing the part says so and
+is skipped. Nothing touches the machine's real interfaces.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from bench import layouts, limits
+from bench.system import _die_with_parent
+from pipeline.db.engine import dispose_all
+
+#: Link rates by name, in bits per second.
+RATES = {"100mbit": 100e6, "1gbit": 1e9}
+#: How copies leave the trainer, by the name the table gives it.
+MODES = {
+    "fanout": {"CKPT_REPLICATION": "fanout", "CKPT_WIRE_COMPRESSION": "off"},
+    "chain": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off"},
+    "chain+zstd": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto"},
+}
+STORAGE_HOSTS = 4
+PORT = 7070
+KEY = "bench-cluster-key"
+
+
+def missing() -> str | None:
+    """Why the box cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip and tc)"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _shape(ns: str, dev: str, rate: float) -> None:
+    """tbf on ``dev``'s egress: ``rate`` bits/s, a burst of ~2 ms at that rate (at least 64 KiB,
+    one GSO segment), packets queued at most 50 ms."""
+    burst = max(64 * 1024, int(rate / 8 * 0.002))
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "50ms"], check=True,
+                   capture_output=True)
+
+
+class Box:
+    """The namespaces, their shaped links, and the processes started in them (by PID)."""
+
+    def __init__(self, root: Path, rate: float) -> None:
+        tag = uuid.uuid4().hex[:5]
+        self.root, self.rate = root, rate
+        self.bridge_ns = f"cb{tag}lan"
+        self.hosts = ["trainer", *(f"s{i}" for i in range(1, STORAGE_HOSTS + 1))]
+        self.ns = {h: f"cb{tag}{h}" for h in self.hosts}
+        self.addr = {h: f"10.79.0.{10 + i}" for i, h in enumerate(self.hosts)}
+        self.procs: list[subprocess.Popen] = []
+
+    def up(self) -> Box:
+        _ip("netns", "add", self.bridge_ns)
+        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        for i, h in enumerate(self.hosts):
+            ns = self.ns[h]
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.bridge_ns, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.bridge_ns, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr[h]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _shape(ns, "eth0", self.rate)  # what the host sends
+            _shape(self.bridge_ns, f"p{i}", self.rate)  # what it receives
+        return self
+
+    def start(self, host: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as out:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append(p)
+        return p
+
+    def run(self, host: str, argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+        """Run a command on ``host`` to its end; seconds and what it printed."""
+        t = time.perf_counter()
+        r = subprocess.run(["ip", "netns", "exec", self.ns[host], *argv], env=env, capture_output=True, text=True,
+                           timeout=3600)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(argv[:4])} on {host} failed: {r.stderr[-2000:]}")
+        return time.perf_counter() - t, r.stdout
+
+    def sent(self, host: str) -> int:
+        """Bytes ``host``'s link has sent, as its interface counts them."""
+        r = subprocess.run(["ip", "netns", "exec", self.ns[host], "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                           capture_output=True, text=True, check=True)
+        return int(r.stdout)
+
+    def down(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ns in [*self.ns.values(), self.bridge_ns]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class BoxSystem:
+    """ckpt-pipeline on the box: the control plane on the trainer, a worker per storage host."""
+
+    def __init__(self, box: Box, root: Path, mode: str) -> None:
+        self.box, self.root = box, root
+        self.home, self.runs = root / "home", root / "runs"
+        (self.runs / "run").mkdir(parents=True, exist_ok=True)
+        (root / "logs").mkdir(exist_ok=True)
+        urls = ",".join(f"http://{box.addr[h]}:{PORT}" for h in box.hosts[1:])
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        self.env = {**base, "CKPT_HOME": str(self.home), "CKPT_ROOTS": str(self.runs / "*"), "CKPT_MDNS": "0",
+                    "CKPT_WORKERS": urls, "CKPT_CLUSTER_KEY": KEY, "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "",
+                    "CKPT_GC_CRON": "", "CKPT_KEEP_LAST": "1000", "CKPT_TICK_SECONDS": "0.5",
+                    **MODES[mode], "CKPT_RESTORE_ROOTS": str(root)}
+
+    def start(self) -> BoxSystem:
+        for h in self.box.hosts[1:]:
+            env = {**self.env, "CKPT_HOME": str(self.root / f"home-{h}")}
+            self.box.start(h, [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.root / f"data-{h}"),
+                               "--host", self.box.addr[h], "--port", str(PORT)], env, self.root / "logs" / f"{h}.log")
+        up = self.box.start("trainer", [sys.executable, "-m", "pipeline.cli", "up", "--workers", "0"], self.env,
+                            self.root / "logs" / "up.log")
+        deadline = time.monotonic() + 120
+        while not self._workers_up():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the box's ckpt up did not admit {STORAGE_HOSTS} workers; see {self.root}/logs")
+            time.sleep(0.5)
+        return self
+
+    def _workers_up(self) -> bool:
+        if not (self.home / "up.json").exists():
+            return False
+        from sqlalchemy import func, select
+
+        from pipeline.db.engine import session_scope
+        from pipeline.db.models import StorageWorker
+
+        try:
+            with session_scope(f"sqlite:///{self.home / 'ckpt.db'}") as s:
+                return (s.scalar(select(func.count()).select_from(StorageWorker)
+                                 .where(StorageWorker.state == "up")) or 0) >= STORAGE_HOSTS
+        except Exception:  # the schema is being created
+            return False
+
+    def store_state(self, path: Path) -> str | None:
+        from sqlalchemy import select
+
+        from pipeline.db.engine import session_scope
+        from pipeline.db.models import Checkpoint, Job
+
+        with session_scope(f"sqlite:///{self.home / 'ckpt.db'}") as s:
+            return s.scalar(select(Job.state).join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
+                            .where(Checkpoint.path == str(path), Job.kind == "store").order_by(Job.id.desc()).limit(1))
+
+    def protect(self, sd_path: Path, name: str) -> dict:
+        """Move a written checkpoint into the run (a trainer's rename) and wait for it to be
+        verified: seconds and the bytes the trainer's link sent meanwhile."""
+        dest = self.runs / "run" / name
+        before = self.box.sent("trainer")
+        t, renamed = time.perf_counter(), time.time()
+        os.rename(sd_path, dest)
+        while (state := self.store_state(dest)) not in ("verified", "rotated"):
+            if state in ("failed", "superseded", "vanished"):
+                raise RuntimeError(f"store of {name} ended {state}; see {self.root}/logs")
+            if time.perf_counter() - t > 3600:
+                raise RuntimeError(f"store of {name} not verified in an hour")
+            time.sleep(0.1)
+        return {"seconds": time.perf_counter() - t, "trainer_sent": self.box.sent("trainer") - before,
+                "path": dest, "timeline": self.timeline(dest, renamed)}
+
+    def timeline(self, path: Path, since: float) -> dict[str, float]:
+        """Seconds from the rename to each state the store job reached (where the time goes)."""
+        from sqlalchemy import select
+
+        from pipeline.db.engine import session_scope
+        from pipeline.db.models import Checkpoint, Job, JobEvent
+
+        with session_scope(f"sqlite:///{self.home / 'ckpt.db'}") as s:
+            rows = s.execute(select(JobEvent.to_state, JobEvent.at).join(Job, Job.id == JobEvent.job_id)
+                             .join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
+                             .where(Checkpoint.path == str(path), Job.kind == "store").order_by(JobEvent.id)).all()
+        return {state: round(at.timestamp() - since, 2) for state, at in rows}
+
+    def restore(self, path: Path, dest: Path) -> dict:
+        """``ckpt restore --wait`` on the trainer: seconds, and when the job reached each state."""
+        from sqlalchemy import select
+
+        from pipeline.db.engine import session_scope
+        from pipeline.db.models import Job, JobEvent
+
+        started = time.time()
+        seconds, _ = self.box.run("trainer", [sys.executable, "-m", "pipeline.cli", "restore", str(path), "--to",
+                                              str(dest), "--wait"], self.env)
+        with session_scope(f"sqlite:///{self.home / 'ckpt.db'}") as s:
+            job = s.scalar(select(Job.id).where(Job.kind == "restore").order_by(Job.id.desc()).limit(1))
+            events = s.execute(select(JobEvent.to_state, JobEvent.at).where(JobEvent.job_id == job)
+                               .order_by(JobEvent.id)).all()
+        return {"seconds": seconds, "timeline": {st: round(at.timestamp() - started, 2) for st, at in events}}
+
+
+def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[str, ...] = tuple(MODES)) -> dict:
+    """Both replication modes on a fresh box each: store, the half-changed step, restore."""
+    rate = RATES[rate_name.lower()]
+    gen = work / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    target = int(gib * layouts.GiB)
+    _hidden, layers, _vocab = layouts.shape_for(target)
+    out = {"rate": rate_name, "rate_bits": rate, "modes": {}}
+    for mode in modes:
+        first = layouts.write_file(layouts.decoder(target, seed=1, normal=True), gen / "step_1.safetensors")
+        second = layouts.write_file(layouts.decoder(target, seed=2, changed_from_layer=layers // 2, base_seed=1,
+                                                    normal=True), gen / "step_2.safetensors")
+        size, size2 = first.stat().st_size, second.stat().st_size
+        limits.flush(first)
+        limits.flush(second)
+        # Every host of the box shares this machine's one disk, which real hosts do not: what
+        # the disk alone needs (hash the file, write RF copies with fsync; for a restore, one)
+        # is the limit where it is slower than the link.
+        hash_s, digest = limits.sha256_seconds(first)
+        disk_store = hash_s + limits.write_copies_seconds(first, work / "scratch", 2)
+        disk_restore = hash_s + limits.write_copies_seconds(first, work / "scratch", 1)
+        # A directory of its own per box: this process keeps an engine per database URL, and
+        # one left from an earlier box would read that box's deleted database.
+        root = work / f"box-{rate_name}-{mode.replace('+', '-')}"
+        root.mkdir(parents=True, exist_ok=True)
+        box = Box(root, rate)
+        try:
+            box.up()
+            system = BoxSystem(box, root, mode).start()
+            print(f"   {mode}: store ...", flush=True)
+            s1 = system.protect(first, "step_1.safetensors")
+            print(f"   {mode}: half-changed step ...", flush=True)
+            s2 = system.protect(second, "step_2.safetensors")
+            print(f"   {mode}: restore ...", flush=True)
+            dest = root / "restored.safetensors"
+            r = system.restore(s1["path"], dest)
+            same = limits.sha256_seconds(dest)[1] == digest
+            dest.unlink()
+        finally:
+            box.down()
+            dispose_all()
+            shutil.rmtree(root, ignore_errors=True)
+        link = size * 8 / rate
+        store_limit, restore_limit = max(link, disk_store), max(link, disk_restore)
+        out["modes"][mode] = {
+            "bytes": size, "limit_s": link, "disk_store_s": disk_store, "disk_restore_s": disk_restore,
+            "store_limit_s": store_limit, "restore_limit_s": restore_limit,
+            "store_s": s1["seconds"], "store_ratio": s1["seconds"] / store_limit,
+            "store_link_bytes": s1["trainer_sent"],
+            "second_s": s2["seconds"], "second_vs_first": s2["seconds"] / s1["seconds"],
+            "second_link_bytes": s2["trainer_sent"], "second_bytes": size2,
+            "store_timeline": s1["timeline"], "second_timeline": s2["timeline"],
+            "restore_s": r["seconds"], "restore_ratio": r["seconds"] / restore_limit, "restore_identical": same,
+            "restore_timeline": r["timeline"],
+        }
+    return out
+
+
+def table(doc: dict) -> str:
+    modes = doc["modes"]
+    names = list(modes)
+    any_mode = modes[names[0]]
+    lines = [f"cluster in a box: 1 trainer + {STORAGE_HOSTS} storage hosts, every link {doc['rate']} (tc tbf), "
+             f"RF 2, {any_mode['bytes'] / 1e9:.2f} GB bf16",
+             f"limits: bytes / link {any_mode['limit_s']:.1f} s; this machine's one disk (shared by every host): "
+             f"store {any_mode['disk_store_s']:.1f} s, restore {any_mode['disk_restore_s']:.1f} s; "
+             "each ratio is to the slower of the two",
+             f"{'':34}" + "".join(f"{n:>12}" for n in names) + "   target"]
+
+    def row(label: str, key: str, fmt: str, target: str = "") -> None:
+        lines.append(f"{label:34}" + "".join(f"{fmt.format(modes[n][key]):>12}" for n in names) + f"   {target}")
+
+    row("store: written -> verified (s)", "store_s", "{:.1f}")
+    row("  / limit", "store_ratio", "{:.2f}x", "<= 1.15x")
+    lines.append(f"{'  trainer link sent / size':34}" + "".join(
+        f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>11.2f}x" for n in names))
+    row("half-changed step (s)", "second_s", "{:.1f}")
+    row("  / first step", "second_vs_first", "{:.2f}x", "<= 0.55x")
+    row("restore to the trainer (s)", "restore_s", "{:.1f}")
+    row("  / limit", "restore_ratio", "{:.2f}x", "<= 1.15x")
+    row("  byte-identical", "restore_identical", "{}")
+    return "\n".join(lines)
+
+
+__all__ = ["RATES", "measure_cluster", "missing", "table"]
