@@ -72,6 +72,14 @@ class UnknownJob(CkptError):
         super().__init__(f"no job {job_id}")
 
 
+class UnknownRun(CkptError):
+    """Raised when a run names no checkpoint in the control plane."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        super().__init__(f"no run {run!r}: no checkpoint was recorded under it; `ckpt status` lists the runs")
+
+
 class InvalidTransition(CkptError):
     """Raised when a job is asked to move along an edge the state machine does not have."""
 
@@ -150,6 +158,14 @@ class ShardRefused(CkptError):
     def __init__(self, status: int, reason: str) -> None:
         self.status, self.reason = status, reason
         super().__init__(reason)
+
+
+class MalformedStream(ShardRefused):
+    """Raised when a compressed shard stream is malformed, ends early or holds more than its
+    declared length (pipeline/cluster/wire.py): the sender's error, like bytes that do not match."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(400, reason)
 
 
 class AuthError(CkptError):

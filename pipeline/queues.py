@@ -14,7 +14,7 @@ hosts were (no host) is any host's, as before.
 | rotate_part (a store job, a host) | that host: its part of a rotated checkpoint |
 | restore (a restore job) | the host that asked (its destination is there) |
 | repair (a content) | a host with a local file, if no storage worker has a good copy; else shared |
-| verify, scrub, reconcile, gc | shared |
+| verify, recheck, scrub, reconcile, gc | shared |
 """
 from __future__ import annotations
 

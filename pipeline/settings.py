@@ -29,10 +29,12 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class RootOptions:
-    """How detection decides that a checkpoint under one root is complete."""
+    """How detection decides that a checkpoint under one root is complete, and how its
+    copies leave the host."""
 
     quiet_seconds: float
     commit_marker: str
+    replication: str = "chain"
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,15 @@ class Settings:
     clock_skew_seconds: float = 300.0
     #: A storage worker refuses (413) an upload declared larger than this.
     worker_max_upload: int = 64 * 1024 * MiB
+    #: How a content's RF copies leave the host that holds its file: ``chain`` sends it once,
+    #: to the first worker, which streams it on to the next as it arrives (workers/chain.py);
+    #: ``fanout`` sends it to each worker from the host. docs/design.md, "Replication".
+    replication: str = "chain"
+    #: Shard bytes sent to or fetched from a worker on another host: ``auto`` compresses them
+    #: with zstd when the link measured slower than the compressor, the host has cores to
+    #: spare and the shard compresses; ``on`` whenever the shard compresses; ``off`` never.
+    #: A worker answers a download compressed by the same rule. pipeline/cluster/wire.py.
+    wire_compression: str = "auto"
     #: Dramatiq time limit for one shard transfer, in seconds.
     transfer_time_limit: float = 3600.0
     #: Retries of a failing actor message before it is dead-lettered.
@@ -180,7 +191,8 @@ class Settings:
         if root is not None and self.root_options:
             over = json.loads(self.root_options).get(root, {})
         return RootOptions(quiet_seconds=float(over.get("quiet_seconds", self.quiet_seconds)),
-                           commit_marker=str(over.get("commit_marker", self.commit_marker)))
+                           commit_marker=str(over.get("commit_marker", self.commit_marker)),
+                           replication=str(over.get("replication", self.replication)))
 
     def policy_for(self, run: str) -> Policy:
         """The remote retention policy of ``run``: the first ``[runs."<glob>"]`` table that
@@ -286,6 +298,10 @@ def _coerce(name: str, raw: Any) -> Any:
         raise ConfigError(f"setting {name}: {raw!r} is not a valid {kind}") from exc
 
 
+#: The ways copies are sent (``Settings.replication``).
+REPLICATION = ("chain", "fanout")
+
+
 def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Build the settings: defaults < ``<home>/config.toml`` < ``CKPT_*`` env < ``overrides``.
 
@@ -342,6 +358,10 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
         raise ConfigError(f"rf must be at least 1, got {s.rf}")
     if s.keep_last < 0:
         raise ConfigError(f"keep_last must be >= 0, got {s.keep_last}")
+    if s.replication not in REPLICATION:
+        raise ConfigError(f"replication must be one of {', '.join(REPLICATION)}, got {s.replication!r}")
+    if s.wire_compression not in ("auto", "on", "off"):
+        raise ConfigError(f"wire_compression must be auto, on or off, got {s.wire_compression!r}")
     if s.root_options:
         try:
             parsed = json.loads(s.root_options)
@@ -349,7 +369,10 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
             raise ConfigError(f"root_options: not JSON ({exc})") from None
         if not isinstance(parsed, dict):
             raise ConfigError("root_options must map each root to its options")
-        _root_options(parsed, "root_options")
+        for root, opts in json.loads(_root_options(parsed, "root_options")).items():
+            if opts.get("replication", "chain") not in REPLICATION:
+                raise ConfigError(f"roots.{root!r}.replication must be one of {', '.join(REPLICATION)}, "
+                                  f"got {opts['replication']!r}")
     if s.run_options:
         try:
             parsed = json.loads(s.run_options)
@@ -370,7 +393,7 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
     return s
 
 
-_ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str}
+_ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str, "replication": str}
 _RUN_KEYS: dict[str, type] = {"keep_last": int, "keep_every": int, "keep_hourly": int, "keep_daily": int,
                               "keep_weekly": int, "keep_monthly": int, "keep_best": int, "best_metric": str,
                               "best_mode": str}

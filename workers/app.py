@@ -1,14 +1,18 @@
 """The storage worker's HTTP API, as a plain WSGI application.
 
-    GET    /v1/status              node id, API version, zone, capacity, free, shard count, and
+    GET    /v1/status              node id, API version, zone, capacity, free, shard count, the shards
+                                   that crossed compressed ("zstd": received_/sent_ shards, raw, wire), and
                                    with X-Ckpt-Nonce and X-Ckpt-Url a proof that this worker, reached
                                    at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
-    GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can)
-    PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch
+    GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can); with
+                                   ?zstd=1 as zstd frames, chunked (pipeline/cluster/wire.py)
+    PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch; with
+                                   ?next=<node>@<url>,... also stream it on to those workers as it
+                                   arrives (workers/chain.py), each one's answer in "chain"; with
+                                   ?zstd=<raw length>, a chunked body of zstd frames (pipeline/cluster/wire.py)
     DELETE /v1/shards/<sha256>     remove a surplus copy
     POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
-    POST   /v1/prefetch            {"shards": [...]} -> start reading them from the disk (a restore's next)
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
     POST   /v1/quarantine          {"shards": [...]} -> move aside (not served, not counted)
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
@@ -26,13 +30,17 @@ import json
 import logging
 import os
 import socket
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs, urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster import auth
+from pipeline.cluster.wire import CPU, MIN_IDLE, Decompressing, file_frames
 from pipeline.errors import AuthError, ShardRefused
+from workers import chain
 from workers.shardstore import ShardStore, Throttle, valid_name
 
 API_VERSION = 1
@@ -71,14 +79,25 @@ def _error(start: StartResponse, status: int, reason: str,
 class WorkerApp:
     def __init__(self, store: ShardStore, *, key: bytes, node_id: str, zone: str = "",
                  max_skew: float = 300.0, max_upload: int = 0, host: str = "", port: int = 0,
-                 urls: Sequence[str] = ()) -> None:
+                 urls: Sequence[str] = (), compress: str = "auto") -> None:
         self.store, self.key, self.node_id, self.zone, self.max_skew = store, key, node_id, zone, max_skew
+        #: Whether a download asked compressed gets it (CKPT_WIRE_COMPRESSION): ``auto`` while
+        #: this host has cores to spare, ``on`` always, ``off`` never.
+        self.compress = compress
         self.max_upload = max_upload  # 0: only the free space bounds an upload
         self.replay = auth.ReplayGuard(max_skew)
         #: Where this worker may be reached: its own port on the address it is bound to (any of
         #: this host's addresses if bound to all), and the URLs it was told it is reached at (a
         #: port forward); it proves itself for no other.
         self.host, self.port, self.urls = host, port, {u.rstrip("/") for u in urls}
+        #: Shards that crossed the wire compressed, and their raw and compressed bytes
+        #: ("received_*": uploads, "sent_*": downloads), shown in the status answer.
+        self.wire: Counter[str] = Counter()
+        self._wire_lock = threading.Lock()
+
+    def count_wire(self, way: str, raw: int, wire: int, shards: int = 1) -> None:
+        with self._wire_lock:
+            self.wire.update({f"{way}_shards": shards, f"{way}_raw": raw, f"{way}_wire": wire})
 
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
@@ -147,6 +166,7 @@ class WorkerApp:
                 "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
+                "zstd": dict(self.wire),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")
             dialled = str(environ.get("HTTP_X_CKPT_URL") or "")[:512]
@@ -175,9 +195,6 @@ class WorkerApp:
         if path == "/v1/quarantine/purge" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"purged": {n: self.store.purge_quarantined(n) for n in names}})
-        if path == "/v1/prefetch" and method == "POST":
-            names = self._names(environ)
-            return _json(start, 200, {"held": {n: self.store.prefetch(n) for n in names}})
         if path == "/v1/stat" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"sizes": {n: self.store.has(n) for n in names}})
@@ -200,16 +217,37 @@ class WorkerApp:
         return _error(start, 404, f"no such endpoint: {method} {path}")
 
     def put(self, name: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
-        raw_len = environ.get("CONTENT_LENGTH") or ""
-        if not raw_len.isdigit():
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        zstd = query.get("zstd", [""])[0]
+        # A compressed body (pipeline/cluster/wire.py) is chunked; its raw length is in the
+        # signed query, and it is bounded like a plain one before anything is read.
+        raw_len = zstd if zstd else environ.get("CONTENT_LENGTH") or ""
+        if not raw_len.isdigit() or len(raw_len) > 18:
+            if zstd:
+                return _error(start, 400, f"zstd: {zstd[:40]!r} is not a length in bytes")
             return _error(start, 411, "Content-Length is required")
         if self.max_upload and int(raw_len) > self.max_upload:
             return _error(start, 413, f"upload of {int(raw_len):,} bytes exceeds this worker's limit of "
                                       f"{self.max_upload:,} (CKPT_WORKER_MAX_UPLOAD)")
-        result = self.store.put(name, environ["wsgi.input"], int(raw_len))
+        hops = chain.parse_next(environ.get("QUERY_STRING", ""))
+        reached: list[dict[str, Any]] = []
+        if hops:
+            if any(node == self.node_id for node, _url in hops):
+                raise ShardRefused(400, f"next: names this worker ({self.node_id}) again")
+            result, reached, wire = chain.put_and_forward(self.store, self.key, name, environ["wsgi.input"],
+                                                          int(raw_len), hops, zstd=bool(zstd))
+            if zstd:
+                self.count_wire("received", int(raw_len), wire)
+        elif zstd:
+            body = Decompressing(environ["wsgi.input"], int(raw_len))
+            result = self.store.put(name, cast(BinaryIO, body), int(raw_len))
+            body.finish()
+            self.count_wire("received", int(raw_len), body.wire)
+        else:
+            result = self.store.put(name, environ["wsgi.input"], int(raw_len))
         status = 201 if result.created else 200
         return _json(start, status, {"name": name, "size": result.size, "created": result.created,
-                                     "already_present": not result.created})
+                                     "already_present": not result.created, "chain": reached})
 
     def get(self, name: str, environ: dict[str, Any], start: StartResponse, *, head: bool) -> Iterable[bytes]:
         try:
@@ -222,6 +260,13 @@ class WorkerApp:
         size = os.fstat(f.fileno()).st_size
         if not head:  # the disk reads ahead the whole shard while the first blocks are sent
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        if not head and parse_qs(environ.get("QUERY_STRING", "")).get("zstd") == ["1"] and (
+                self.compress == "on" or self.compress == "auto" and CPU.idle() >= MIN_IDLE):
+            # zstd frames, chunked (no Content-Length): the reader knows the shard's size. Asked,
+            # not ordered: with no cores to spare this worker answers plain.
+            start("200 OK", [("Content-Type", "application/zstd"), ("X-Ckpt-Size", str(size))])
+            self.count_wire("sent", 0, 0)
+            return file_frames(f, lambda raw, wire: self.count_wire("sent", raw, wire, shards=0))
         start("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(size))])
         if head:
             f.close()

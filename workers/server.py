@@ -40,7 +40,7 @@ def node_id_for(data_dir: str) -> str:
 
 def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", threads: int = 8,
           capacity: int = 0, max_skew: float = 300.0, max_upload: int = 0,
-          advertise_on: tuple[str, ...] = (), urls: tuple[str, ...] = ()) -> None:
+          advertise_on: tuple[str, ...] = (), urls: tuple[str, ...] = (), compress: str = "auto") -> None:
     """Run the storage worker in the foreground until SIGTERM/SIGINT.
 
     With ``advertise_on`` (zeroconf interface addresses, or ("all",)), the worker is
@@ -49,7 +49,7 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
     store = ShardStore(data_dir, capacity=capacity)
     node = node_id_for(data_dir)
     app = WorkerApp(store, key=key, node_id=node, zone=zone, max_skew=max_skew, max_upload=max_upload,
-                    host=host, port=port, urls=urls)
+                    host=host, port=port, urls=urls, compress=compress)
     log.info("storage worker %s serving %s on %s:%d", node, data_dir, host, port)
     advertiser = []
 

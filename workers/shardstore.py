@@ -176,18 +176,6 @@ class ShardStore:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return h.hexdigest(), size
 
-    def prefetch(self, name: str) -> bool:
-        """Start reading a held shard from the disk into the page cache, without waiting."""
-        try:
-            fd = os.open(self.path(name), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-        return True
-
     def quarantine_shard(self, name: str) -> str | None:
         """Move a shard aside (not served, not counted); returns where it went."""
         src = self.path(name)

@@ -9,10 +9,14 @@ import http.client
 import json
 import logging
 import socket
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from pipeline.cluster import auth
+from pipeline.cluster import wire as wire_mod
+from pipeline.cluster.wire import METER, Decompressing
 from pipeline.errors import AuthError, UntrustedAnswer, WorkerError
 
 CONNECT_TIMEOUT = 5.0
@@ -142,49 +146,60 @@ class WorkerClient:
             raise WorkerError(self.url, f"HEAD {path} answered {resp.status}", resp.status)
         return int(resp.getheader("Content-Length", "0"))
 
-    def put_range(self, name: str, header: bytes, path: str, offset: int, length: int) -> dict[str, Any]:
-        """Upload shard ``name``: ``header`` then ``length`` bytes of ``path`` from ``offset``."""
-        url_path = f"/v1/shards/{name}"
-        conn = self._connect()
-        try:
-            conn.putrequest("PUT", url_path, skip_accept_encoding=True)
-            signed = self._headers("PUT", url_path, {
-                "Content-Type": "application/octet-stream",
-                "Content-Length": str(len(header) + length),
-            })
-            for k, v in signed.items():
-                conn.putheader(k, v)
-            conn.endheaders()
-            sent_ok = True
-            try:
-                if header:
-                    conn.sock.sendall(header)
-                if length:
-                    with open(path, "rb") as f:
-                        sent = conn.sock.sendfile(f, offset, length)
-                    if sent != length:
-                        raise WorkerError(self.url, f"{path} ended after {sent:,} of {length:,} bytes from {offset:,}")
-            except (BrokenPipeError, ConnectionResetError):
-                sent_ok = False  # the worker refused early; its answer says why
-            try:
-                resp = conn.getresponse()
-                data = resp.read()
-            except OSError:
-                if not sent_ok:
-                    raise WorkerError(self.url, f"PUT {url_path}: connection closed while sending") from None
-                raise
-        except OSError as exc:
-            raise WorkerError(self.url, f"PUT {url_path} failed ({exc})") from None
-        finally:
-            conn.close()
-        self._authentic(signed, resp, data, f"PUT {url_path}")
-        self._learn_clock(resp)
-        return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
+    def put_range(self, name: str, header: bytes, path: str, offset: int, length: int,
+                  chain: Sequence[tuple[str, str]] = (), *, wire: str = "off") -> dict[str, Any]:
+        """Upload shard ``name``: ``header`` then ``length`` bytes of ``path`` from ``offset``.
+        ``chain``: (node id, url) of workers this one forwards the bytes to as they arrive
+        (workers/chain.py); the answer's ``chain`` says what each of them answered.
+        ``wire="auto"``: compressed when that is faster (pipeline/cluster/wire.py); ``"on"``:
+        whenever the worker is on another host and the shard compresses."""
+        total = len(header) + length
+        first: tuple[int, bytes] | None = None
 
-    def open_shard(self, name: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Start downloading shard ``name``; the caller reads the response, then closes the connection."""
-        path = f"/v1/shards/{name}"
+        def compress(sock: socket.socket) -> bool:
+            nonlocal first
+            if wire not in ("auto", "on") or total < wire_mod.MIN_SIZE or wire_mod.same_host(sock) \
+                    or wire == "auto" and not METER.worth_it(self.url, "up"):
+                return False
+            n, frame, ratio = wire_mod.sample(header, path, offset, length)
+            first = (n, frame)
+            return ratio <= wire_mod.MAX_RATIO
+
+        started = time.monotonic()
+        up = Upload(self, name, total, chain, compress=compress)
+        try:
+            if up.zstd:
+                frames = wire_mod.Frames(header, path, offset, length, first)
+                for frame in frames:
+                    up.send(frame)
+                    if up.broken is not None:
+                        break
+                sent_bytes = frames.wire
+            else:
+                if header:
+                    up.send(header)
+                if length and up.broken is None:
+                    with open(path, "rb") as f:
+                        sent = up.sendfile(f, offset, length)
+                    if sent != length and up.broken is None:
+                        raise WorkerError(self.url, f"{path} ended after {sent:,} of {length:,} bytes from {offset:,}")
+                sent_bytes = total
+        except BaseException:
+            up.close()
+            raise
+        answer = up.finish()
+        METER.transfer(self.url, "up", total, sent_bytes, time.monotonic() - started)
+        return answer
+
+    def open_shard(self, name: str, *, size: int = 0,
+                   wire: str = "off") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse | Decompressing]:
+        """Start downloading shard ``name``; the caller reads the stream, then closes the
+        connection. ``wire="auto"`` (with the shard's ``size``): asked compressed when that is
+        faster, and the stream given back decompresses (pipeline/cluster/wire.py)."""
         conn = self._connect()
+        zstd = (wire in ("auto", "on") and size >= wire_mod.MIN_SIZE and not wire_mod.same_host(conn.sock)
+                and (wire == "on" or METER.worth_it(self.url, "down")))
+        path = f"/v1/shards/{name}" + ("?zstd=1" if zstd else "")
         headers = self._headers("GET", path)
         try:
             conn.request("GET", path, headers=headers)
@@ -207,11 +222,9 @@ class WorkerClient:
         except WorkerError:
             conn.close()
             raise
-        return conn, resp
-
-    def prefetch(self, names: list[str]) -> dict[str, bool]:
-        """Ask the worker to start reading ``names`` from its disk (it answers at once)."""
-        return self._request_json("POST", "/v1/prefetch", {"shards": names})[1]["held"]
+        # Asked, not ordered: a worker with no cores to spare answers plain.
+        return conn, (Decompressing(resp, size) if zstd and resp.getheader("Content-Type") == "application/zstd"
+                      else resp)
 
     def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
         """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled)."""
@@ -229,36 +242,23 @@ class WorkerClient:
     def copy_from(self, source: WorkerClient, name: str, size: int) -> dict[str, Any]:
         """Stream shard ``name`` from ``source`` into this worker, which checks its hash."""
         src_conn, src = source.open_shard(name)
-        url_path = f"/v1/shards/{name}"
-        conn = self._connect()
         try:
-            conn.putrequest("PUT", url_path, skip_accept_encoding=True)
-            signed = self._headers("PUT", url_path, {"Content-Type": "application/octet-stream",
-                                                     "Content-Length": str(size)})
-            for k, v in signed.items():
-                conn.putheader(k, v)
-            conn.endheaders()
-            buf = memoryview(bytearray(1 << 20))
-            sent = 0
+            up = Upload(self, name, size)
             try:
-                while sent < size:
+                buf = memoryview(bytearray(1 << 20))
+                sent = 0
+                while sent < size and up.broken is None:
                     n = src.readinto(buf)
                     if not n:
                         break
-                    conn.sock.sendall(buf[:n])
+                    up.send(buf[:n])
                     sent += n
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused early: the answer says why
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as exc:
-            raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None
+            except OSError as exc:
+                up.close()
+                raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None
+            return up.finish()
         finally:
-            conn.close()
             src_conn.close()
-        self._authentic(signed, resp, data, f"PUT {url_path}")
-        self._learn_clock(resp)
-        return _decode(self.url, "PUT", url_path, resp.status, data, (200, 201))[1]
 
     def inventory_full(self) -> dict[str, Any]:
         return self._request_json("GET", "/v1/inventory")[1]
@@ -279,6 +279,90 @@ class WorkerClient:
 
     def inventory(self) -> list[tuple[str, int]]:
         return [(n, s) for n, s in self._request_json("GET", "/v1/inventory")[1]["shards"]]
+
+
+def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, zstd: int | None = None) -> str:
+    """The path of an upload, with the workers it is forwarded to and, if its body is zstd
+    frames, its raw length (both signed with the request)."""
+    query = []
+    if zstd is not None:
+        query.append(f"zstd={zstd}")
+    if chain:
+        query.append("next=" + ",".join(f"{node}@{quote(url, safe='')}" for node, url in chain))
+    return f"/v1/shards/{name}" + ("?" + "&".join(query) if query else "")
+
+
+class Upload:
+    """One shard's PUT, its bytes sent as they come (a file's range, a peer's stream, or a
+    chain hop forwarding what it receives). A worker that stops reading (it refused early,
+    or died) marks the upload ``broken``; :meth:`finish` then reports its answer, if any.
+
+    ``compress`` (True, or asked with the connected socket): the bytes sent are zstd frames
+    of ``length`` raw bytes, in a chunked body (pipeline/cluster/wire.py)."""
+
+    def __init__(self, client: WorkerClient, name: str, length: int, chain: Sequence[tuple[str, str]] = (),
+                 *, compress: bool | Callable[[socket.socket], bool] = False) -> None:
+        self.client = client
+        self.broken: str | None = None
+        self.conn = client._connect()
+        try:
+            self.zstd = compress(self.conn.sock) if callable(compress) else compress
+        except BaseException:
+            self.conn.close()
+            raise
+        self.path = shard_path(name, chain, zstd=length if self.zstd else None)
+        framing = {"Transfer-Encoding": "chunked"} if self.zstd else {"Content-Length": str(length)}
+        try:
+            self.conn.putrequest("PUT", self.path, skip_accept_encoding=True)
+            self.signed = client._headers("PUT", self.path, {"Content-Type": "application/octet-stream", **framing})
+            for k, v in self.signed.items():
+                self.conn.putheader(k, v)
+            self.conn.endheaders()
+        except OSError as exc:
+            self.conn.close()
+            raise WorkerError(client.url, f"PUT {self.path} failed ({exc})") from None
+
+    def send(self, data: bytes | memoryview) -> None:
+        if self.broken is None and len(data):
+            try:
+                if self.zstd:
+                    self.conn.sock.sendall(b"%x\r\n" % len(data))
+                self.conn.sock.sendall(data)
+                if self.zstd:
+                    self.conn.sock.sendall(b"\r\n")
+            except OSError as exc:
+                self.broken = str(exc)
+
+    def sendfile(self, f: Any, offset: int, length: int) -> int:
+        """Send a file's range (zero copy); an error reading the file is raised as it is."""
+        try:
+            return self.conn.sock.sendfile(f, offset, length)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
+            self.broken = str(exc)
+            return 0
+
+    def finish(self) -> dict[str, Any]:
+        """The worker's answer, authenticated; raises :class:`WorkerError` unless it stored the shard."""
+        c = self.client
+        if self.zstd and self.broken is None:
+            try:
+                self.conn.sock.sendall(b"0\r\n\r\n")  # the chunked body's end
+            except OSError as exc:
+                self.broken = str(exc)
+        try:
+            resp = self.conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            why = f"connection closed while sending ({self.broken})" if self.broken else str(exc)
+            raise WorkerError(c.url, f"PUT {self.path} failed ({why})") from None
+        finally:
+            self.conn.close()
+        c._authentic(self.signed, resp, data, f"PUT {self.path}")
+        c._learn_clock(resp)
+        return _decode(c.url, "PUT", self.path, resp.status, data, (200, 201))[1]
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _decode(url: str, method: str, path: str, status: int, data: bytes, ok: tuple[int, ...]) -> tuple[int, Any]:

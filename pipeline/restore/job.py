@@ -145,10 +145,10 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
             for f in files:
                 out = staging / f.relpath
                 out.parent.mkdir(parents=True, exist_ok=True)
-                write_file(f, out, key, progress)
+                write_file(f, out, key, progress, wire=settings.wire_compression)
             fsync_tree(staging)
         else:
-            write_file(files[0], staging, key, progress)
+            write_file(files[0], staging, key, progress, wire=settings.wire_compression)
     except BaseException:
         _remove(staging)
         raise

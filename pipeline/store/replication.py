@@ -14,6 +14,8 @@ answers 507 full; the copy is abandoned for one on another worker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
@@ -47,18 +49,23 @@ def waiting_jobs(session: Session, sha: str, state: str = S.SHARDED) -> list[Job
     ))
 
 
-def replicate(settings: Settings, copy_id: int) -> list[Send]:
+def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = ()) -> list[Send]:
+    """Send copy ``copy_id``; with ``chain`` (chain replication), the copies of the same content
+    on the workers after it too, through it: this host sends the bytes once."""
     with session_scope(settings.db_url) as s:
-        cp = s.get(ContentCopy, copy_id)
-        if cp is None:
+        rows = {c.id: c for c in s.scalars(select(ContentCopy).where(ContentCopy.id.in_([copy_id, *chain])))}
+        if copy_id not in rows:
             return []
-        if cp.state != CopyState.PENDING:
-            return fan_in(s, settings, cp.sha256)
+        pending = [rows[i] for i in (copy_id, *chain) if i in rows and rows[i].state == CopyState.PENDING]
+        if not pending:
+            return fan_in(s, settings, rows[copy_id].sha256)
+        cp, rest = pending[0], pending[1:]  # a retry whose first copy was stored goes on from the next
         if cp.content.state != ContentState.LIVE:
             return []  # condemned meanwhile: a store that references it again revives it
-        cp.attempts += 1
+        for c in pending:  # each is sent: through the first, or the first itself
+            c.attempts += 1
         if cp.attempts > settings.max_attempts:
-            raise AttemptsExhausted(f"copy {copy_id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
+            raise AttemptsExhausted(f"copy {cp.id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
                                     cp.last_error)
         waiting = [job.id for job in waiting_jobs(s, cp.sha256)]
         for job_id in waiting:
@@ -68,26 +75,41 @@ def replicate(settings: Settings, copy_id: int) -> list[Send]:
         peers = [] if src is not None else [
             (c.worker.url, c.worker_id) for c in cp.content.copies
             if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
+        hops = [Hop(c.id, c.worker_id, c.worker.url) for c in rest]
 
     # One upload can outlast the lease on a slow link: the stores waiting for it keep theirs
     # by time meanwhile, or the scheduler would send this step again beside the running one.
     with leased(settings, waiting):
-        return _send_copy(settings, copy_id, sha, size, worker_id, url, src, peers)
+        return _send_copy(settings, cp.id, sha, size, worker_id, url, src, peers, hops)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A copy sent through the worker before it in a chain."""
+
+    copy_id: int
+    worker_id: str
+    url: str
 
 
 def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id: str, url: str,
-               src: Source | None, peers: list[tuple[str, str]]) -> list[Send]:
-    """Upload the content to the worker (from the local file, else from a peer's copy) and
-    record the worker's re-hash; the follow-up messages."""
+               src: Source | None, peers: list[tuple[str, str]], hops: Sequence[Hop] = ()) -> list[Send]:
+    """Upload the content to the worker (from the local file, else from a peer's copy), passed
+    on along ``hops`` when it comes from the local file; record each worker's re-hash; the
+    follow-up messages. A copy of ``hops`` not stored through the chain is sent on its own."""
     client = WorkerClient(url, settings.key(), worker_id)
+    alone = [Send("replicate", (h.copy_id,)) for h in hops]
+    reached: dict[str, bool] = {}
     try:
         held = client.head(sha)
         if held != size:
             if src is not None:
-                client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
-                                 src.length)
+                answer = client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
+                                          src.length, chain=[(h.worker_id, h.url) for h in hops],
+                                          wire=settings.wire_compression)
+                reached = {str(r.get("node")): r.get("ok") is True for r in answer.get("chain") or []}
             elif not _copy_from_peer(settings, client, sha, size, peers):
-                return _abandon(settings, copy_id, "no local file and no good copy holds its bytes")
+                return _abandon(settings, copy_id, "no local file and no good copy holds its bytes") + alone
         # Re-hashed from the worker's disk now, while other copies are still uploading,
         # rather than all together in the verify step once the last upload is done.
         rehashed = client.verify([sha])[0]["sha256"]
@@ -98,29 +120,42 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
             if source_matches(src.path, src.kind, src.tensors, src.offset, src.length, sha):
                 raise WorkerError(url, f"content {sha[:12]} arrived damaged (the source is intact); "
                                        "sending it again") from exc
-            return _source_gone(settings, copy_id, src, S.SUPERSEDED, str(exc))
+            return _source_gone(settings, copy_id, src, S.SUPERSEDED, str(exc)) + alone
         if exc.status is None or exc.status == 507:  # unreachable or full: place this copy elsewhere
-            return _move_off(settings, copy_id, worker_id, str(exc), full=exc.status == 507)
+            return _move_off(settings, copy_id, worker_id, str(exc), full=exc.status == 507) + alone
         raise
     except OSError as exc:
         # The source is gone (vanished, before it was protected) or unreadable (superseded).
         assert src is not None
         end = S.VANISHED if isinstance(exc, FileNotFoundError) else S.SUPERSEDED
-        return _source_gone(settings, copy_id, src, end, f"{src.path}: {exc}")
+        return _source_gone(settings, copy_id, src, end, f"{src.path}: {exc}") + alone
 
+    results = [(copy_id, rehashed)]
+    again: list[Send] = []
+    for h in hops:
+        if not reached.get(h.worker_id):
+            again.append(Send("replicate", (h.copy_id,)))  # from the source, or a copy upstream
+            continue
+        try:
+            results.append((h.copy_id, WorkerClient(h.url, settings.key(), h.worker_id).verify([sha])[0]["sha256"]))
+        except WorkerError as exc:
+            log.warning("copy %d of %s on %s: stored through the chain, re-hash failed (%s); sending it again",
+                        h.copy_id, sha[:12], h.worker_id, exc)
+            again.append(Send("replicate", (h.copy_id,)))
     with session_scope(settings.db_url) as s:
         t = now()
-        # A copy that does not re-hash to its name stays "stored": the verify step finds it
-        # corrupt and replaces it.
-        done = ({"state": CopyState.VERIFIED, "verified_at": t} if rehashed == sha
-                else {"state": CopyState.STORED})
-        s.execute(update(ContentCopy).where(ContentCopy.id == copy_id, ContentCopy.state == CopyState.PENDING)
-                  .values(stored_at=t, checked_at=t, last_error=None, **done))
+        for cid, answer in results:
+            # A copy that does not re-hash to its name stays "stored": the verify step finds it
+            # corrupt and replaces it.
+            done = ({"state": CopyState.VERIFIED, "verified_at": t} if answer == sha
+                    else {"state": CopyState.STORED})
+            s.execute(update(ContentCopy).where(ContentCopy.id == cid, ContentCopy.state == CopyState.PENDING)
+                      .values(stored_at=t, checked_at=t, last_error=None, **done))
         for job in waiting_jobs(s, sha):
-            grown = Job.bytes_done + size
+            grown = Job.bytes_done + size * len(results)
             s.execute(update(Job).where(Job.id == job.id)
                       .values(bytes_done=case((grown > Job.bytes_total, Job.bytes_total), else_=grown)))
-        return fan_in(s, settings, sha)
+        return fan_in(s, settings, sha) + again
 
 
 def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: int,

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.capacity import capacity_reason
+from pipeline.core.placement import chain_orders
 from pipeline.core.planner import plan
 from pipeline.db.copies import contents_of, place
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, Content, Job
+from pipeline.db.models import Checkpoint, Content, ContentCopy, Job
 from pipeline.db.transitions import transition
+from pipeline.detection import roots
 from pipeline.detection.catalog import file_path, own_files, owner_elsewhere
 from pipeline.detection.completeness import read_header
 from pipeline.errors import PlacementError
@@ -44,7 +47,7 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         if job is None:
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
-        ckpt_id = ckpt.id
+        ckpt_id, run = ckpt.id, ckpt.run
         # Only this host's files: the parts other hosts hold were hashed there when announced,
         # and each storage worker refuses bytes that do not match what was announced.
         files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256)
@@ -67,6 +70,7 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             except (OSError, ValueError) as exc:
                 return _end(settings, job_id, S.SUPERSEDED, f"{name} can no longer be read as detected ({exc})")
 
+    mode = settings.options_for(roots.root_of(Path(run), settings.roots)).replication
     with session_scope(settings.db_url) as s:
         contents = revive(s, contents_of(s, ckpt_id))
         try:
@@ -78,14 +82,38 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             return _wait(s, settings, job_id, capacity_reason(s, settings, contents_of(s, ckpt_id)))
         pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
-                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}",
+                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}"
+                                  + (f", {mode}" if pending else ""),
                            bytes_done=0, bytes_total=sum(cp.content.size for cp in pending), blocked_reason=None)
         if not moved:
             raise RuntimeError("job left 'detected' while sharding; rolling back this placement")
-        sends = [Send("replicate", (cp.id,)) for cp in pending]
+        sends = replicate_sends(pending, mode)
+        if pending and any(cp.state == CopyState.VERIFIED for c in contents for cp in c.copies):
+            # Copies it shares with earlier checkpoints are re-hashed beside the uploads, not
+            # after them; first, so that a busy queue does not hold it behind them.
+            sends.insert(0, Send("recheck", (job_id,)))
         if not pending:  # every content already has RF copies (a step that changed nothing)
             sends = fan_in_job(s, settings, job_id)
     log.info("job %d: %d contents, %d copies to send", job_id, len(contents), len(pending))
+    return sends
+
+
+def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
+    """The messages that send ``pending`` copies: one per copy (``fanout``), or one per content
+    whose first copy's worker passes the bytes on to the others' (``chain``), the first hops
+    spread so that every worker's link works (:func:`pipeline.core.placement.chain_orders`).
+    The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION."""
+    if mode != "chain":
+        return [Send("replicate", (cp.id,)) for cp in pending]
+    per_content: dict[str, dict[str, ContentCopy]] = {}
+    for cp in pending:
+        per_content.setdefault(cp.sha256, {})[cp.worker_id] = cp
+    groups = list(per_content.values())
+    orders = chain_orders([(next(iter(g.values())).content.size, list(g)) for g in groups])
+    sends = []
+    for g, order in zip(groups, orders, strict=True):
+        ids = [g[w].id for w in order]
+        sends.append(Send("replicate", (ids[0], ids[1:]) if len(ids) > 1 else (ids[0],)))
     return sends
 
 

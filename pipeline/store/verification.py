@@ -2,9 +2,10 @@
 
 Each storage worker re-hashes its replicas from its disk; the answers are compared to the
 manifest's SHA-256, never to anything the worker says about itself (docs/design.md, invariant 4).
-Replicas that the replicate step already re-hashed and matched during this job (most of
-them: each is re-hashed as soon as it is stored) are not read again; their workers only
-confirm that they still hold them, so a worker lost since then is still caught here.
+Replicas already re-hashed and matched during this job (each new copy as soon as it is
+stored; the copies it shares with earlier checkpoints by its recheck, beside the uploads) are
+not read again; their workers only confirm that they still hold them, so a worker lost since
+then is still caught here.
 A missing copy is sent again; a corrupt one is replaced on another worker and the job goes
 back to ``sharded`` until the replacement is stored. Copies are of content: a copy that a
 verify finds damaged is damaged for every checkpoint that shares it.
@@ -16,14 +17,14 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.db.copies import place
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
+from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
 from pipeline.errors import PlacementError, WorkerError
 from pipeline.settings import Settings
@@ -96,6 +97,40 @@ def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: s
     return [Send("replicate", (c.id,)) for c in fresh]
 
 
+def recheck_shared(settings: Settings, job_id: int) -> list[Send]:
+    """Re-hash, while this store's new copies are on their way, the verified copies it did not
+    send (content it shares with earlier checkpoints, e.g. a step's unchanged half).
+
+    A match is recorded as a re-hash made during this store (``verified_at``), so the verify
+    step only confirms those copies are still held instead of reading them after the last
+    upload. Anything else is left as it is: the verify step re-hashes it and decides.
+    Sent by the shard step only when it has copies to send (docs/design.md, section 4).
+    """
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state != S.SHARDED or job.checkpoint_id is None:
+            return []
+        since = job.created_at
+        asks: dict[str, WorkerAsk] = {}
+        for cp in copies_of(s, job.checkpoint_id, {CopyState.VERIFIED}):
+            if cp.verified_at is None or cp.verified_at < since:
+                asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url)).rehash.append(cp.sha256)
+    if not asks:
+        return []
+    answers = rehash_on_workers(settings, asks)
+    with session_scope(settings.db_url) as s:
+        t = now()
+        for worker_id, answer in answers.items():
+            matched = [name for name, sha in answer.items() if sha == name] if isinstance(answer, dict) else []
+            if matched:  # still verified (a verify that found otherwise meanwhile has the last word)
+                s.execute(update(ContentCopy).where(
+                    ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(matched),
+                    ContentCopy.state == CopyState.VERIFIED).values(verified_at=t, checked_at=t))
+    log.info("job %d: %d shared copies re-hashed beside the uploads", job_id,
+             sum(len(a.rehash) for a in asks.values()))
+    return []
+
+
 def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
         job = begin_step(s, settings, job_id, S.REPLICATED)
@@ -104,11 +139,13 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         checkpoint_id, since = one(s, Checkpoint, job.checkpoint_id).id, job.created_at
         asks: dict[str, WorkerAsk] = {}
         confirmed: set[int] = set()
+        beside = 0  # of those, copies stored before this job, re-hashed by its recheck
         for cp in copies_of(s, checkpoint_id, states.SENT):
             a = asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url))
             if cp.state == CopyState.VERIFIED and cp.verified_at is not None and cp.verified_at >= since:
                 a.present[cp.sha256] = cp.content.size  # re-hashed since this job started
                 confirmed.add(cp.id)
+                beside += cp.stored_at is None or cp.stored_at < since
             else:
                 a.rehash.append(cp.sha256)
 
@@ -155,8 +192,10 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             # Content that still has RF stored copies elsewhere needs nothing sent: fan in now.
             return sends + fan_in_job(s, settings, job_id)
         run = one(s, Checkpoint, checkpoint_id).run
+        rehashed_now = sum(len(a.rehash) for a in asks.values())
         transition(s, job_id, JobKind.STORE, S.REPLICATED, S.VERIFIED,
-                   detail=f"{len(confirmed) + sum(len(a.rehash) for a in asks.values())} copies re-hashed and"
-                          f" matched ({len(confirmed)} as they were stored)")
+                   detail=f"{len(confirmed) + rehashed_now} copies re-hashed and matched: "
+                          f"{len(confirmed) - beside} as they were stored, {beside} shared with earlier "
+                          f"checkpoints beside the uploads, {rehashed_now} now")
         log.info("job %d verified on %d workers", job_id, len(asks))
     return [Send("rotate_run", (run,))]

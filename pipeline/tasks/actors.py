@@ -26,7 +26,7 @@ from pipeline.store.rotation import plan_run
 from pipeline.store.rotation import rotate as rotate_step
 from pipeline.store.rotation import rotate_part as rotate_part_step
 from pipeline.store.sharding import shard_checkpoint
-from pipeline.store.verification import verify_checkpoint
+from pipeline.store.verification import recheck_shared, verify_checkpoint
 
 log = logging.getLogger("ckpt.tasks")
 
@@ -66,13 +66,18 @@ def shard(job_id: int) -> None:
 
 
 @dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
-def replicate(copy_id: int) -> None:
-    send_all(replicate_step(settings_mod.current(), copy_id))
+def replicate(copy_id: int, chain: list[int] | None = None) -> None:
+    send_all(replicate_step(settings_mod.current(), copy_id, chain or ()))
 
 
 @dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)
 def verify(job_id: int) -> None:
     send_all(verify_checkpoint(settings_mod.current(), job_id))
+
+
+@dramatiq.actor(actor_name="recheck", queue_name="ckpt", **_TRANSFER)
+def recheck(job_id: int) -> None:
+    send_all(recheck_shared(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="rotate_run", queue_name="ckpt", **_CONTROL)

@@ -8,11 +8,13 @@ Unix socket (a file, shared by every namespace) by a forwarder in the services n
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
@@ -56,6 +58,9 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
             "CKPT_REDIS_URL": f"redis://{SVC_IP}:6390/0", "CKPT_WORKERS": workers,
             "CKPT_ROOTS": str(runs / "*"), "CKPT_KEEP_LAST": "5", "dramatiq_worker_timeout": "100",
             "CKPT_HOST": host,
+            # Between hosts, compressed whatever the load on this machine's two cores (``auto``
+            # backs off while they are busy, as they are while the other lane's cluster runs).
+            "CKPT_WIRE_COMPRESSION": "on",
         })
         return e
 
@@ -85,8 +90,31 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
         try:
             wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
-            first = atomic_save(state_dict(1, layers=6), runs / "run" / "step_1.safetensors")
+            # bf16 weights: between hosts their shards cross zstd-compressed (pipeline/cluster/wire.py)
+            first = atomic_save(state_dict(1, layers=12, dtype=torch.bfloat16), runs / "run" / "step_1.safetensors")
             wait_for(lambda: state_of(first) == "verified", 90, "the first checkpoint verified")
+
+            def compressed(hosts: tuple[str, ...], way: str) -> tuple[int, int, int]:
+                """Shards, raw and wire bytes the workers on ``hosts`` moved compressed."""
+                out = [0, 0, 0]
+                for h in hosts:
+                    url = f"http://{lan.addr[h]}:{PORT}"
+                    with session_scope(local_url) as s:
+                        node = s.scalar(select(StorageWorker.id).where(StorageWorker.url == url))
+                    ask = ("import json; from pipeline.cluster.client import WorkerClient; "
+                           f"print(json.dumps(WorkerClient({url!r}, {KEY!r}.encode(), {node!r}).status()))")
+                    r = subprocess.run(["ip", "netns", "exec", lan.ns["svc"], py, "-c", ask], env=env("svc"),
+                                       capture_output=True, text=True, timeout=60)  # asked from the LAN
+                    assert r.returncode == 0, r.stderr
+                    z = json.loads(r.stdout)["zstd"]
+                    for i, k in enumerate(("shards", "raw", "wire")):
+                        out[i] += z.get(f"{way}_{k}", 0)
+                return out[0], out[1], out[2]
+
+            # h1's watcher and dramatiq send to h2's and h3's workers over the LAN, compressed; to
+            # its own worker as they are (loopback gains nothing).
+            shards, raw, wire = compressed(("h2", "h3"), "received")
+            assert shards and wire < 0.9 * raw, (shards, raw, wire)
 
             def hosts_holding(path: Path) -> set[str]:
                 with session_scope(local_url) as s:
@@ -109,6 +137,8 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
                                    text=True, timeout=180)
                 assert r.returncode == 0, r.stderr + log_tail()
                 assert dest.read_bytes() == path.read_bytes()
+            shards, raw, wire = compressed(("h1",), "sent")  # h2 restored from h1's worker too, compressed
+            assert shards and wire < 0.9 * raw, (shards, raw, wire)
 
             lan.link("h3", "up")
             wait_for(lambda: workers_up().get(h3) == "up", 60, "h3 back up")

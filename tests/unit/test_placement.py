@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.core.placement import Candidate, GiB, place
+from pipeline.core.placement import Candidate, GiB, chain_orders, place
 from pipeline.errors import PlacementError
 
 W = [Candidate(f"w{i}", 100 * GiB) for i in range(5)]
@@ -54,3 +54,30 @@ def test_too_few_workers_is_a_clear_error():
 def test_excluded_workers_are_never_chosen():
     for s in SHARDS[:100]:
         assert "w0" not in place(s, W, 2, exclude=frozenset({"w0"}))
+
+
+def test_chain_first_hops_share_the_hosts_bytes_evenly():
+    """A checkpoint's contents placed by rendezvous on four workers: each worker is the first
+    hop (what the host sends to) for about a quarter of the bytes, not rendezvous order's luck."""
+    workers = [Candidate(f"w-{i}", 100 * GiB) for i in range(4)]
+    contents = [(64, place(f"{i:064x}", workers, 2)) for i in range(64)]
+    orders = chain_orders(contents)
+    assert all(sorted(o) == sorted(ws) for o, (_s, ws) in zip(orders, contents, strict=True))
+    firsts = Counter(o[0] for o in orders)
+    assert set(firsts) == {w.id for w in workers}
+    assert all(abs(n - 16) <= 1 for n in firsts.values()), firsts  # a quarter each, within one content
+    luck = Counter(ws[0] for _s, ws in contents)  # rendezvous order's first, for comparison
+    assert max(luck.values()) - min(luck.values()) > max(firsts.values()) - min(firsts.values()), luck
+
+
+def test_chain_first_hops_alternate_and_weigh_by_size():
+    assert [o[0] for o in chain_orders([(10, ["a", "b"])] * 4)] == ["a", "b", "a", "b"]
+    # a big content makes its first hop "busy" for that many bytes
+    assert [o[0] for o in chain_orders([(100, ["a", "b"]), (10, ["a", "b"]), (10, ["a", "b"])])] == ["a", "b", "b"]
+    assert chain_orders([(5, ["x"]), (5, [])]) == [["x"], []]
+
+
+def test_chain_hops_after_the_first_go_to_the_worker_receiving_least():
+    orders = chain_orders([(10, ["a", "b", "c"]), (10, ["a", "b", "c"]), (10, ["a", "b", "c"])])
+    assert [o[0] for o in orders] == ["a", "b", "c"]
+    assert all(len(set(o)) == 3 for o in orders)

@@ -5,30 +5,26 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from pipeline.cluster.client import WorkerClient
 from pipeline.errors import RestoreError
+from pipeline.restore import rebuild as rebuild_mod
 from pipeline.restore.gather import FileSource, ShardSource
+from pipeline.restore.links import LINKS
 from pipeline.restore.rebuild import write_file
-from tests.processes import KEY, StorageWorker, base_env
+from tests.processes import KEY, StorageWorker, storage_workers
 
 CHUNK = 3_000_000
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rebuild")
-    ws = []
-    try:
-        for i in range(2):
-            ws.append(StorageWorker(tmp / f"w{i}", base_env(tmp / "home"), tmp / f"w{i}.log").start())
+    with storage_workers(tmp_path_factory.mktemp("rebuild"), 2) as ws:
         yield ws
-    finally:
-        for w in ws:
-            w.stop()
 
 
 @pytest.fixture
@@ -78,7 +74,8 @@ def test_intact_replicas_rebuild_the_file(stored, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
-def test_a_replica_with_wrong_bytes_is_skipped(stored, workers, tmp_path, caplog, how):
+def test_a_replica_with_wrong_bytes_is_skipped(stored, workers, tmp_path, caplog, monkeypatch, how):
+    monkeypatch.setattr(rebuild_mod, "LOCAL_STREAMS", 1)  # one at a time: every shard from workers[0] first
     f, data = stored
     bad = f.shards[2].sha256
     backup = damage(workers[0], bad, how)
@@ -94,6 +91,89 @@ def test_a_replica_with_wrong_bytes_is_skipped(stored, workers, tmp_path, caplog
     # every shard. A short replica is skipped on the first pass.
     rebuilt = [r for r in caplog.records if "checking every shard" in r.getMessage()]
     assert len(rebuilt) == (1 if how == "flip" else 0)
+
+
+def test_shards_come_from_every_worker_at_once(stored, workers, tmp_path, monkeypatch):
+    """Each worker's link bounds its stream: the file's shards are fetched several at once,
+    each from the copy whose worker has the fewest transfers open (both workers send at
+    once, whatever order the manifest gives), and the file comes out the same."""
+    import time
+
+    lock, opened, now_open, most = threading.Lock(), [], [0], [0]
+    real = WorkerClient.open_shard
+
+    def slow_to_answer(self, name, **kwargs):  # a worker whose link is slow: every transfer takes a while
+        with lock:
+            opened.append((name, self.node))
+            now_open[0] += 1
+            most[0] = max(most[0], now_open[0])
+        try:
+            time.sleep(0.3)
+            return real(self, name, **kwargs)
+        finally:
+            with lock:
+                now_open[0] -= 1
+
+    monkeypatch.setattr(WorkerClient, "open_shard", slow_to_answer)
+    f, data = stored
+    started = time.monotonic()
+    assert rebuild(f, tmp_path / "out") == len(data)
+    elapsed = time.monotonic() - started
+    assert (tmp_path / "out").read_bytes() == data
+    assert sorted(name for name, _ in opened) == sorted(sh.sha256 for sh in f.shards)  # each shard once
+    # Two at a time (one per worker), not one after another: 4 shards in two rounds of 0.3 s.
+    assert most[0] == 2 and elapsed < 0.3 * len(f.shards), (most, elapsed)
+    assert {node for _, node in opened} == {w.node_id for w in workers}  # from both workers
+    assert LINKS.open_count(workers[0].node_id) == LINKS.open_count(workers[1].node_id) == 0
+
+
+def test_one_stream_per_worker_and_fewer_when_every_copy_is_on_this_host():
+    from pipeline.restore.rebuild import _streams
+
+    def file_on(*urls: str, shards: int = 8) -> FileSource:
+        copies = tuple((f"w-{i}", u) for i, u in enumerate(urls))
+        return FileSource("", 0, "", "raw", tuple(ShardSource("", 0, "chunk", 0, 0, 0, copies) for _ in range(shards)))
+
+    lan = [f"http://10.0.0.{i}:7070" for i in range(1, 7)]
+    assert _streams(file_on(*lan)) == 4  # six workers on the LAN: four at once
+    assert _streams(file_on(*lan[:3])) == 3 and _streams(file_on(*lan, shards=2)) == 2
+    assert _streams(file_on("http://127.0.0.1:7001", "http://127.0.0.1:7002", "http://127.0.0.1:7003")) == 2
+    assert _streams(file_on(lan[0])) == 1
+
+
+def test_copies_are_chosen_by_the_fewest_open_transfers_then_by_rank_and_order():
+    from pipeline.restore.links import Links
+
+    links = Links()
+    copies = [("a", "http://a"), ("b", "http://b"), ("c", "http://c")]
+    assert links.choose(copies, (0, 0, 0), set()) == copies[0]
+    assert links.choose(copies, (0, 0, 0), set()) == copies[1]  # a is busy now
+    assert links.choose(copies, (0, 0, 1), set()) == copies[0]  # c is a worse kind of copy (a down worker's)
+    assert links.choose(copies, (0, 0, 0), {"a", "b"}) == copies[2]
+    assert links.choose(copies, (0, 0, 0), {"a", "b", "c"}) is None
+    with links.reading(copies, (0, 0, 0)) as turns:
+        assert next(turns) == copies[1]  # a has two open, b and c one each: b comes first in the order
+        assert links.open_count("b") == 2
+        assert next(turns) == copies[2]  # b failed: given back, and the next least busy is c
+        assert (links.open_count("b"), links.open_count("c")) == (1, 2)
+    assert links.open_count("c") == 1  # given back when the caller stopped reading
+
+
+def test_a_missing_copy_is_read_from_the_next(stored, workers, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(rebuild_mod, "LOCAL_STREAMS", 1)  # one at a time: every shard from workers[0] first
+    f, data = stored
+    gone = f.shards[1].sha256
+    path = workers[0].shard(gone)
+    aside = path.with_name(path.name + ".aside")
+    os.chmod(path.parent, 0o755)
+    os.replace(path, aside)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert rebuild(f, tmp_path / "out") == len(data)
+    finally:
+        os.replace(aside, path)
+    assert (tmp_path / "out").read_bytes() == data
+    assert LINKS.open_count(workers[0].node_id) == 0
 
 
 def test_no_intact_replica_fails_without_leaving_a_wrong_file_claimed(stored, workers, tmp_path):

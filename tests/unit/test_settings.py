@@ -29,6 +29,7 @@ def test_defaults_need_no_servers(tmp_path):
     ({"CKPT_RF": "two"}, "rf: 'two' is not a valid int"),
     ({"CKPT_RF": "0"}, "rf must be at least 1"),
     ({"CKPT_SHARD_SIZE": "10"}, "shard_size must be at least 4096"),
+    ({"CKPT_REPLICATION": "broadcast"}, "replication must be one of chain, fanout"),
 ])
 def test_bad_values_are_named(tmp_path, env, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -36,8 +37,8 @@ def test_bad_values_are_named(tmp_path, env, needle):
 
 
 def test_unknown_config_key_is_refused(tmp_path):
-    (tmp_path / "config.toml").write_text("replication = 3\n")
-    with pytest.raises(ConfigError, match="unknown setting 'replication'"):
+    (tmp_path / "config.toml").write_text("replicas = 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'replicas'"):
         load({"home": tmp_path}, environ={})
 
 

@@ -49,7 +49,7 @@ def test_second_upload_answers_already_present(client, tmp_path):
     put_bytes(client, tmp_path, data)
     _, answer = put_bytes(client, tmp_path, data)
     assert answer == {"name": hashlib.sha256(data).hexdigest(), "size": 1000, "created": False,
-                      "already_present": True}
+                      "already_present": True, "chain": []}
 
 
 def test_body_that_does_not_match_its_name_is_refused_and_never_visible(client, tmp_path, worker):
@@ -118,14 +118,14 @@ def test_verify_refuses_malformed_bodies(worker):
         resp.read()
 
 
-def test_prefetch_hints_held_shards_and_refuses_bad_names(client, tmp_path, worker):
+def test_stat_answers_held_sizes_and_refuses_bad_names(client, tmp_path, worker):
     name, _ = put_bytes(client, tmp_path, os.urandom(2_000_000))
-    assert client.prefetch([name, "ef" * 32]) == {name: True, "ef" * 32: False}
+    assert client.stat([name, "ef" * 32]) == {name: 2_000_000, "ef" * 32: None}
     with pytest.raises(WorkerError) as info:
-        client.prefetch(["../../etc/passwd"])
+        client.stat(["../../etc/passwd"])
     assert info.value.status == 400
     with pytest.raises(WorkerError) as info:
-        WorkerClient(worker.url, b"another key", worker.node_id).prefetch([name])
+        WorkerClient(worker.url, b"another key", worker.node_id).stat([name])
     # refused (401), and the refusal itself is not signed with the key this client holds
     assert isinstance(info.value, UntrustedAnswer) and "answered 401" in str(info.value)
 

@@ -1,0 +1,105 @@
+"""Chain replication on a storage worker: an upload passed on to the next workers as it arrives.
+
+``PUT /v1/shards/<sha256>?next=<node>@<url>,<node>@<url>`` (the query is signed with the rest
+of the request, so only a holder of the cluster key chooses where bytes go): the worker stores
+the shard as any upload, hashed as it arrives and refused before it is visible if it does not
+match its name, and streams the same bytes on to the first worker named, with the rest of the
+list, which does the same (HDFS's write pipeline). The trainer's link carries each byte once.
+
+The answer's ``chain`` says, per downstream worker, what it answered, relayed: the control
+plane counts no copy on that word, it re-hashes each from its own worker's disk. A downstream
+hop that fails does not fail this worker's copy; the control plane sends that copy again.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, BinaryIO, cast
+from urllib.parse import parse_qs
+
+from pipeline.cluster.client import Upload, WorkerClient
+from pipeline.cluster.wire import Decompressing
+from pipeline.errors import ShardRefused, WorkerError
+from workers.shardstore import PutResult, ShardStore
+
+#: Longest chain a worker accepts (RF above this is not a replication factor, it is a broadcast).
+MAX_HOPS = 8
+
+
+def parse_next(query: str) -> list[tuple[str, str]]:
+    """The workers an upload goes on to, as (node id, url), from the request's query."""
+    raw = parse_qs(query).get("next", [""])[0]
+    hops = []
+    for item in filter(None, raw.split(",")):
+        node, sep, url = item.partition("@")
+        if not sep or not node or not url.startswith("http://"):
+            raise ShardRefused(400, f"next: {item[:120]!r} is not <node id>@http://HOST:PORT")
+        hops.append((node, url))
+    if len(hops) > MAX_HOPS:
+        raise ShardRefused(400, f"next: {len(hops)} workers; at most {MAX_HOPS}")
+    return hops
+
+
+class Tee:
+    """The request body, each piece read also sent down the chain."""
+
+    def __init__(self, body: BinaryIO, down: Upload | None) -> None:
+        self.body, self.down = body, down
+
+    def readinto(self, view: memoryview) -> int:
+        if hasattr(self.body, "readinto"):
+            n = self.body.readinto(view) or 0
+        else:
+            chunk = self.body.read(len(view))
+            n = len(chunk)
+            view[:n] = chunk
+        if n and self.down is not None:
+            self.down.send(view[:n])
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.body.read(size)
+        if chunk and self.down is not None:
+            self.down.send(chunk)
+        return chunk
+
+
+def put_and_forward(store: ShardStore, key: bytes, name: str, body: BinaryIO, length: int,
+                    hops: Sequence[tuple[str, str]], *, zstd: bool = False,
+                    ) -> tuple[PutResult, list[dict[str, Any]], int]:
+    """Store the upload here and pass it on along ``hops``; what each downstream worker
+    answered, and the bytes read from the wire. ``zstd``: the body is zstd frames of
+    ``length`` raw bytes, passed on as they are."""
+    node, url = hops[0]
+    down: Upload | None = None
+    try:
+        down = Upload(WorkerClient(url, key, node), name, length, hops[1:], compress=zstd)
+    except (WorkerError, ValueError) as exc:
+        reached = _failed(hops, f"not reached from here: {exc}")
+    try:
+        tee = Tee(body, down)
+        if zstd:
+            raw = Decompressing(tee, length)
+            result = store.put(name, cast(BinaryIO, raw), length)
+            raw.finish()  # to the stream's end: the next worker gets all of it
+            wire = raw.wire
+        else:
+            result = store.put(name, cast(BinaryIO, tee), length)
+            wire = length
+    except BaseException:
+        if down is not None:
+            down.close()
+        raise
+    if down is not None:
+        try:
+            doc = down.finish()
+            reached = [{"node": node, "ok": True, "created": bool(doc.get("created"))}, *doc.get("chain", [])]
+        except WorkerError as exc:
+            reached = _failed(hops, str(exc))
+    return result, reached, wire
+
+
+def _failed(hops: Sequence[tuple[str, str]], why: str) -> list[dict[str, Any]]:
+    """The first hop failed for ``why``: the ones after it never got the bytes from it."""
+    return [{"node": hops[0][0], "ok": False, "error": why[:300]},
+            *({"node": n, "ok": False, "error": "not sent: the worker before it in the chain failed"}
+              for n, _ in hops[1:])]
