@@ -29,6 +29,7 @@ bytes that do not match.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import queue
 import socket
@@ -59,11 +60,21 @@ MIN_IDLE = 0.3
 _NEW = 0.5
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether a host name or address is this host's loopback (``127.x``, ``::1``, ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
 def same_host(sock: socket.socket) -> bool:
     """Whether a connected socket's two ends are on this host (loopback, or our own address)."""
     try:
         peer = sock.getpeername()[0]
-        return peer == sock.getsockname()[0] or peer.startswith("127.") or peer == "::1"
+        return peer == sock.getsockname()[0] or is_loopback(peer)
     except OSError:
         return False
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline import failpoints
+from pipeline.cluster.wire import is_loopback
 from pipeline.durable import WriteBehind, fsync_dir
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.restore.gather import BLOCK, FileSource, ShardSource, fetch
@@ -114,8 +115,7 @@ def _streams(f: FileSource) -> int:
     """How many of the file's shards to fetch at once: one per worker holding them, at most
     ``STREAMS`` (``LOCAL_STREAMS`` when they are all on this host)."""
     urls = {url: worker for sh in f.shards for worker, url in sh.copies}
-    local = all((urlsplit(u).hostname or "").startswith("127.") or urlsplit(u).hostname in ("localhost", "::1")
-                for u in urls)
+    local = all(is_loopback(urlsplit(u).hostname) for u in urls)
     return max(1, min(LOCAL_STREAMS if local else STREAMS, len(set(urls.values())), len(f.shards)))
 
 

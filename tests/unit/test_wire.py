@@ -13,7 +13,7 @@ import zstandard
 
 from pipeline.cluster import auth, wire
 from pipeline.cluster.client import Upload, WorkerClient, shard_path
-from pipeline.cluster.wire import Meter
+from pipeline.cluster.wire import Meter, is_loopback
 from tests.processes import KEY, StorageWorker, storage_workers, worker_client
 
 
@@ -250,3 +250,11 @@ def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, monkeypa
     upload(tmp_path, three[0], data, wire_mode="auto")
     upload(tmp_path, three[1], data, wire_mode="on")
     assert [zstd for zstd, _ in sent] == [False, True]
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("localhost", True),
+    ("10.0.0.2", False), ("192.168.1.7", False), ("fe80::1", False), ("worker-3.lan", False), (None, False),
+])
+def test_loopback_is_told_from_a_host_on_the_lan(host, loopback):
+    assert is_loopback(host) is loopback
