@@ -34,11 +34,14 @@ def scan(
     *,
     expected_size: int | None = None,
     progress: Callable[[int], None] | None = None,
+    on_shard: Callable[[ShardPlan, str], None] | None = None,
 ) -> tuple[str, list[str]]:
     """Return ``(file_sha256, [shard_sha256, ...])`` from a single read of ``path``.
 
-    ``plans`` must cover the file contiguously in order (the planner guarantees it).
-    Raises ``OSError`` if the file is shorter than the plans say.
+    ``plans`` must cover the file contiguously in order (the planner guarantees it);
+    ``on_shard`` is told each shard's SHA-256 as soon as it is known (detection starts its
+    upload then: pipeline.store.early). Raises ``OSError`` if the file is shorter than the
+    plans say.
     """
     whole = hashlib.sha256()
     shard_hashes: list[str] = []
@@ -71,6 +74,8 @@ def scan(
                 if progress:
                     progress(n)
             shard_hashes.append(h.hexdigest())
+            if on_shard:
+                on_shard(plan, shard_hashes[-1])
         if f.read(1):
             raise OSError(f"{path}: file is longer than its shard plan ({pos} bytes)")
     return whole.hexdigest(), shard_hashes

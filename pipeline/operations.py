@@ -11,12 +11,14 @@ from pathlib import Path
 from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
+from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, roots
 from pipeline.errors import CkptError, IncompleteCheckpoint
 from pipeline.integrity import gc, retention, scrub
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
 from pipeline.steps import Send
+from pipeline.store.early import EarlySends
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,17 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
         raise IncompleteCheckpoint(str(ckpt_path), "it does not exist")
     found = completeness.examine(ckpt_path, commit_marker=options.commit_marker)
     entries = completeness.accept(found, declared=True)
+    started, early = now(), EarlySends(settings, _send, options.replication)
     detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
                                        layout=found.verdict.layout,
-                                       completed_by="structure" if found.verdict.complete else "declared")
+                                       completed_by="structure" if found.verdict.complete else "declared",
+                                       on_shard=early.shard)
     with session_scope(settings.db_url) as s:
         ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail,
-                                            host=settings.host_id)
+                                            host=settings.host_id, started_at=started)
         result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))
     if created:
-        _send([Send("shard", (result.job_id,))])
+        _send([Send("shard", (result.job_id, early.sent))])
     return result
 
 

@@ -9,7 +9,7 @@ hosts were (no host) is any host's, as before.
 | actor | where |
 |---|---|
 | shard, rotate (a store job) | the checkpoint's host |
-| replicate (a copy) | a host with a local file holding the content; shared when only peers hold it |
+| replicate (a copy) | the host it names (sent while hashing), else one with a local file holding it; else shared |
 | rotate_run (a run) | every host with local checkpoints, or parts of checkpoints, in the run |
 | rotate_part (a store job, a host) | that host: its part of a rotated checkpoint |
 | restore (a restore job) | the host that asked (its destination is there) |
@@ -51,6 +51,8 @@ def queues_for(session: Session, send: Send) -> list[str]:
     if send.actor in ("shard", "rotate"):
         hosts = [session.scalar(select(Checkpoint.host).join(Job, Job.checkpoint_id == Checkpoint.id)
                                 .where(Job.id == send.args[0]))]
+    elif send.actor == "replicate" and len(send.args) > 2 and send.args[2]:
+        hosts = [send.args[2]["host"]]  # a file detection is still hashing: only its host has it
     elif send.actor == "replicate":
         sha = session.scalar(select(ContentCopy.sha256).where(ContentCopy.id == send.args[0]))
         hosts = [_local_host(session, sha)] if sha is not None else [None]

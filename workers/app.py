@@ -1,7 +1,8 @@
 """The storage worker's HTTP API, as a plain WSGI application.
 
     GET    /v1/status              node id, API version, zone, capacity, free, shard count, the shards
-                                   that crossed compressed ("zstd": received_/sent_ shards, raw, wire), and
+                                   that crossed compressed ("zstd": received_/sent_ shards, raw, wire), every
+                                   upload it took ("uploads": shards and raw bytes, held ones included), and
                                    with X-Ckpt-Nonce and X-Ckpt-Url a proof that this worker, reached
                                    at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
@@ -93,6 +94,8 @@ class WorkerApp:
         #: Shards that crossed the wire compressed, and their raw and compressed bytes
         #: ("received_*": uploads, "sent_*": downloads), shown in the status answer.
         self.wire: Counter[str] = Counter()
+        #: Every upload taken (a shard sent twice counts twice): shards and raw bytes.
+        self.uploads: Counter[str] = Counter()
         self._wire_lock = threading.Lock()
 
     def count_wire(self, way: str, raw: int, wire: int, shards: int = 1) -> None:
@@ -166,7 +169,7 @@ class WorkerApp:
                 "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
-                "zstd": dict(self.wire),
+                "zstd": dict(self.wire), "uploads": dict(self.uploads),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")
             dialled = str(environ.get("HTTP_X_CKPT_URL") or "")[:512]
@@ -245,6 +248,8 @@ class WorkerApp:
             self.count_wire("received", int(raw_len), body.wire)
         else:
             result = self.store.put(name, environ["wsgi.input"], int(raw_len))
+        with self._wire_lock:
+            self.uploads.update({"shards": 1, "bytes": int(raw_len)})
         status = 201 if result.created else 200
         return _json(start, status, {"name": name, "size": result.size, "created": result.created,
                                      "already_present": not result.created, "chain": reached})

@@ -52,23 +52,32 @@ def place(shard: str, workers: list[Candidate], rf: int, *, exclude: frozenset[s
 
 def chain_orders(contents: list[tuple[int, list[str]]]) -> list[list[str]]:
     """For each content (its size and the workers its copies go to), the order its chain
-    visits them: the first is the one the host sends to.
+    visits them: the first is the one the host sends to (:class:`ChainBalance`, in the given
+    order)."""
+    balance = ChainBalance()
+    return [balance.order(size, workers) for size, workers in contents]
 
-    Greedy, in the given order: the first hop is the worker that has been first the fewest
-    bytes so far (ties: the one receiving the fewest bytes in all, then the id), the others
-    follow by the bytes they receive. So every worker's link carries about its share of the
-    host's bytes, and consecutive contents (sent at about the same time) go to different
-    first hops, instead of rendezvous order's luck deciding which worker the host feeds.
+
+class ChainBalance:
+    """The order chains visit their workers, content after content.
+
+    Greedy: the first hop is the worker that has been first the fewest bytes so far (ties:
+    the one receiving the fewest bytes in all, then the id), the others follow by the bytes
+    they receive. So every worker's link carries about its share of the host's bytes, and
+    consecutive contents (sent at about the same time) go to different first hops, instead
+    of rendezvous order's luck deciding which worker the host feeds.
     """
-    first: dict[str, int] = {}
-    received: dict[str, int] = {}
-    orders = []
-    for size, workers in contents:
+
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}
+        self.received: dict[str, int] = {}
+
+    def order(self, size: int, workers: list[str]) -> list[str]:
+        first, received = self.first, self.received
         order = sorted(workers, key=lambda w: (first.get(w, 0), received.get(w, 0), w))
         if order:
             first[order[0]] = first.get(order[0], 0) + size
             order[1:] = sorted(order[1:], key=lambda w: (received.get(w, 0), w))
         for w in order:
             received[w] = received.get(w, 0) + size
-        orders.append(order)
-    return orders
+        return order

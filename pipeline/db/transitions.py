@@ -110,8 +110,12 @@ def create_job(
     detail: str | None = None,
     dedupe_key: str | None = None,
     sha256: str | None = None,
+    started_at: datetime | None = None,
 ) -> Job:
     """Insert a job in its kind's initial state, with the first timeline row.
+
+    ``started_at``: when its work began, if before this row (a store whose uploads started
+    while detection was hashing: pipeline.store.early); its ``created_at``.
 
     With ``dedupe_key``, a second job with the same key violates a unique constraint:
     callers that expect duplicates use :func:`create_job_once`.
@@ -125,7 +129,7 @@ def create_job(
         attempts=0,
         bytes_done=0,
         bytes_total=bytes_total,
-        created_at=t,
+        created_at=min(t, started_at) if started_at is not None else t,
         updated_at=t,
         lease_until=t + timedelta(seconds=lease_seconds),
         dedupe_key=dedupe_key,

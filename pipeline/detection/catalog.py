@@ -8,10 +8,12 @@ known path supersedes the older version's unfinished job.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +82,16 @@ def version_of(files: Iterable[tuple[str, int, str]]) -> str:
 
 
 def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry] | tuple[completeness.FileEntry, ...],
-                    *, shard_size: int, layout: str = "", completed_by: str = "structure") -> Detected:
+                    *, shard_size: int, layout: str = "", completed_by: str = "structure",
+                    on_shard: Callable[[completeness.FileEntry, ShardPlan, str], None] | None = None) -> Detected:
     """Plan every file into shards and hash it and its shards in one read; raise
-    :class:`SourceChanged` if a file changed meanwhile."""
+    :class:`SourceChanged` if a file changed meanwhile. ``on_shard`` is told each shard's
+    SHA-256 as soon as it is known (pipeline.store.early)."""
     shas, shards = [], []
     for e in entries:
         plans = plan(e.header, e.size, shard_size)
-        sha, shard_shas = scan(e.abspath, plans, expected_size=e.size)
+        told = None if on_shard is None else functools.partial(on_shard, e)
+        sha, shard_shas = scan(e.abspath, plans, expected_size=e.size, on_shard=told)
         shas.append(sha)
         shards.append(tuple(zip(plans, shard_shas, strict=True)))
     if not completeness.unchanged(entries):
@@ -130,7 +135,7 @@ def owner_elsewhere(session: Session, checkpoint_id: int | None, host: str) -> s
 
 
 def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
-           host: str | None = None) -> tuple[Checkpoint, Job, bool]:
+           host: str | None = None, started_at: datetime | None = None) -> tuple[Checkpoint, Job, bool]:
     """Insert ``d`` as the current version at its path on ``host``, with a ``detected`` store
     job; ``(checkpoint, job, created)``.
 
@@ -139,13 +144,14 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
     means), whatever state it reached. The same content recorded again is returned as is
     (``created`` False); content that comes back after another version is current again
     and, if its store was superseded, stored again (unchanged shards are not re-sent).
+    ``started_at``: when its hashing began (its uploads may have: pipeline.store.early).
     """
     version = d.version
     existing = session.scalar(select(Checkpoint).where(Checkpoint.path == str(d.path), Checkpoint.version == version,
                                                        Checkpoint.host.is_(None) if host is None
                                                        else Checkpoint.host == host))
     _supersede_others(session, str(d.path), host, keep=existing.id if existing is not None else None)
-    _reference(session, {sha: p.size for shards in d.shards for p, sha in shards}
+    reference(session, {sha: p.size for shards in d.shards for p, sha in shards}
                | {r["sha256"]: r["size"] for f in d.remote for r in f.shards})
     if existing is not None:
         _claim(session, d.parts, existing.id)
@@ -155,7 +161,8 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
         if job is None or job.state in (S.SUPERSEDED, S.VANISHED):
             existing.released_at = None  # (a forgotten checkpoint stays forgotten)
             job = create_job(session, JobKind.STORE, checkpoint_id=existing.id, lease_seconds=lease_seconds,
-                             bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path")
+                             bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path",
+                             started_at=started_at)
             return existing, job, True
         return existing, job, False
 
@@ -181,7 +188,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
         session.add(f)
     _claim(session, d.parts, ckpt.id)
     job = create_job(session, JobKind.STORE, checkpoint_id=ckpt.id, lease_seconds=lease_seconds,
-                     bytes_total=d.total_bytes, detail=detail)
+                     bytes_total=d.total_bytes, detail=detail, started_at=started_at)
     return ckpt, job, True
 
 
@@ -191,7 +198,7 @@ def _claim(session: Session, parts: tuple[int, ...], checkpoint_id: int) -> None
         part.checkpoint_id = checkpoint_id
 
 
-def _reference(session: Session, sizes: dict[str, int]) -> None:
+def reference(session: Session, sizes: dict[str, int]) -> None:
     """The contents a checkpoint is about to reference: created live, or touched (locked, so a
     garbage collection deciding at the same moment either sees this reference or condemned
     the content first, and the shard step then revives it: docs/design.md, section 5)."""

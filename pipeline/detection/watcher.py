@@ -42,6 +42,7 @@ from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
 from pipeline.steps import Send
 from pipeline.store import trash
+from pipeline.store.early import EarlySends
 
 log = logging.getLogger("ckpt.watcher")
 #: How often a watcher reports its host in (pipeline.status judges a host silent after several).
@@ -255,10 +256,12 @@ class Watcher:
         if not completeness.settled(entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
+        started, early = now(), EarlySends(self.settings, self.send, options.replication)
         try:
             detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
                                                layout=verdict.layout,
-                                               completed_by="structure" if verdict.complete else "quiet")
+                                               completed_by="structure" if verdict.complete else "quiet",
+                                               on_shard=early.shard)
         except (SourceChanged, OSError):
             return self.settings.settle_seconds
         if remote is not None:
@@ -267,7 +270,8 @@ class Watcher:
             return self.settings.settle_seconds
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
-                                                detail="detected by the watcher", host=self.settings.host_id)
+                                                detail="detected by the watcher", host=self.settings.host_id,
+                                                started_at=started)
             problems.clear(s, key, self.settings.host_id)
             job_id = job.id
         self.known[key] = sig
@@ -276,7 +280,7 @@ class Watcher:
         if created:
             log.info("detected %s as checkpoint %d (%s, job %d)", path, ckpt.id, verdict.layout, job_id)
             failpoints.hit("watch.recorded")  # committed, not yet enqueued
-            self.send([Send("shard", (job_id,))])
+            self.send([Send("shard", (job_id, early.sent))])
         return None
 
     def _with_parts(self, path: Path, found: completeness.Examined, options: RootOptions

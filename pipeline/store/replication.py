@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import failpoints, states
 from pipeline.capacity import capacity_reason
 from pipeline.cluster.client import WorkerClient
 from pipeline.db.copies import place_one
@@ -32,7 +33,7 @@ from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import COUNTING_WORKERS, ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
-from pipeline.store.source import Source, local_source, shard_prefix, source_matches
+from pipeline.store.source import Source, local_source, named_source, shard_prefix, source_matches
 
 log = logging.getLogger("ckpt.replicate")
 S = states.StoreState
@@ -49,9 +50,12 @@ def waiting_jobs(session: Session, sha: str, state: str = S.SHARDED) -> list[Job
     ))
 
 
-def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = ()) -> list[Send]:
+def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
+              named: dict[str, Any] | None = None) -> list[Send]:
     """Send copy ``copy_id``; with ``chain`` (chain replication), the copies of the same content
-    on the workers after it too, through it: this host sends the bytes once."""
+    on the workers after it too, through it: this host sends the bytes once. ``named``: the
+    shard of a local file that holds the bytes, when detection sent this before recording
+    the checkpoint (pipeline.store.early); a recorded local file is preferred."""
     with session_scope(settings.db_url) as s:
         rows = {c.id: c for c in s.scalars(select(ContentCopy).where(ContentCopy.id.in_([copy_id, *chain])))}
         if copy_id not in rows:
@@ -68,9 +72,12 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = ()) -> li
             raise AttemptsExhausted(f"copy {cp.id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
                                     cp.last_error)
         waiting = [job.id for job in waiting_jobs(s, cp.sha256)]
+        # A store recorded while this was sent during its hashing (pipeline.store.early) keeps its
+        # lease too, until its shard step has run: re-driven, that step would send it again.
+        waiting += [job.id for job in waiting_jobs(s, cp.sha256, S.DETECTED)]
         for job_id in waiting:
             renew_lease(s, job_id, settings.lease_seconds)
-        src = local_source(s, cp.sha256, settings.host_id)
+        src = local_source(s, cp.sha256, settings.host_id) or named_source(named)
         sha, size, worker_id, url = cp.sha256, cp.content.size, cp.worker_id, cp.worker.url
         peers = [] if src is not None else [
             (c.worker.url, c.worker_id) for c in cp.content.copies
@@ -80,7 +87,7 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = ()) -> li
     # One upload can outlast the lease on a slow link: the stores waiting for it keep theirs
     # by time meanwhile, or the scheduler would send this step again beside the running one.
     with leased(settings, waiting):
-        return _send_copy(settings, cp.id, sha, size, worker_id, url, src, peers, hops)
+        return _send_copy(settings, cp.id, sha, size, worker_id, url, src, peers, hops, named)
 
 
 @dataclass(frozen=True)
@@ -93,17 +100,20 @@ class Hop:
 
 
 def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id: str, url: str,
-               src: Source | None, peers: list[tuple[str, str]], hops: Sequence[Hop] = ()) -> list[Send]:
+               src: Source | None, peers: list[tuple[str, str]], hops: Sequence[Hop] = (),
+               named: dict[str, Any] | None = None) -> list[Send]:
     """Upload the content to the worker (from the local file, else from a peer's copy), passed
     on along ``hops`` when it comes from the local file; record each worker's re-hash; the
-    follow-up messages. A copy of ``hops`` not stored through the chain is sent on its own."""
+    follow-up messages (naming the same source). A copy of ``hops`` not stored through the
+    chain is sent on its own."""
     client = WorkerClient(url, settings.key(), worker_id)
-    alone = [Send("replicate", (h.copy_id,)) for h in hops]
+    alone = [again(h.copy_id, named) for h in hops]
     reached: dict[str, bool] = {}
     try:
         held = client.head(sha)
         if held != size:
             if src is not None:
+                failpoints.hit("replicate.send")  # the worker lacks it: the bytes go now
                 answer = client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
                                           src.length, chain=[(h.worker_id, h.url) for h in hops],
                                           wire=settings.wire_compression)
@@ -122,7 +132,7 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
                                        "sending it again") from exc
             return _source_gone(settings, copy_id, src, S.SUPERSEDED, str(exc)) + alone
         if exc.status is None or exc.status == 507:  # unreachable or full: place this copy elsewhere
-            return _move_off(settings, copy_id, worker_id, str(exc), full=exc.status == 507) + alone
+            return _move_off(settings, copy_id, worker_id, str(exc), full=exc.status == 507, named=named) + alone
         raise
     except OSError as exc:
         # The source is gone (vanished, before it was protected) or unreadable (superseded).
@@ -131,17 +141,17 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
         return _source_gone(settings, copy_id, src, end, f"{src.path}: {exc}") + alone
 
     results = [(copy_id, rehashed)]
-    again: list[Send] = []
+    resend: list[Send] = []
     for h in hops:
         if not reached.get(h.worker_id):
-            again.append(Send("replicate", (h.copy_id,)))  # from the source, or a copy upstream
+            resend.append(again(h.copy_id, named))  # from the source, or a copy upstream
             continue
         try:
             results.append((h.copy_id, WorkerClient(h.url, settings.key(), h.worker_id).verify([sha])[0]["sha256"]))
         except WorkerError as exc:
             log.warning("copy %d of %s on %s: stored through the chain, re-hash failed (%s); sending it again",
                         h.copy_id, sha[:12], h.worker_id, exc)
-            again.append(Send("replicate", (h.copy_id,)))
+            resend.append(again(h.copy_id, named))
     with session_scope(settings.db_url) as s:
         t = now()
         for cid, answer in results:
@@ -155,7 +165,12 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
             grown = Job.bytes_done + size * len(results)
             s.execute(update(Job).where(Job.id == job.id)
                       .values(bytes_done=case((grown > Job.bytes_total, Job.bytes_total), else_=grown)))
-        return fan_in(s, settings, sha) + again
+        return fan_in(s, settings, sha) + resend
+
+
+def again(copy_id: int, named: dict[str, Any] | None = None) -> Send:
+    """The message that sends one copy (again), from the source ``named`` if one was."""
+    return Send("replicate", (copy_id, [], named) if named else (copy_id,))
 
 
 def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: int,
@@ -231,7 +246,8 @@ def _source_gone(settings: Settings, copy_id: int, src: Source, end: S, why: str
     return [Send("replicate", (copy_id,))] if others else []
 
 
-def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, full: bool) -> list[Send]:
+def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, full: bool,
+              named: dict[str, Any] | None = None) -> list[Send]:
     with session_scope(settings.db_url) as s:
         worker = one(s, StorageWorker, worker_id)
         if worker.state not in states.STICKY_WORKERS:
@@ -260,4 +276,4 @@ def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, f
             note(s, job.id, f"worker {worker_id} {what} ({error}); content {cp.sha256[:12]} moves to "
                             f"{moved.worker_id}")
         log.warning("copy %d: %s %s, moved to %s", copy_id, worker_id, what, moved.worker_id)
-        return [Send("replicate", (moved.id,))]
+        return [again(moved.id, named)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy import select
@@ -39,10 +40,12 @@ log = logging.getLogger("ckpt.shard")
 S = states.StoreState
 
 
-def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
+def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) -> list[Send]:
+    """Place the checkpoint's contents and send their copies, except ``sent``: those detection
+    already sent while it hashed (pipeline.store.early)."""
     with session_scope(settings.db_url) as s:
         if owner_elsewhere(s, s.scalar(select(Job.checkpoint_id).where(Job.id == job_id)), settings.host_id):
-            return [Send("shard", (job_id,))]  # its files are on another host: sent there
+            return [Send("shard", (job_id, list(sent)))]  # its files are on another host: sent there
         job = begin_step(s, settings, job_id, S.DETECTED)
         if job is None:
             return []
@@ -80,14 +83,23 @@ def shard_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         except PlacementError:
             s.expire_all()
             return _wait(s, settings, job_id, capacity_reason(s, settings, contents_of(s, ckpt_id)))
+        # Copies sent while hashing may be stored by now: read them as their last commit left
+        # them, locked, so that an upload committing after this either sees this job sharded
+        # (and fans it in) or was seen stored here (PostgreSQL; SQLite writes one at a time).
+        placed = [cp.id for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
+        if placed:
+            s.scalars(select(ContentCopy).where(ContentCopy.id.in_(placed)).with_for_update()
+                      .execution_options(populate_existing=True)).all()
         pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
                            detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}"
-                                  + (f", {mode}" if pending else ""),
+                                  + (f", {mode}" if pending else "")
+                                  + (f"; {len(sent)} sent while hashing" if sent else ""),
                            bytes_done=0, bytes_total=sum(cp.content.size for cp in pending), blocked_reason=None)
         if not moved:
             raise RuntimeError("job left 'detected' while sharding; rolling back this placement")
-        sends = replicate_sends(pending, mode)
+        skip = set(sent)
+        sends = replicate_sends([cp for cp in pending if cp.id not in skip], mode)
         if pending and any(cp.state == CopyState.VERIFIED for c in contents for cp in c.copies):
             # Copies it shares with earlier checkpoints are re-hashed beside the uploads, not
             # after them; first, so that a busy queue does not hold it behind them.

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -30,8 +31,22 @@ class Source:
     tensors: tuple[str, ...]
     offset: int
     length: int
-    checkpoint_id: int
+    checkpoint_id: int | None  # None: named by detection before the checkpoint was recorded
     job_id: int | None  # the store job of that checkpoint, when it is the one that needs the bytes
+
+
+def named_source(named: dict[str, Any] | None) -> Source | None:
+    """The shard a message names (an upload detection started while hashing:
+    pipeline.store.early), if its file still has the size and mtime it was hashed with."""
+    if not named:
+        return None
+    try:
+        st = os.stat(named["path"])
+    except OSError:
+        return None
+    if (st.st_size, st.st_mtime_ns) != (named["size"], named["mtime_ns"]):
+        return None
+    return Source(named["path"], named["kind"], tuple(named["tensors"]), named["offset"], named["length"], None, None)
 
 
 def local_source(session: Session, sha: str, host: str | None) -> Source | None:

@@ -61,13 +61,13 @@ def send_all(sends: list[Send]) -> None:
 
 
 @dramatiq.actor(actor_name="shard", queue_name="ckpt", **_TRANSFER)
-def shard(job_id: int) -> None:
-    send_all(shard_checkpoint(settings_mod.current(), job_id))
+def shard(job_id: int, sent: list[int] | None = None) -> None:
+    send_all(shard_checkpoint(settings_mod.current(), job_id, sent or ()))
 
 
 @dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
-def replicate(copy_id: int, chain: list[int] | None = None) -> None:
-    send_all(replicate_step(settings_mod.current(), copy_id, chain or ()))
+def replicate(copy_id: int, chain: list[int] | None = None, named: dict[str, Any] | None = None) -> None:
+    send_all(replicate_step(settings_mod.current(), copy_id, chain or (), named))
 
 
 @dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)

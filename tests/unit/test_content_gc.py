@@ -20,7 +20,7 @@ from pipeline.db.copies import content_copies, fresh_after, place, shard_copies
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
-from pipeline.detection.catalog import _reference
+from pipeline.detection.catalog import reference
 from pipeline.integrity import gc, retention
 from pipeline.integrity.reconcile import _trim_if_surplus
 from pipeline.integrity.repair import request_repair
@@ -46,7 +46,7 @@ def checkpoint(s, name: str, contents: list[int], *, state: str = "verified", co
                run: str = "/r", step: int | None = None) -> int:
     """A checkpoint whose shards reference ``contents``, its store job in ``state``, each
     content with verified copies on ``copies`` (added where missing)."""
-    _reference(s, {sha(n): SIZE for n in contents})
+    reference(s, {sha(n): SIZE for n in contents})
     ck = Checkpoint(path=f"{run}/{name}", run=run, name=name, is_dir=False, version=name, step=step,
                     mtime=now().timestamp(), total_bytes=SIZE * len(contents), local_present=True, current=True)
     s.add(ck)

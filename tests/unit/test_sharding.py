@@ -121,3 +121,60 @@ def test_a_roots_replication_must_be_a_mode(tmp_path):
 
     with pytest.raises(ConfigError, match="replication must be one of chain, fanout, got 'broadcast'"):
         load({"home": tmp_path, "root_options": '{"/r/*": {"replication": "broadcast"}}'}, environ={})
+
+
+def test_shards_are_sent_as_they_are_hashed_and_the_shard_step_sends_only_the_rest(db, tmp_path):
+    """Detection places and sends each shard's copies as soon as its hash is known, naming its
+    place in the file (pipeline/store/early.py); the shard step then sends only the copies it
+    placed itself, and routes nothing twice."""
+    from pipeline.queues import host_queue, queues_for
+    from pipeline.store.early import AHEAD, EarlySends
+    from pipeline.store.source import named_source, source_matches
+
+    db = dataclasses.replace(db, shard_size=16 * 1024, host="trainer-1")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    path = atomic_save(state_dict(1), run / "step_1.safetensors")
+    with session_scope(db.db_url) as s:
+        for i in range(3):
+            s.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
+                                free_bytes=10**10, capacity_bytes=10**10, last_seen=now()))
+    queued: list = []
+    early = EarlySends(db, queued.extend, "chain")
+    hashed: list[str] = []
+
+    def told(entry, plan, sha):
+        hashed.append(sha)
+        early.shard(entry, plan, sha)
+        # this shard's upload is queued before the next is read, for the first few
+        assert len(queued) == min(len(set(hashed)), AHEAD)
+
+    d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size, on_shard=told)
+    assert len(hashed) > 2 and hashed == [sha for shards in d.shards for _p, sha in shards]
+    with session_scope(db.db_url) as s:
+        # The messages name the shard in the file and go to the queue of the host that has it.
+        for send in queued:
+            copy_id, chain, named = send.args
+            assert len(chain) == db.rf - 1 and queues_for(s, send) == [host_queue("trainer-1")]
+            src = named_source(named)
+            assert src is not None and src.path == str(path)
+            assert source_matches(src.path, src.kind, src.tensors, src.offset, src.length,
+                                           s.get(ContentCopy, copy_id).sha256)
+        assert s.query(ContentCopy).count() == db.rf * AHEAD == len(early.sent)
+        # The first hops are spread: every worker is the first of some chain.
+        assert {s.get(ContentCopy, send.args[0]).worker_id for send in queued} == {"w-0", "w-1", "w-2"}
+        _ckpt, job, _ = catalog.record(s, d, lease_seconds=60, detail="test")
+        job_id = job.id
+
+    sends = sharding.shard_checkpoint(db, job_id, early.sent)
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job_id).state == "sharded"
+        assert s.get(Job, job_id).events[-1].detail.endswith(f"; {len(early.sent)} sent while hashing")
+        pending = {c.id for c in s.query(ContentCopy).filter(ContentCopy.state == "pending")}
+    # The shard step sends the rest, one chain per content, and none of the copies sent early.
+    assert len(sends) == len(set(hashed)) - AHEAD
+    sent_now = {i for send in sends for i in (send.args[0], *send.args[1])}
+    assert sent_now | set(early.sent) == pending and not sent_now & set(early.sent)
+    # A file that moved since it was hashed is no source: its upload waits for the recorded one.
+    os.utime(path, ns=(1, 1))
+    assert named_source(queued[0].args[2]) is None
