@@ -80,8 +80,9 @@ def same_host(sock: socket.socket) -> bool:
 
 
 class CpuIdle:
-    """The share of this host's CPU time that was idle over about the last second, sampled
-    from /proc/stat by a daemon thread started on first use (1.0 where there is no /proc)."""
+    """The share of the CPU time of this process's CPUs (all of the host's, unless it is
+    confined to some) that was idle over about the last second, sampled from /proc/stat by a
+    daemon thread started on first use (1.0 where there is no /proc)."""
 
     def __init__(self, every: float = 0.5) -> None:
         self.every = every
@@ -111,13 +112,28 @@ class CpuIdle:
 
 
 def _cpu_times() -> tuple[int, int] | None:
-    """(all, idle + iowait) jiffies of every CPU since boot."""
+    """(all, idle + iowait) jiffies since boot of the CPUs this process may run on."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+            return cpu_times(f.read(), os.sched_getaffinity(0))
+    except (OSError, ValueError, AttributeError):
         return None
-    return sum(fields[:8]), fields[3] + fields[4]
+
+
+def cpu_times(stat: str, cpus: set[int] | frozenset[int]) -> tuple[int, int]:
+    """(all, idle + iowait) jiffies of ``cpus`` in the text of /proc/stat. A process confined to
+    some of the host's CPUs (a container's cpuset, ``taskset``) judges what it may spare by them:
+    the others' idle time is not its to use."""
+    total = idle = 0
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        fields = [int(x) for x in rest.split()]
+        total, idle = total + sum(fields[:8]), idle + fields[3] + fields[4]
+    if not total:
+        raise ValueError("/proc/stat names none of this process's CPUs")
+    return total, idle
 
 
 #: This host's idle CPU, as every transfer in this process sees it.

@@ -206,6 +206,20 @@ def test_idle_cpu_is_read_from_the_host():
     assert 0.0 <= cpu.idle() <= 1.0
 
 
+def test_idle_cpu_counts_only_the_cpus_the_process_may_run_on():
+    """A process confined to some CPUs (a container's cpuset, taskset) judges by them: busy
+    CPUs it cannot use do not keep it from compressing, idle ones it cannot use do not let it."""
+    stat = ("cpu  300 0 100 500 100 0 0 0 0 0\n"
+            "cpu0 200 0 50 0 0 0 0 0 0 0\n"  # busy: 250 of 250
+            "cpu1 100 0 50 500 100 0 0 0 0 0\n"  # 600 of 750 idle or waiting
+            "intr 12345 0 0\nctxt 999\n")
+    assert wire.cpu_times(stat, {1}) == (750, 600)
+    assert wire.cpu_times(stat, {0}) == (250, 0)
+    assert wire.cpu_times(stat, {0, 1}) == (1000, 600)
+    with pytest.raises(ValueError):
+        wire.cpu_times(stat, {7})
+
+
 def test_a_busy_worker_answers_a_compressed_download_plain(tmp_path, monkeypatch):
     """Compression is asked for, not ordered: a worker with no cores to spare sends the shard
     as it is, and the client reads it as such."""
