@@ -26,7 +26,7 @@ from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Conte
 from pipeline.db.transitions import create_job, note, now, transition
 from pipeline.detection import completeness, metrics, roots
 from pipeline.errors import SourceChanged, UnknownCheckpoint
-from pipeline.hashing import scan
+from pipeline.hashing import scan_from_two_places
 from pipeline.states import ContentState, JobKind
 from pipeline.states import StoreState as S
 
@@ -91,7 +91,7 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
     for e in entries:
         plans = plan(e.header, e.size, shard_size)
         told = None if on_shard is None else functools.partial(on_shard, e)
-        sha, shard_shas = scan(e.abspath, plans, expected_size=e.size, on_shard=told)
+        sha, shard_shas = scan_from_two_places(e.abspath, plans, expected_size=e.size, on_shard=told)
         shas.append(sha)
         shards.append(tuple(zip(plans, shard_shas, strict=True)))
     if not completeness.unchanged(entries):

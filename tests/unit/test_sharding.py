@@ -150,7 +150,8 @@ def test_shards_are_sent_as_they_are_hashed_and_the_shard_step_sends_only_the_re
         assert len(queued) == min(len(set(hashed)), AHEAD)
 
     d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size, on_shard=told)
-    assert len(hashed) > 2 and hashed == [sha for shards in d.shards for _p, sha in shards]
+    # every shard once, as it was found (from the file's start and its middle at once)
+    assert len(hashed) > 2 and sorted(hashed) == sorted(sha for shards in d.shards for _p, sha in shards)
     with session_scope(db.db_url) as s:
         # The messages name the shard in the file and go to the queue of the host that has it.
         for send in queued:
