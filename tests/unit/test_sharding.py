@@ -179,3 +179,28 @@ def test_shards_are_sent_as_they_are_hashed_and_the_shard_step_sends_only_the_re
     # A file that moved since it was hashed is no source: its upload waits for the recorded one.
     os.utime(path, ns=(1, 1))
     assert named_source(queued[0].args[2]) is None
+
+
+def test_fanned_out_shards_sent_while_hashing_are_counted_as_messages(db, tmp_path):
+    """Fan-out sends RF messages per content: no more than ``AHEAD`` of them are queued while
+    hashing (each ties up a Dramatiq thread the shard step's message then waits for)."""
+    from pipeline.store.early import AHEAD, EarlySends
+
+    db = dataclasses.replace(db, shard_size=16 * 1024, host="trainer-1")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    path = atomic_save(state_dict(2), run / "step_2.safetensors")
+    with session_scope(db.db_url) as s:
+        for i in range(3):
+            s.add(StorageWorker(id=f"w-{i}", url=f"http://127.0.0.1:{7000 + i}", source="static", state="up",
+                                free_bytes=10**10, capacity_bytes=10**10, last_seen=now()))
+    queued: list = []
+    early = EarlySends(db, queued.extend, "fanout")
+    d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size,
+                                on_shard=early.shard)
+    contents = {sha for shards in d.shards for _p, sha in shards}
+    assert len(contents) * db.rf > AHEAD
+    # whole contents only: the one that reaches the limit is sent to all its workers
+    assert AHEAD <= len(queued) < AHEAD + db.rf and len(queued) % db.rf == 0
+    assert all(len(send.args) == 3 and send.args[1] == [] and send.args[2]["path"] == str(path) for send in queued)
+    assert sorted(send.args[0] for send in queued) == sorted(early.sent)
