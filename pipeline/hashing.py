@@ -1,8 +1,10 @@
-"""Hashing files in one sequential pass with a reused buffer.
+"""Hashing a file and its planned shards (a safetensors shard's hash covers its own header first).
 
-:func:`scan` reads a file once and produces both its whole-file SHA-256 and the
-SHA-256 of every planned shard (a safetensors shard's hash covers its own header first),
-so the manifest costs one read of the source.
+:func:`scan` reads a file once, in order, for its whole-file SHA-256 and every shard's.
+:func:`scan_from_two_places` (detection) gives the same answer with the shards hashed from the
+file's start and its middle at once, so that a changed shard of either half is known early
+(deduplication sends only those); its whole-file hash reads the file a second time, from the
+page cache, and a file too large for that is scanned once in order instead.
 """
 from __future__ import annotations
 

@@ -127,7 +127,9 @@ def cpu_times(stat: str, cpus: set[int] | frozenset[int]) -> tuple[int, int]:
     total = idle = 0
     for line in stat.splitlines():
         name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+        if not name.startswith("cpu"):
+            break  # the CPU lines come first; the rest (interrupts) can be long
+        if not name[3:].isdigit() or int(name[3:]) not in cpus:
             continue
         fields = [int(x) for x in rest.split()]
         total, idle = total + sum(fields[:8]), idle + fields[3] + fields[4]

@@ -1,7 +1,7 @@
 """Recording detected checkpoints in the control plane, and finding them again.
 
 Detection (I/O, outside any transaction) produces a :class:`Detected`: every file is
-planned into shards and read once, giving its SHA-256 and its shards'. :func:`record`
+planned into shards and hashed, giving its SHA-256 and its shards'. :func:`record`
 turns it into a checkpoint row, its file and shard rows and a ``detected`` store job in
 the caller's transaction. The same path and content is recorded once; new content at a
 known path supersedes the older version's unfinished job.
@@ -84,8 +84,8 @@ def version_of(files: Iterable[tuple[str, int, str]]) -> str:
 def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry] | tuple[completeness.FileEntry, ...],
                     *, shard_size: int, layout: str = "", completed_by: str = "structure",
                     on_shard: Callable[[completeness.FileEntry, ShardPlan, str], None] | None = None) -> Detected:
-    """Plan every file into shards and hash it and its shards in one read; raise
-    :class:`SourceChanged` if a file changed meanwhile. ``on_shard`` is told each shard's
+    """Plan every file into shards and hash it and its shards (from its start and its middle at
+    once: pipeline.hashing); raise :class:`SourceChanged` if a file changed meanwhile. ``on_shard`` is told each shard's
     SHA-256 as soon as it is known (pipeline.store.early)."""
     shas, shards = [], []
     for e in entries:

@@ -1,7 +1,7 @@
 """Uploads that start while detection is still hashing (docs/design.md, "Sent while hashing").
 
-Detection reads a checkpoint once to hash its files and their shards; a shard's SHA-256 is
-known as soon as its bytes have been read, long before the file's. As each of the first
+Detection hashes a checkpoint's files and their shards (pipeline.hashing); a shard's SHA-256
+is known as soon as its bytes have been read, long before the file's. As each of the first
 few new contents (``AHEAD`` messages) is, it is referenced (created live, or touched: the garbage
 collector's grace period keeps it until the checkpoint is recorded), placed on RF workers
 and its copies sent, the message naming the shard's place in the file (no checkpoint row
@@ -81,7 +81,7 @@ class EarlySends:
             "host": self.settings.host_id, "path": entry.abspath, "size": entry.size, "mtime_ns": entry.mtime_ns,
             "kind": plan.kind, "tensors": list(plan.tensors), "offset": plan.src_offset, "length": plan.length,
         }
-        by_worker = dict((w, cid) for cid, w in copies)
+        by_worker = {w: cid for cid, w in copies}
         if self.mode == "chain":
             ids = [by_worker[w] for w in self._chains.order(plan.size, list(by_worker))]
             sends = [Send("replicate", (ids[0], ids[1:], named))]
