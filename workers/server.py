@@ -66,5 +66,8 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
         for a in advertiser:
             a.close()
 
+    def post_fork(_server: Any, _worker: Any) -> None:
+        store.reopen()  # a respawned process counts the shards as they are now
+
     run(app, host=host, port=port, threads=threads, name=f"ckpt-worker-{node}",
-        when_ready=when_ready, on_exit=on_exit)
+        when_ready=when_ready, on_exit=on_exit, post_fork=post_fork)

@@ -51,14 +51,26 @@ class ShardStore:
         for d in (self.shards, self.tmp, self.quarantine):
             os.makedirs(d, exist_ok=True)
         self.capacity = capacity
-        # Leftovers of uploads that a crash interrupted: never visible, safe to drop.
-        for name in os.listdir(self.tmp):
-            os.unlink(os.path.join(self.tmp, name))
-        # Counted once here, then kept up to date: a status answer never walks the store.
         self._lock = threading.Lock()
         self._count = self._used = 0
+        self.reopen()
+
+    def reopen(self) -> None:
+        """Drop the leftovers of uploads a crash interrupted (never visible) and count the shards;
+        from then on the counts are kept up to date: a status answer never walks the store.
+
+        Also run in each server process before it serves (workers.server): it is forked from the
+        one that opened the store, and one respawned after its predecessor was killed would
+        otherwise start from the counts of when the server started; a deletion then took
+        ``used`` below zero, and the worker's status was refused as malformed (taken for down).
+        """
+        for name in os.listdir(self.tmp):
+            os.unlink(os.path.join(self.tmp, name))
+        count = used = 0
         for _name, size in self.inventory():
-            self._count, self._used = self._count + 1, self._used + size
+            count, used = count + 1, used + size
+        with self._lock:
+            self._count, self._used = count, used
 
     def _counted(self, count: int, size: int) -> None:
         with self._lock:
@@ -78,7 +90,7 @@ class ShardStore:
 
     def free_bytes(self) -> int:
         free = shutil.disk_usage(self.root).free
-        return max(0, min(free, self.capacity - self._used)) if self.capacity else free
+        return max(0, min(free, self.capacity - self.usage()[1])) if self.capacity else free
 
     def capacity_bytes(self) -> int:
         return self.capacity or shutil.disk_usage(self.root).total
