@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -113,6 +114,10 @@ class Box:
                            capture_output=True, text=True, check=True)
         return int(r.stdout)
 
+    def profile(self, pid: int, every: float = 0.1) -> LinkProfile:
+        """The link of the host that process ``pid`` runs on, with the machine's CPU and disk, sampled."""
+        return LinkProfile(f"/proc/{pid}/net/dev", every, _disk_of(self.root))
+
     def down(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -127,11 +132,75 @@ class Box:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+class LinkProfile:
+    """Where the time of a store went: every ``every`` seconds, the bytes a host's link has sent
+    (its interface's count in /proc/<pid>/net/dev of a process in its namespace: a file read,
+    no process started), and this machine's busy CPU and disk, which every host of the box
+    shares. A run then shows when the link idled and what was busy instead."""
+
+    def __init__(self, net_dev: str, every: float, disk: str) -> None:
+        self.net_dev, self.every, self.disk = net_dev, every, disk
+        self.samples: list[tuple[float, int, int, int, int]] = []  # t, sent, cpu all, cpu idle, disk ms
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-profile", daemon=True)
+
+    def __enter__(self) -> LinkProfile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self, start: float) -> tuple[float, int, int, int, int]:
+        with open(self.net_dev) as f:
+            sent = next(int(rest.split()[8]) for name, _, rest in (line.partition(":") for line in f)
+                        if name.strip() == "eth0")
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/diskstats") as f:
+            io_ms = next((int(p[12]) for p in (line.split() for line in f) if p[2] == self.disk), 0)
+        return time.perf_counter() - start, sent, sum(cpu), cpu[3] + cpu[4], io_ms
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        while True:
+            self.samples.append(self._sample(start))
+            if self._stop.wait(self.every):
+                self.samples.append(self._sample(start))
+                return
+
+    def busy(self, rate: float, window: float = 0.5) -> dict[str, list[float]]:
+        """Per ``window`` seconds from the start: the link's use as a share of ``rate``, and the
+        share of the machine's CPU and of its disk's time that was busy."""
+        out: dict[str, list[float]] = {"link": [], "cpu": [], "disk": []}
+        base = self.samples[0]
+        for s in self.samples[1:]:
+            if s[0] - base[0] >= window or s is self.samples[-1]:
+                dt = s[0] - base[0]
+                cpu_all = s[2] - base[2]
+                out["link"].append(round((s[1] - base[1]) * 8 / rate / dt, 2))
+                out["cpu"].append(round(1 - (s[3] - base[3]) / cpu_all, 2) if cpu_all else 0.0)
+                out["disk"].append(round((s[4] - base[4]) / 1000 / dt, 2))
+                base = s
+        return out
+
+
+def _disk_of(path: Path) -> str:
+    """The name /proc/diskstats gives the block device ``path`` is on ("" if none)."""
+    dev = os.stat(path).st_dev
+    try:
+        return Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
+    except OSError:
+        return ""
+
+
 class BoxSystem:
     """ckpt-pipeline on the box: the control plane on the trainer, a worker per storage host."""
 
     def __init__(self, box: Box, root: Path, mode: str) -> None:
         self.box, self.root = box, root
+        self.control: subprocess.Popen | None = None
         self.home, self.runs = root / "home", root / "runs"
         (self.runs / "run").mkdir(parents=True, exist_ok=True)
         (root / "logs").mkdir(exist_ok=True)
@@ -147,8 +216,8 @@ class BoxSystem:
             env = {**self.env, "CKPT_HOME": str(self.root / f"home-{h}")}
             self.box.start(h, [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.root / f"data-{h}"),
                                "--host", self.box.addr[h], "--port", str(PORT)], env, self.root / "logs" / f"{h}.log")
-        up = self.box.start("trainer", [sys.executable, "-m", "pipeline.cli", "up", "--workers", "0"], self.env,
-                            self.root / "logs" / "up.log")
+        up = self.control = self.box.start("trainer", [sys.executable, "-m", "pipeline.cli", "up", "--workers", "0"],
+                                           self.env, self.root / "logs" / "up.log")
         deadline = time.monotonic() + 120
         while not self._workers_up():
             if up.poll() is not None or time.monotonic() > deadline:
@@ -183,19 +252,22 @@ class BoxSystem:
 
     def protect(self, sd_path: Path, name: str) -> dict:
         """Move a written checkpoint into the run (a trainer's rename) and wait for it to be
-        verified: seconds and the bytes the trainer's link sent meanwhile."""
+        verified: seconds, the bytes the trainer's link sent meanwhile, and its use per half second."""
+        assert self.control is not None
         dest = self.runs / "run" / name
         before = self.box.sent("trainer")
-        t, renamed = time.perf_counter(), time.time()
-        os.rename(sd_path, dest)
-        while (state := self.store_state(dest)) not in ("verified", "rotated"):
-            if state in ("failed", "superseded", "vanished"):
-                raise RuntimeError(f"store of {name} ended {state}; see {self.root}/logs")
-            if time.perf_counter() - t > 3600:
-                raise RuntimeError(f"store of {name} not verified in an hour")
-            time.sleep(0.1)
-        return {"seconds": time.perf_counter() - t, "trainer_sent": self.box.sent("trainer") - before,
-                "path": dest, "timeline": self.timeline(dest, renamed)}
+        with self.box.profile(self.control.pid) as link:
+            t, renamed = time.perf_counter(), time.time()
+            os.rename(sd_path, dest)
+            while (state := self.store_state(dest)) not in ("verified", "rotated"):
+                if state in ("failed", "superseded", "vanished"):
+                    raise RuntimeError(f"store of {name} ended {state}; see {self.root}/logs")
+                if time.perf_counter() - t > 3600:
+                    raise RuntimeError(f"store of {name} not verified in an hour")
+                time.sleep(0.1)
+            seconds = time.perf_counter() - t
+        return {"seconds": seconds, "trainer_sent": self.box.sent("trainer") - before,
+                "path": dest, "timeline": self.timeline(dest, renamed), "busy": link.busy(self.box.rate)}
 
     def timeline(self, path: Path, since: float) -> dict[str, float]:
         """Seconds from the rename to each state the store job reached (where the time goes)."""
@@ -279,6 +351,7 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             "second_s": s2["seconds"], "second_vs_first": s2["seconds"] / s1["seconds"],
             "second_link_bytes": s2["trainer_sent"], "second_bytes": size2,
             "store_timeline": s1["timeline"], "second_timeline": s2["timeline"],
+            "store_busy": s1["busy"], "second_busy": s2["busy"],
             "restore_s": r["seconds"], "restore_ratio": r["seconds"] / restore_limit, "restore_identical": same,
             "restore_timeline": r["timeline"],
         }

@@ -49,11 +49,12 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
         raise IncompleteCheckpoint(str(ckpt_path), "it does not exist")
     found = completeness.examine(ckpt_path, commit_marker=options.commit_marker)
     entries = completeness.accept(found, declared=True)
-    started, early = now(), EarlySends(settings, _send, options.replication)
-    detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
-                                       layout=found.verdict.layout,
-                                       completed_by="structure" if found.verdict.complete else "declared",
-                                       on_shard=early.shard)
+    started = now()
+    with EarlySends(settings, _send, options.replication) as early:
+        detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
+                                           layout=found.verdict.layout,
+                                           completed_by="structure" if found.verdict.complete else "declared",
+                                           on_shard=early.shard)
     with session_scope(settings.db_url) as s:
         ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail,
                                             host=settings.host_id, started_at=started)

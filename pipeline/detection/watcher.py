@@ -256,12 +256,13 @@ class Watcher:
         if not completeness.settled(entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
-        started, early = now(), EarlySends(self.settings, self.send, options.replication)
+        started = now()
         try:
-            detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
-                                               layout=verdict.layout,
-                                               completed_by="structure" if verdict.complete else "quiet",
-                                               on_shard=early.shard)
+            with EarlySends(self.settings, self.send, options.replication) as early:
+                detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
+                                                   layout=verdict.layout,
+                                                   completed_by="structure" if verdict.complete else "quiet",
+                                                   on_shard=early.shard)
         except (SourceChanged, OSError):
             return self.settings.settle_seconds
         if remote is not None:

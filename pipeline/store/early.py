@@ -20,36 +20,49 @@ sent here.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from sqlalchemy import select
 
 from pipeline import failpoints
 from pipeline.core.placement import ChainBalance
 from pipeline.core.planner import ShardPlan
 from pipeline.db.copies import place
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Content
+from pipeline.db.models import Content, ContentCopy
 from pipeline.detection.catalog import reference
 from pipeline.detection.completeness import FileEntry
 from pipeline.errors import PlacementError
 from pipeline.settings import Settings
+from pipeline.states import CopyState
 from pipeline.steps import Send
 from pipeline.store.replication import again
 from pipeline.store.sharding import revive
 
 log = logging.getLogger("ckpt.early")
 
-#: Messages sent while hashing, at most (a chain is one per content, fan-out RF). Hashing is
-#: faster than any link, so a few keep the link busy until the shard step sends the rest;
+#: Messages in flight while hashing, at most (a chain is one per content, fan-out RF). Hashing
+#: is faster than any link, so a few keep the link busy until the shard step sends the rest;
 #: and they leave threads of a Dramatiq process (four) free, so that the shard step's
 #: message, queued behind them, runs at once instead of after the last upload (measured:
 #: with every shard sent early, a 1 GB store became ``sharded`` only 7.5 s after it was
-#: recorded at 1 Gbit; with three fan-out contents, six messages, 11 s at 100 Mbit).
+#: recorded at 1 Gbit; with three fan-out contents, six messages, 11 s at 100 Mbit). One that
+#: ends while hashing goes on is followed by the next new content found (on a fast link the
+#: first three were done in a second and the link then idled until the shard step).
 AHEAD = 3
+#: How often, while hashing goes on, the uploads sent here are looked at for one that ended.
+POLL_SECONDS = 0.05
 
 
 class EarlySends:
-    """The uploads of one checkpoint's shards, started one by one while detection hashes it."""
+    """The uploads of one checkpoint's shards, started one by one while detection hashes it.
+
+    Used as a context manager around the hashing, it sends the next new content whenever an
+    upload it sent has ended (no copy of that message is pending any more), at most ``AHEAD``
+    messages in flight; :attr:`sent` is final once it has exited."""
 
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], mode: str) -> None:
         self.settings, self.send, self.mode = settings, send, mode
@@ -57,12 +70,58 @@ class EarlySends:
         self.sent: list[int] = []
         self._chains = ChainBalance()
         self._stopped = False
-        self._queued = 0
+        self._lock = threading.Lock()
+        self._found: deque[tuple[FileEntry, ShardPlan, str]] = deque()  # hashed, not looked at yet
+        self._in_flight: list[list[int]] = []  # the copies of each message sent, while one is pending
+        self._done = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def __enter__(self) -> EarlySends:
+        self._watch = threading.Thread(target=self._refill, name="ckpt-early", daemon=True)
+        self._watch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._watch is not None:
+            self._watch.join()
 
     def shard(self, entry: FileEntry, plan: ShardPlan, sha: str) -> None:
-        """A shard of ``entry`` was hashed: place its content and send its new copies."""
-        if self._stopped or self._queued >= AHEAD:
-            return
+        """A shard of ``entry`` was hashed: place its content and send its new copies (now, if
+        fewer than ``AHEAD`` messages are in flight, else when one has ended)."""
+        with self._lock:
+            if not self._stopped:
+                self._found.append((entry, plan, sha))
+                self._send_while_room()
+
+    def _refill(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            with self._lock:
+                if self._stopped:
+                    return
+                if self._found and len(self._in_flight) >= AHEAD:
+                    try:
+                        self._in_flight = self._pending(self._in_flight)
+                    except Exception as exc:  # the control plane: the shard step sends the rest
+                        log.warning("could not look at the uploads sent while hashing (%s); the rest is sent "
+                                    "once recorded", exc)
+                        self._stopped = True
+                        return
+                self._send_while_room()
+
+    def _pending(self, messages: list[list[int]]) -> list[list[int]]:
+        """The messages of which a copy is still pending (its upload has not ended)."""
+        with session_scope(self.settings.db_url) as s:
+            pending = set(s.scalars(select(ContentCopy.id).where(
+                ContentCopy.id.in_([i for m in messages for i in m]), ContentCopy.state == CopyState.PENDING)))
+        return [m for m in messages if pending.intersection(m)]
+
+    def _send_while_room(self) -> None:
+        while self._found and len(self._in_flight) < AHEAD and not self._stopped:
+            self._send(*self._found.popleft())
+
+    def _send(self, entry: FileEntry, plan: ShardPlan, sha: str) -> None:
+        """Place the content of a hashed shard and queue the messages that send its new copies."""
         try:
             with session_scope(self.settings.db_url) as s:
                 reference(s, {sha: plan.size})
@@ -95,5 +154,5 @@ class EarlySends:
             self._stopped = True
             return
         self.sent += [cid for cid, _w in copies]
-        self._queued += len(sends)
+        self._in_flight += [[send.args[0], *send.args[1]] for send in sends]
         failpoints.hit("early.sent")  # queued; detection goes on hashing

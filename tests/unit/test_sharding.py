@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -212,3 +213,47 @@ def test_fanned_out_shards_sent_while_hashing_are_counted_as_messages(db, tmp_pa
     assert AHEAD <= len(queued) < AHEAD + db.rf and len(queued) % db.rf == 0
     assert all(len(send.args) == 3 and send.args[1] == [] and send.args[2]["path"] == str(path) for send in queued)
     assert sorted(send.args[0] for send in queued) == sorted(early.sent)
+
+
+def test_an_upload_that_ends_while_hashing_goes_on_is_followed_by_the_next_content(db, tmp_path):
+    """At most ``AHEAD`` messages are in flight while hashing; as soon as one has ended (none of
+    its copies pending), the next new content found is sent (a fast link would idle otherwise),
+    and nothing is sent once the hashing is over."""
+    from pipeline.store import early as early_mod
+    from pipeline.store.early import AHEAD, EarlySends
+
+    db, run, path = _on_trainer(db, tmp_path, 3)
+    queued: list = []
+    ended: list[int] = []
+    waited: list[bool] = []
+
+    def end_one() -> None:
+        """The worker answered the oldest upload still in flight: its copies are verified."""
+        send = next(s for s in queued if s.args[0] not in ended)
+        ids = [send.args[0], *send.args[1]]
+        with session_scope(db.db_url) as s:
+            for c in s.query(ContentCopy).filter(ContentCopy.id.in_(ids)):
+                c.state = "verified"
+        ended.append(send.args[0])
+
+    def told(entry, plan, sha):
+        early.shard(entry, plan, sha)
+        if len(queued) == AHEAD and not ended:
+            end_one()  # the link is fast: the first upload ends while hashing goes on
+        elif len(ended) == 1 and not waited:  # this content waits for room, which there is now
+            waited.append(True)
+            deadline = time.monotonic() + 5
+            while len(queued) == AHEAD and early._found and time.monotonic() < deadline:
+                time.sleep(early_mod.POLL_SECONDS / 2)
+
+    with EarlySends(db, queued.extend, "chain") as early:
+        d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size, on_shard=told)
+        contents = {sha for shards in d.shards for _p, sha in shards}
+        assert len(contents) > AHEAD + 1
+    # No more room opened: the rest waits for the shard step, and nothing is sent after the exit.
+    assert len(queued) == AHEAD + 1
+    end_one()
+    time.sleep(4 * early_mod.POLL_SECONDS)
+    assert len(queued) == AHEAD + 1
+    with session_scope(db.db_url) as s:
+        assert s.query(ContentCopy).count() == db.rf * (AHEAD + 1) == len(early.sent)
