@@ -159,17 +159,20 @@ class WorkerClient:
         def compress(sock: socket.socket) -> bool:
             nonlocal first
             if wire not in ("auto", "on") or total < wire_mod.MIN_SIZE or wire_mod.same_host(sock) \
-                    or wire == "auto" and not METER.worth_it(self.url, "up"):
+                    or wire == "auto" and not METER.worth_it(self.url, "up", cores=False):
                 return False
+            if wire == "auto" and wire_mod.CPU.idle() < wire_mod.MIN_IDLE:
+                return True  # no cores to spare now: raw frames, compressed blocks once there are
             n, frame, ratio = wire_mod.sample(header, path, offset, length)
             first = (n, frame)
             return ratio <= wire_mod.MAX_RATIO
 
         started = time.monotonic()
         up = Upload(self, name, total, chain, compress=compress)
+        frames: wire_mod.Frames | None = None
         try:
             if up.zstd:
-                frames = wire_mod.Frames(header, path, offset, length, first)
+                frames = wire_mod.Frames(header, path, offset, length, first, per_block=wire == "auto")
                 for frame in frames:
                     up.send(frame)
                     if up.broken is not None:
@@ -188,7 +191,8 @@ class WorkerClient:
             up.close()
             raise
         answer = up.finish()
-        METER.transfer(self.url, "up", total, sent_bytes, time.monotonic() - started)
+        METER.transfer(self.url, "up", total, sent_bytes, time.monotonic() - started,
+                       packed=frames.packed if frames is not None else None)
         return answer
 
     def open_shard(self, name: str, *, size: int = 0,

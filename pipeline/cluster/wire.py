@@ -20,6 +20,13 @@ transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
   81 % of its two cores busy without compressing, a restore 40 %; compressing made the store
   slower (11.0 -> 12.4 s) and the restore faster (10.6 -> 8.9 s).
 
+An upload judges the cores block by block: one that starts while they are busy (the uploads
+sent while detection hashes the file) is still sent as zstd frames, each block that finds
+them busy as a *raw* frame (its bytes as they are, in stored zstd blocks: a copy, no
+compression; :func:`raw_frame`), each that finds them idle compressed, so that it compresses
+once the hashing is over instead of never. A block that does not shrink to ``MAX_RATIO``
+stops the compression of the rest of its transfer.
+
 Compressed bytes are zstd frames, one per ``BLOCK`` of raw bytes, sent as a chunked body (an
 upload, passed on as they are along a chain) or answer (a download); the raw length is in the
 request's signed query (``?zstd=<bytes>``). The receiver decompresses as it reads, never past
@@ -50,6 +57,8 @@ BLOCK = 4 * 1024 * 1024
 MIN_SIZE = 64 * 1024
 #: A shard whose sample shrinks less than this is sent as it is.
 MAX_RATIO = 0.9
+#: Largest block of a zstd frame (the format's limit), for raw frames.
+RAW_BLOCK = 128 * 1024
 #: Compress only on a link this much slower than the compressor.
 MARGIN = 1.25
 #: Frames compressed ahead of the link.
@@ -151,29 +160,33 @@ class Meter:
         self.ratio = 0.8  # compressed / raw of this process's compressed transfers
         self.rates: dict[tuple[str, str], float] = {}  # raw bytes/s of the last transfers
 
-    def worth_it(self, url: str, direction: str, ratio: float | None = None) -> bool:
-        """Whether to compress a transfer over this link (the peer is known to be remote)."""
+    def worth_it(self, url: str, direction: str, ratio: float | None = None, *, cores: bool = True) -> bool:
+        """Whether to compress a transfer over this link (the peer is known to be remote);
+        ``cores=False``: whatever the host's idle CPU now (an upload judges it per block)."""
         with self._lock:
             if (self.ratio if ratio is None else ratio) > MAX_RATIO:
                 return False
             rate, speed = self.rates.get((url, direction)), self.compressor
-        return (rate is None or speed is None or rate * MARGIN < speed) and CPU.idle() >= MIN_IDLE
+        return (rate is None or speed is None or rate * MARGIN < speed) and (not cores or CPU.idle() >= MIN_IDLE)
 
     def compressed(self, raw: int, seconds: float) -> None:
         """zstd compressed ``raw`` bytes in ``seconds`` of one thread's time."""
         if raw >= 1 << 20 and seconds > 0:
             self._update_speed(raw / seconds)
 
-    def transfer(self, url: str, direction: str, raw: int, wire: int, seconds: float) -> None:
-        """A transfer of ``raw`` bytes (``wire`` on the link) took ``seconds``."""
+    def transfer(self, url: str, direction: str, raw: int, wire: int, seconds: float,
+                 packed: tuple[int, int] | None = None) -> None:
+        """A transfer of ``raw`` bytes (``wire`` on the link) took ``seconds``. ``packed``: the
+        raw and compressed bytes of the blocks it compressed, where it sent others as they are."""
         if raw < 1 << 20 or seconds <= 0:
             return  # too small to say anything about the link
+        packed_raw, packed_wire = (raw, wire) if packed is None else packed
         with self._lock:
             key = (url, direction)
             old = self.rates.get(key)
             self.rates[key] = raw / seconds if old is None else old + _NEW * (raw / seconds - old)
-            if wire != raw:
-                self.ratio += _NEW * (wire / raw - self.ratio)
+            if packed_wire != packed_raw and packed_raw >= 1 << 20:
+                self.ratio += _NEW * (packed_wire / packed_raw - self.ratio)
 
     def _update_speed(self, speed: float) -> None:
         with self._lock:
@@ -193,16 +206,38 @@ def compress_block(data: bytes | memoryview) -> bytes:
     return frame
 
 
+def raw_frame(data: bytes | memoryview) -> bytes:
+    """A zstd frame that holds ``data`` as it is (raw blocks; RFC 8878): any decoder reads it,
+    and making it costs a copy where compressing costs a core."""
+    n = len(data)
+    view = memoryview(data)
+    # magic; frame header: 4-byte content size, single segment (the window is the content)
+    parts: list[bytes | memoryview] = [b"\x28\xb5\x2f\xfd\xa0", n.to_bytes(4, "little")]
+    at = 0
+    while True:
+        size = min(RAW_BLOCK, n - at)
+        last = at + size >= n
+        parts += [(int(last) | size << 3).to_bytes(3, "little"), view[at:at + size]]  # type 0: raw
+        at += size
+        if last:
+            return b"".join(parts)
+
+
 class Frames:
     """The frames of ``header`` then ``length`` bytes of ``path`` from ``offset``, compressed
     ahead of the link in a helper thread (at most ``AHEAD`` frames waiting). ``first`` is
-    the sample already compressed (the frame of the first block)."""
+    the sample already compressed (the frame of the first block). ``per_block``: a block is
+    compressed only if the host's cores are idle enough when it is read, else sent as a raw
+    frame; a compressed block that does not shrink to ``MAX_RATIO`` ends the compressing."""
 
     def __init__(self, header: bytes, path: str, offset: int, length: int,
-                 first: tuple[int, bytes] | None = None) -> None:
+                 first: tuple[int, bytes] | None = None, *, per_block: bool = False) -> None:
         self.header, self.path, self.offset, self.length = header, path, offset, length
-        self.first = first
+        self.first, self.per_block = first, per_block
         self.wire = 0
+        #: raw and compressed bytes of the blocks that were compressed
+        self.packed = (0, 0) if first is None else (first[0], len(first[1]))
+        self._compressing = first is None or len(first[1]) <= MAX_RATIO * first[0]
         self._q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=AHEAD)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -257,12 +292,22 @@ class Frames:
                             raise OSError(f"{self.path} ended after {done + filled - len(self.header):,} of "
                                           f"{self.length:,} bytes from {self.offset:,}")
                         filled += got
-                    if not self._put(compress_block(view)):
+                    if not self._put(self._frame(view)):
                         return
                     done += n
             self._put(None)
         except BaseException as exc:  # raised in the sending thread
             self._put(exc)
+
+
+    def _frame(self, block: memoryview) -> bytes:
+        if not self._compressing or self.per_block and CPU.idle() < MIN_IDLE:
+            return raw_frame(block)
+        frame = compress_block(block)
+        self.packed = (self.packed[0] + len(block), self.packed[1] + len(frame))
+        if len(frame) > MAX_RATIO * len(block):
+            self._compressing = False  # it does not shrink: the rest goes as it is
+        return frame
 
 
 def sample(header: bytes, path: str, offset: int, length: int) -> tuple[int, bytes, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import io
 import os
 import socket
 
@@ -223,7 +224,6 @@ def test_idle_cpu_counts_only_the_cpus_the_process_may_run_on():
 def test_a_busy_worker_answers_a_compressed_download_plain(tmp_path, monkeypatch):
     """Compression is asked for, not ordered: a worker with no cores to spare sends the shard
     as it is, and the client reads it as such."""
-    import io
     import threading
 
     from werkzeug.serving import make_server
@@ -259,11 +259,58 @@ def test_a_busy_worker_answers_a_compressed_download_plain(tmp_path, monkeypatch
 
 def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, monkeypatch, sent):
     monkeypatch.setattr(wire, "same_host", lambda sock: False)
-    monkeypatch.setattr(wire.CPU, "idle", lambda: 0.0)  # every core busy: auto would not compress
+    monkeypatch.setattr(wire.CPU, "idle", lambda: 0.0)  # every core busy: auto does not compress
     data = weights(2_000_000, seed=11)
     upload(tmp_path, three[0], data, wire_mode="auto")
     upload(tmp_path, three[1], data, wire_mode="on")
-    assert [zstd for zstd, _ in sent] == [False, True]
+    (auto_zstd, auto_wire), (on_zstd, on_wire) = sent
+    # auto sends raw frames (it would compress blocks if the cores freed meanwhile); on compresses
+    assert auto_zstd and auto_wire > len(data) and on_zstd and on_wire < 0.85 * len(data)
+
+
+@pytest.mark.parametrize("n", [0, 1, wire.RAW_BLOCK, wire.RAW_BLOCK + 1, wire.BLOCK, 3 * wire.RAW_BLOCK - 7])
+def test_a_raw_frame_is_a_zstd_frame_of_the_bytes_as_they_are(n):
+    data = os.urandom(n)
+    frame = wire.raw_frame(data)
+    assert zstandard.ZstdDecompressor().decompress(frame) == data
+    assert len(frame) == 9 + n + 3 * max(1, -(-n // wire.RAW_BLOCK))  # headers only: nothing compressed
+    # between compressed frames, as an upload mixes them
+    z = zstandard.ZstdCompressor(level=1).compress(b"x" * 5000)
+    stream = wire.Decompressing(io.BytesIO(z + frame + z), 10_000 + n)
+    assert stream.read() == b"x" * 5000 + data + b"x" * 5000
+    stream.finish()
+
+
+def test_an_upload_started_while_the_cores_are_busy_compresses_once_they_free(three, tmp_path, remote, sent,
+                                                                            monkeypatch):
+    """Uploads sent while detection hashes start on busy cores: their first blocks go as raw
+    frames, the ones read after the hashing compressed; what the meter learns of the ratio is
+    from the compressed blocks alone."""
+    answers = iter([0.0, 0.0])  # busy at the start and for the first block; idle afterwards
+    monkeypatch.setattr(wire.CPU, "idle", lambda: next(answers, 1.0))
+    data = weights(3 * wire.BLOCK, seed=12)
+    name, answer = upload(tmp_path, three[2], data)
+    assert answer["created"] and three[2].shard(name).read_bytes() == data
+    ((zstd, on_wire),) = sent
+    block_wire = len(wire.raw_frame(data[:wire.BLOCK]))
+    assert zstd and block_wire + 0.7 * 2 * wire.BLOCK < on_wire < block_wire + 0.85 * 2 * wire.BLOCK
+    assert 0.7 < wire.METER.ratio < 0.85
+
+
+def test_a_block_that_does_not_shrink_ends_the_compressing_of_its_transfer(tmp_path, monkeypatch):
+    monkeypatch.setattr(wire.CPU, "idle", lambda: 1.0)
+    data = weights(wire.BLOCK, seed=13) + os.urandom(3 * wire.BLOCK)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    compressed: list[int] = []
+    real = wire.compress_block
+    monkeypatch.setattr(wire, "compress_block", lambda block: compressed.append(len(block)) or real(block))
+    frames = wire.Frames(b"", str(src), 0, len(data), per_block=True)
+    out = b"".join(frames)
+    stream = wire.Decompressing(io.BytesIO(out), len(data))
+    assert stream.read() == data
+    assert compressed == [wire.BLOCK, wire.BLOCK]  # the weights, then one random block: no more tries
+    assert frames.packed[0] == 2 * wire.BLOCK
 
 
 @pytest.mark.parametrize(("host", "loopback"), [
