@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from pipeline import failpoints
 from pipeline.core.placement import ChainBalance
@@ -37,7 +37,7 @@ from pipeline.detection.catalog import reference
 from pipeline.detection.completeness import FileEntry
 from pipeline.errors import PlacementError
 from pipeline.settings import Settings
-from pipeline.states import CopyState
+from pipeline.states import PLACED, CopyState
 from pipeline.steps import Send
 from pipeline.store.replication import again
 from pipeline.store.sharding import revive
@@ -124,6 +124,11 @@ class EarlySends:
         """Place the content of a hashed shard and queue the messages that send its new copies."""
         try:
             with session_scope(self.settings.db_url) as s:
+                placed = s.scalar(select(func.count()).select_from(ContentCopy).where(
+                    ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED))))
+            if (placed or 0) >= self.settings.rf:
+                return  # unchanged: a read, not a write per shard (the record references it)
+            with session_scope(self.settings.db_url) as s:
                 reference(s, {sha: plan.size})
                 content = revive(s, [s.get_one(Content, sha)])[0]
                 copies = [(c.id, c.worker_id) for c in place(s, content, self.settings.rf)]
@@ -135,7 +140,7 @@ class EarlySends:
             self._stopped = True
             return
         if not copies:
-            return  # already stored: an unchanged shard
+            return  # placed meanwhile (the record references it)
         named: dict[str, Any] = {
             "host": self.settings.host_id, "path": entry.abspath, "size": entry.size, "mtime_ns": entry.mtime_ns,
             "kind": plan.kind, "tensors": list(plan.tensors), "offset": plan.src_offset, "length": plan.length,

@@ -257,3 +257,27 @@ def test_an_upload_that_ends_while_hashing_goes_on_is_followed_by_the_next_conte
     assert len(queued) == AHEAD + 1
     with session_scope(db.db_url) as s:
         assert s.query(ContentCopy).count() == db.rf * (AHEAD + 1) == len(early.sent)
+
+
+def test_an_unchanged_shard_costs_no_write_while_hashing(db, tmp_path):
+    """A content that already has RF copies placed is passed over with one read: hashing a
+    large, mostly unchanged checkpoint takes no write lock per shard (the record references
+    its contents, once)."""
+    from pipeline.db.models import Content
+    from pipeline.store.early import EarlySends
+
+    db, run, path = _on_trainer(db, tmp_path, 4)
+    d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size)
+    with session_scope(db.db_url) as s:
+        _ckpt, job, _ = catalog.record(s, d, lease_seconds=60, detail="test")
+        job_id = job.id
+    assert sharding.shard_checkpoint(db, job_id)  # every content placed on RF workers
+    with session_scope(db.db_url) as s:
+        touched = {c.sha256: c.last_referenced_at for c in s.query(Content)}
+    queued: list = []
+    with EarlySends(db, queued.extend, "chain") as early:
+        again = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size,
+                                        on_shard=early.shard)
+    assert again.shas == d.shas and queued == [] and early.sent == []
+    with session_scope(db.db_url) as s:
+        assert {c.sha256: c.last_referenced_at for c in s.query(Content)} == touched
