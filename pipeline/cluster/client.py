@@ -162,7 +162,9 @@ class WorkerClient:
                     or wire == "auto" and not METER.worth_it(self.url, "up", cores=False):
                 return False
             if wire == "auto" and wire_mod.CPU.idle() < wire_mod.MIN_IDLE:
-                return True  # no cores to spare now: raw frames, compressed blocks once there are
+                # No cores to spare now: raw frames, and compressed blocks once there are, if
+                # it lasts long enough for that; else as it is.
+                return METER.lasts(self.url, "up", total, wire_mod.BUSY_START_SECONDS)
             n, frame, ratio = wire_mod.sample(header, path, offset, length)
             first = (n, frame)
             return ratio <= wire_mod.MAX_RATIO

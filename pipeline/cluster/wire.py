@@ -21,11 +21,12 @@ transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
   slower (11.0 -> 12.4 s) and the restore faster (10.6 -> 8.9 s).
 
 An upload judges the cores block by block: one that starts while they are busy (the uploads
-sent while detection hashes the file) is still sent as zstd frames, each block that finds
-them busy as a *raw* frame (its bytes as they are, in stored zstd blocks: a copy, no
-compression; :func:`raw_frame`), each that finds them idle compressed, so that it compresses
-once the hashing is over instead of never. A block that does not shrink to ``MAX_RATIO``
-stops the compression of the rest of its transfer.
+sent while detection hashes the file) and should last ``BUSY_START_SECONDS`` or more on its
+link is still sent as zstd frames, each block that finds them busy as a *raw* frame (its
+bytes as they are, in stored zstd blocks: a copy, no compression; :func:`raw_frame`), each
+that finds them idle compressed, so that it compresses once the hashing is over instead of
+never. A block that does not shrink to ``MAX_RATIO`` stops the compression of the rest of
+its transfer.
 
 Compressed bytes are zstd frames, one per ``BLOCK`` of raw bytes, sent as a chunked body (an
 upload, passed on as they are along a chain) or answer (a download); the raw length is in the
@@ -65,6 +66,11 @@ MARGIN = 1.25
 AHEAD = 2
 #: Compress only while at least this share of the host's CPU time is idle.
 MIN_IDLE = 0.3
+#: An upload that starts while the cores are busy is still declared compressed (its blocks
+#: compress once they are idle) if it should last this long on its link: a shorter one is
+#: unlikely to see them free, and its raw frames would cost the sender a copy that sendfile
+#: does not (0.44 CPU-s per GiB measured, and the receiver 0.13 more).
+BUSY_START_SECONDS = 2.0
 #: Weight of a new measurement in the running estimates.
 _NEW = 0.5
 
@@ -168,6 +174,13 @@ class Meter:
                 return False
             rate, speed = self.rates.get((url, direction)), self.compressor
         return (rate is None or speed is None or rate * MARGIN < speed) and (not cores or CPU.idle() >= MIN_IDLE)
+
+    def lasts(self, url: str, direction: str, size: int, seconds: float) -> bool:
+        """Whether ``size`` bytes over this link should take ``seconds`` or more, at the rate
+        of its last transfers (a link not measured yet is taken to be slow)."""
+        with self._lock:
+            rate = self.rates.get((url, direction))
+        return rate is None or size >= rate * seconds
 
     def compressed(self, raw: int, seconds: float) -> None:
         """zstd compressed ``raw`` bytes in ``seconds`` of one thread's time."""

@@ -257,8 +257,7 @@ def test_a_busy_worker_answers_a_compressed_download_plain(tmp_path, monkeypatch
         thread.join(10)
 
 
-def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, monkeypatch, sent):
-    monkeypatch.setattr(wire, "same_host", lambda sock: False)
+def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, remote, monkeypatch, sent):
     monkeypatch.setattr(wire.CPU, "idle", lambda: 0.0)  # every core busy: auto does not compress
     data = weights(2_000_000, seed=11)
     upload(tmp_path, three[0], data, wire_mode="auto")
@@ -266,6 +265,19 @@ def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, monkeypa
     (auto_zstd, auto_wire), (on_zstd, on_wire) = sent
     # auto sends raw frames (it would compress blocks if the cores freed meanwhile); on compresses
     assert auto_zstd and auto_wire > len(data) and on_zstd and on_wire < 0.85 * len(data)
+
+
+def test_a_short_upload_that_starts_on_busy_cores_is_sent_as_it_is(three, tmp_path, remote, monkeypatch, sent):
+    """Raw frames pay off only if the cores free up while the upload lasts: one that should
+    take less than ``BUSY_START_SECONDS`` on its (measured) link goes plain, with sendfile."""
+    monkeypatch.setattr(wire.CPU, "idle", lambda: 0.0)
+    data = weights(6_000_000, seed=14)
+    url = client(three[0]).url
+    wire.METER.transfer(url, "up", 64 << 20, 64 << 20, 0.5)  # 128 MiB/s: 6 MB in 0.05 s
+    upload(tmp_path, three[0], data)
+    wire.METER.rates[(url, "up")] = 1e6  # 1 MB/s: 6 s
+    upload(tmp_path, three[0], data + b"x")
+    assert [zstd for zstd, _ in sent] == [False, True]
 
 
 @pytest.mark.parametrize("n", [0, 1, wire.RAW_BLOCK, wire.RAW_BLOCK + 1, wire.BLOCK, 3 * wire.RAW_BLOCK - 7])
