@@ -258,7 +258,7 @@ class Watcher:
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         started = now()
         try:
-            with EarlySends(self.settings, self.send, options.replication) as early:
+            with EarlySends(self.settings, self.send, options.replication, started) as early:
                 detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",

@@ -16,6 +16,10 @@ the contents sent for it are referenced by nothing and collected after the grace
 The shard step then places and sends the rest (and what this could not: a placement that
 failed, a send that could not be queued); ``Send("shard", (job_id, sent))`` names the copies
 sent here.
+
+A shard whose content already has RF copies placed (an unchanged shard) costs one read, and
+the watcher has its verified copies re-hashed on their workers at once, in a thread, counted
+from when the hashing began (the shard step's recheck would start only once it is recorded).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -41,6 +46,7 @@ from pipeline.states import PLACED, CopyState
 from pipeline.steps import Send
 from pipeline.store.replication import again
 from pipeline.store.sharding import revive
+from pipeline.store.verification import recheck_contents
 
 log = logging.getLogger("ckpt.early")
 
@@ -64,8 +70,14 @@ class EarlySends:
     upload it sent has ended (no copy of that message is pending any more), at most ``AHEAD``
     messages in flight; :attr:`sent` is final once it has exited."""
 
-    def __init__(self, settings: Settings, send: Callable[[list[Send]], None], mode: str) -> None:
+    def __init__(self, settings: Settings, send: Callable[[list[Send]], None], mode: str,
+                 started: datetime | None = None) -> None:
         self.settings, self.send, self.mode = settings, send, mode
+        #: when the store's hashing began: given, the copies of the unchanged contents found are
+        #: re-hashed on their workers meanwhile (counted from then: pipeline.store.verification)
+        self.started = started
+        self._unchanged: list[str] = []
+        self._rechecking = False
         #: the copies whose messages were queued here (the shard step does not send them again)
         self.sent: list[int] = []
         self._chains = ChainBalance()
@@ -89,8 +101,20 @@ class EarlySends:
     def shard(self, entry: FileEntry, plan: ShardPlan, sha: str) -> None:
         """A shard of ``entry`` was hashed: place its content and send its new copies (now, if
         fewer than ``AHEAD`` messages are in flight, else when one has ended)."""
+        if self._stopped:
+            return
+        try:
+            with session_scope(self.settings.db_url) as s:
+                placed = s.scalar(select(func.count()).select_from(ContentCopy).where(
+                    ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED))))
+        except Exception as exc:  # the control plane: detection goes on, the shard step sends
+            log.warning("could not look up %s while hashing (%s); it is sent once recorded", sha[:12], exc)
+            self._stopped = True
+            return
         with self._lock:
-            if not self._stopped:
+            if (placed or 0) >= self.settings.rf:
+                self._shared(sha)  # unchanged: a read, not a write per shard (the record references it)
+            elif not self._stopped:
                 self._found.append((entry, plan, sha))
                 self._send_while_room()
 
@@ -109,6 +133,35 @@ class EarlySends:
                         return
                 self._send_while_room()
 
+    def _shared(self, sha: str) -> None:
+        """An unchanged content: its verified copies are re-hashed from their disks now, in a
+        thread of this process, rather than from the shard step's recheck once recorded (in
+        the box at 1 Gbit that recheck could still be reading when the last upload ended)."""
+        if self.started is None:
+            return
+        self._unchanged.append(sha)
+        if not self._rechecking:
+            self._rechecking = True
+            threading.Thread(target=self._recheck, args=(self.started,), name="ckpt-early-recheck",
+                             daemon=True).start()
+
+    def _recheck(self, since: datetime) -> None:
+        """Re-hash the unchanged contents found so far, batch after batch, until none is left.
+        Best effort: what it does not reach, the shard step's recheck or the verify step does."""
+        while True:
+            with self._lock:
+                batch, self._unchanged = self._unchanged, []
+                if not batch:
+                    self._rechecking = False
+                    return
+            try:
+                recheck_contents(self.settings, batch, since)
+            except Exception as exc:
+                log.warning("could not re-hash the shared copies while hashing (%s); the store's recheck does", exc)
+                with self._lock:
+                    self._unchanged, self._rechecking = [], False
+                return
+
     def _pending(self, messages: list[list[int]]) -> list[list[int]]:
         """The messages of which a copy is still pending (its upload has not ended)."""
         with session_scope(self.settings.db_url) as s:
@@ -123,11 +176,6 @@ class EarlySends:
     def _send(self, entry: FileEntry, plan: ShardPlan, sha: str) -> None:
         """Place the content of a hashed shard and queue the messages that send its new copies."""
         try:
-            with session_scope(self.settings.db_url) as s:
-                placed = s.scalar(select(func.count()).select_from(ContentCopy).where(
-                    ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED))))
-            if (placed or 0) >= self.settings.rf:
-                return  # unchanged: a read, not a write per shard (the record references it)
             with session_scope(self.settings.db_url) as s:
                 reference(s, {sha: plan.size})
                 content = revive(s, [s.get_one(Content, sha)])[0]

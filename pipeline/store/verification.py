@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -111,13 +112,39 @@ def recheck_shared(settings: Settings, job_id: int) -> list[Send]:
         if job is None or job.state != S.SHARDED or job.checkpoint_id is None:
             return []
         since = job.created_at
-        asks: dict[str, WorkerAsk] = {}
-        for cp in copies_of(s, job.checkpoint_id, {CopyState.VERIFIED}):
-            if cp.verified_at is None or cp.verified_at < since:
-                asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url)).rehash.append(cp.sha256)
-    if not asks:
-        return []
+        copies = copies_of(s, job.checkpoint_id, {CopyState.VERIFIED})
+        asks = _stale(copies, since)
+    if asks:
+        n = recheck_copies(settings, asks)
+        log.info("job %d: %d shared copies re-hashed beside the uploads (%d matched)", job_id,
+                 sum(len(a.rehash) for a in asks.values()), n)
+    return []
+
+
+def recheck_contents(settings: Settings, shas: list[str], since: datetime) -> int:
+    """The same for contents a store that is still being detected shares (pipeline.store.early):
+    their verified copies not re-hashed since ``since`` (when its hashing began) are re-hashed
+    now; the copies that matched."""
+    with session_scope(settings.db_url) as s:
+        copies = list(s.scalars(select(ContentCopy).where(ContentCopy.sha256.in_(shas),
+                                                          ContentCopy.state == CopyState.VERIFIED)))
+        asks = _stale(copies, since)
+    return recheck_copies(settings, asks) if asks else 0
+
+
+def _stale(copies: list[ContentCopy], since: datetime) -> dict[str, WorkerAsk]:
+    """What to ask each worker: its copies among ``copies`` not re-hashed since ``since``."""
+    asks: dict[str, WorkerAsk] = {}
+    for cp in copies:
+        if cp.verified_at is None or cp.verified_at < since:
+            asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url)).rehash.append(cp.sha256)
+    return asks
+
+
+def recheck_copies(settings: Settings, asks: dict[str, WorkerAsk]) -> int:
+    """Have the workers re-hash copies; record each match as re-hashed now. How many matched."""
     answers = rehash_on_workers(settings, asks)
+    matched_n = 0
     with session_scope(settings.db_url) as s:
         t = now()
         for worker_id, answer in answers.items():
@@ -126,9 +153,8 @@ def recheck_shared(settings: Settings, job_id: int) -> list[Send]:
                 s.execute(update(ContentCopy).where(
                     ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(matched),
                     ContentCopy.state == CopyState.VERIFIED).values(verified_at=t, checked_at=t))
-    log.info("job %d: %d shared copies re-hashed beside the uploads", job_id,
-             sum(len(a.rehash) for a in asks.values()))
-    return []
+                matched_n += len(matched)
+    return matched_n
 
 
 def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:

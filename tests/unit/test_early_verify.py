@@ -238,3 +238,61 @@ def test_a_shared_copy_the_recheck_finds_bad_is_left_to_the_verify_step(detected
     FakeWorker.calls.clear()
     verification.verify_checkpoint(db, job2)
     assert {n for kind, _url, names in FakeWorker.calls if kind == "verify" for n in names} == {rotten}
+
+
+def test_copies_a_step_shares_are_rehashed_while_it_is_still_being_hashed(detected, monkeypatch):  # noqa: F811
+    """Detection finds a shard whose content already has RF copies placed: those copies are
+    re-hashed on their workers at once (pipeline.store.early), counted from when the hashing
+    began, so the shard step's recheck and the verify step find nothing left to read."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from pipeline.detection import catalog, completeness
+    from pipeline.store.early import EarlySends
+    from tests.checkpoints import atomic_save
+
+    db, path, job_id = detected
+    monkeypatch.setattr(replication, "WorkerClient", RotsLater)
+    monkeypatch.setattr(verification, "WorkerClient", RotsLater)
+    RotsLater.rotten = set()
+    _store(db, job_id)
+    sd = load_file(path)
+    for name in sorted(sd)[len(sd) // 2:]:
+        sd[name] = sd[name] + 1
+    step2 = atomic_save(sd, path.with_name("step_2.safetensors"))
+    FakeWorker.calls.clear()
+    started, queued = now(), []
+    with EarlySends(db, queued.extend, "chain", started) as early:
+        d = catalog.hash_checkpoint(path.parent, step2, completeness.inspect(step2), shard_size=db.shard_size,
+                                    on_shard=early.shard)
+    deadline = time.monotonic() + 10
+    while early._rechecking and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with session_scope(db.db_url) as s:
+        _ckpt, job, _ = catalog.record(s, d, lease_seconds=60, detail="test", started_at=started)
+        job2 = job.id
+        shared = set(s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == 1))) \
+            & {sha for shards in d.shards for _p, sha in shards}
+        assert shared and all(c.verified_at >= started for c in s.scalars(select(ContentCopy).where(
+            ContentCopy.sha256.in_(shared))))
+    assert {n for kind, _url, names in FakeWorker.calls if kind == "verify" for n in names} == shared
+    assert queued  # the changed half went out meanwhile
+    FakeWorker.calls.clear()
+    sends = shard_checkpoint(db, job2, early.sent)
+    for send in sends:
+        if send.actor == "recheck":
+            verification.recheck_shared(db, *send.args)
+        else:
+            replication.replicate(db, *send.args)
+    for send in queued:
+        replication.replicate(db, *send.args)
+    # the store's own recheck found nothing left to re-hash: only new copies were re-hashed
+    assert not {n for kind, _url, names in FakeWorker.calls if kind == "verify" for n in names} & shared
+    with session_scope(db.db_url) as s:
+        FakeWorker.sizes = {c.sha256: c.content.size for c in s.scalars(select(ContentCopy))}
+    verification.verify_checkpoint(db, job2)
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job2).state == "verified"
+        detail = s.scalar(select(JobEvent.detail).where(JobEvent.job_id == job2, JobEvent.to_state == "verified"))
+    assert detail.endswith(f"{2 * len(shared)} shared with earlier checkpoints beside the uploads, 0 now"), detail
