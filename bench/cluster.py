@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench import layouts, limits
 from bench.system import _die_with_parent
+from pipeline.cluster.wire import cpu_times
 from pipeline.db.engine import dispose_all
 
 #: Link rates by name, in bits per second.
@@ -199,10 +200,10 @@ class LinkProfile:
             sent = next(int(rest.split()[8]) for name, _, rest in (line.partition(":") for line in f)
                         if name.strip() == "eth0")
         with open("/proc/stat") as f:
-            cpu = [int(x) for x in f.readline().split()[1:9]]
+            cpu_all, cpu_idle = cpu_times(f.read(), os.sched_getaffinity(0))
         with open("/proc/diskstats") as f:
             io_ms = next((int(p[12]) for p in (line.split() for line in f) if p[2] == self.disk), 0)
-        return time.perf_counter() - start, sent, sum(cpu), cpu[3] + cpu[4], io_ms
+        return time.perf_counter() - start, sent, cpu_all, cpu_idle, io_ms
 
     def _run(self) -> None:
         start = time.perf_counter()

@@ -250,7 +250,7 @@ class Frames:
         self.wire = 0
         #: raw and compressed bytes of the blocks that were compressed
         self.packed = (0, 0) if first is None else (first[0], len(first[1]))
-        self._compressing = first is None or len(first[1]) <= MAX_RATIO * first[0]
+        self._compressing = True  # until a block does not shrink (a sample that did not is never sent)
         self._q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=AHEAD)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -311,7 +311,6 @@ class Frames:
             self._put(None)
         except BaseException as exc:  # raised in the sending thread
             self._put(exc)
-
 
     def _frame(self, block: memoryview) -> bytes:
         if not self._compressing or self.per_block and CPU.idle() < MIN_IDLE:

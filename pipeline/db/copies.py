@@ -155,6 +155,15 @@ def place(session: Session, content: Content, wanted: int, *, candidates: list[p
     return out
 
 
+def placed_count(session: Session, sha: str) -> int:
+    """Copies of content ``sha`` placed (pending, stored or verified) on counting workers: what
+    :func:`place` tops up to the replication factor, read without loading the content."""
+    return int(session.scalar(
+        select(func.count(ContentCopy.id)).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .where(ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED)),
+               StorageWorker.state.in_(sorted(COUNTING_WORKERS)))) or 0)
+
+
 def place_one(session: Session, content: Content) -> ContentCopy:
     """One more pending copy on a placeable worker that holds none (repair, replacements)."""
     busy = frozenset(c.worker_id for c in content.copies if c.state not in REUSABLE)
@@ -222,4 +231,5 @@ def good_counts(session: Session, shas: Iterable[str]) -> dict[str, int]:
 
 __all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_after", "good_copies_per_shard",
            "good_copy", "good_count", "good_counts", "held_per_worker", "live_candidates", "mark", "place", "place_one",
+           "placed_count",
            "shard_copies", "shas_on"]

@@ -17,9 +17,10 @@ The shard step then places and sends the rest (and what this could not: a placem
 failed, a send that could not be queued); ``Send("shard", (job_id, sent))`` names the copies
 sent here.
 
-A shard whose content already has RF copies placed (an unchanged shard) costs one read, and
-the watcher has its verified copies re-hashed on their workers at once, in a thread, counted
-from when the hashing began (the shard step's recheck would start only once it is recorded).
+A shard whose content already has RF copies placed on counting workers (an unchanged shard;
+the rule of ``place``) costs one read, and the watcher has its verified copies re-hashed on
+their workers at once, in a thread, counted from when the hashing began (the shard step's
+recheck would start only once it is recorded).
 """
 from __future__ import annotations
 
@@ -30,19 +31,19 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from pipeline import failpoints
 from pipeline.core.placement import ChainBalance
 from pipeline.core.planner import ShardPlan
-from pipeline.db.copies import place
+from pipeline.db.copies import place, placed_count
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Content, ContentCopy
 from pipeline.detection.catalog import reference
 from pipeline.detection.completeness import FileEntry
 from pipeline.errors import PlacementError
 from pipeline.settings import Settings
-from pipeline.states import PLACED, CopyState
+from pipeline.states import CopyState
 from pipeline.steps import Send
 from pipeline.store.replication import again
 from pipeline.store.sharding import revive
@@ -105,14 +106,13 @@ class EarlySends:
             return
         try:
             with session_scope(self.settings.db_url) as s:
-                placed = s.scalar(select(func.count()).select_from(ContentCopy).where(
-                    ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED))))
+                placed = placed_count(s, sha)
         except Exception as exc:  # the control plane: detection goes on, the shard step sends
             log.warning("could not look up %s while hashing (%s); it is sent once recorded", sha[:12], exc)
             self._stopped = True
             return
         with self._lock:
-            if (placed or 0) >= self.settings.rf:
+            if placed >= self.settings.rf:
                 self._shared(sha)  # unchanged: a read, not a write per shard (the record references it)
             elif not self._stopped:
                 self._found.append((entry, plan, sha))

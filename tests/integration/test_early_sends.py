@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, JobEvent, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, JobEvent, Shard
 from pipeline.integrity import gc
 from pipeline.restore.loader import load_state_dict
 from tests.checkpoints import atomic_save, state_dict
@@ -83,3 +83,42 @@ def test_a_file_that_changes_while_it_is_hashed_is_recorded_only_as_it_ends(make
     assert orphans <= garbage  # collected once the grace period is over
     restored = load_state_dict(str(path), cluster.settings)
     assert all(restored[k].equal(final[k]) for k in final)
+
+
+def test_the_copies_a_step_shares_are_rehashed_while_it_is_being_detected(make_cluster, tmp_path):
+    """Real watcher and workers: the copies a step shares with the one before are re-hashed on
+    their workers as soon as detection finds them unchanged, not by the shard step's recheck.
+    The watcher pauses 3 s after recording the step, before it queues the shard step: every
+    shared copy was re-hashed (since the store began) before the job became ``sharded``, and
+    the verify step re-hashes none of them."""
+    from safetensors.torch import load_file
+
+    points = tmp_path / "points"
+    points.mkdir()
+    cluster = make_cluster(env={"CKPT_FAILPOINTS": str(points)})
+    run = cluster.runs / "run"
+    run.mkdir()
+    first = atomic_save(state_dict(41, layers=8, width=128), run / "step_41.safetensors")
+    cluster.wait_job(checkpoint_job(cluster, first), ("verified",))
+    sd = load_file(first)
+    for name in sorted(sd)[len(sd) // 2:]:
+        sd[name] = sd[name] + 1
+    (points / "watch.recorded").write_text("sleep 3\n")
+    second = atomic_save(sd, run / "step_42.safetensors")
+    job_id = checkpoint_job(cluster, second)
+    cluster.wait_job(job_id, ("verified",))
+    assert (points / "watch.recorded.fired").exists()
+
+    with session_scope(cluster.settings.db_url) as s:
+        def shas(path):
+            return set(s.scalars(select(Shard.sha256).join(CheckpointFile).join(Checkpoint)
+                                 .where(Checkpoint.path == str(path))))
+        shared = shas(first) & shas(second)
+        started = s.scalar(select(Job.created_at).where(Job.id == job_id))
+        sharded = s.scalar(select(JobEvent.at).where(JobEvent.job_id == job_id, JobEvent.to_state == "sharded"))
+        copies = s.scalars(select(ContentCopy).where(ContentCopy.sha256.in_(shared))).all()
+        detail = s.scalar(select(JobEvent.detail).where(JobEvent.job_id == job_id, JobEvent.to_state == "verified"))
+    assert shared and len(copies) == 2 * len(shared)
+    # (verified_at moves on only by a later re-hash: none runs between the shard step and here)
+    assert all(started <= c.verified_at < sharded for c in copies), [(c.verified_at, started, sharded) for c in copies]
+    assert detail.endswith(f"{len(copies)} shared with earlier checkpoints beside the uploads, 0 now"), detail

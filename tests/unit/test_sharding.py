@@ -281,3 +281,14 @@ def test_an_unchanged_shard_costs_no_write_while_hashing(db, tmp_path):
     assert again.shas == d.shas and queued == [] and early.sent == []
     with session_scope(db.db_url) as s:
         assert {c.sha256: c.last_referenced_at for c in s.query(Content)} == touched
+        # A copy on a worker that no longer counts is not one of its RF (the rule of place()):
+        # the contents it held are sent again, to another worker.
+        s.get(StorageWorker, "w-0").state = "down"
+        on_down = {c.sha256 for c in s.query(ContentCopy).filter(ContentCopy.worker_id == "w-0")}
+    assert on_down
+    with EarlySends(db, queued.extend, "fanout") as early:
+        catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size,
+                                on_shard=early.shard)
+    with session_scope(db.db_url) as s:
+        sent = [s.get(ContentCopy, cid) for cid in early.sent]
+        assert sent and {c.sha256 for c in sent} <= on_down and all(c.worker_id != "w-0" for c in sent)
