@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from pipeline import settings as settings_mod
 from pipeline import states
+from pipeline.core.retention import recency
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
@@ -86,7 +87,8 @@ def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
 
 
 def latest(run: str | Path, *, settings: Settings | None = None) -> Protected | None:
-    """The newest protected checkpoint of ``run`` (by step, then detection order), or None."""
+    """The newest protected checkpoint of ``run`` (the most recently completed save:
+    pipeline.core.retention.recency), or None."""
     s = _control_plane(settings)
     run_path = str(Path(run).expanduser().resolve())
     with session_scope(s.db_url, readonly=True) as session:
@@ -101,7 +103,7 @@ def latest(run: str | Path, *, settings: Settings | None = None) -> Protected | 
         protected = [(c, j) for c, j in newest.values() if j.state in states.PROTECTED]
         if not protected:
             return None
-        ckpt, job = max(protected, key=lambda cj: (cj[0].step is not None, cj[0].step or 0, cj[0].id))
+        ckpt, job = max(protected, key=lambda cj: recency(cj[0].mtime, cj[0].step, cj[0].id))
         return _row(ckpt, job)
 
 

@@ -133,17 +133,16 @@ def worker_dict(w: StorageWorker) -> dict[str, Any]:
 
 
 def _newest(session: Session, run: str, *where: ColumnElement[bool]) -> Checkpoint | None:
-    """The run's newest current checkpoint (by step, then id) matching ``where``: two
-    lookups along the (run, current, step, id) index, whatever the run's length."""
-    base = select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True), *where)
-    return (session.scalar(base.where(Checkpoint.step.is_not(None))
-                           .order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(1))
-            or session.scalar(base.where(Checkpoint.step.is_(None)).order_by(Checkpoint.id.desc()).limit(1)))
+    """The run's newest current checkpoint matching ``where`` (pipeline.core.retention.recency):
+    one lookup along the (run, current, mtime, id) index, whatever the run's length."""
+    return session.scalar(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True), *where)
+                          .order_by(*newest_first()).limit(1))
 
 
 def newest_first() -> tuple[Any, ...]:
-    """Checkpoints by step, newest first; those without a step last, newest first."""
-    return (Checkpoint.step.is_not(None).desc(), Checkpoint.step.desc(), Checkpoint.id.desc())
+    """Checkpoints newest first, as pipeline.core.retention.recency orders them: by when their
+    content was complete, then the writer's step, then detection order."""
+    return (Checkpoint.mtime.desc(), func.coalesce(Checkpoint.step, -1).desc(), Checkpoint.id.desc())
 
 
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -88,7 +88,8 @@ def checkpoint_retention(checkpoint_id: int, action: str) -> ResponseReturnValue
     try:
         if action == "forget":
             operations.forget(settings(), [str(checkpoint_id)])
-            flash("forgotten: it can no longer be restored; its local copy is not touched", "info")
+            flash("forgotten: it can no longer be restored; once its remote copies are collected, its local copy "
+                  "(if any) is the only one, and the local policy rotates it like any other", "info")
         else:
             note = request.form.get("note", "").strip() or None
             operations.pin(settings(), str(checkpoint_id), note, pinned=action == "pin")

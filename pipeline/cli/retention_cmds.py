@@ -40,11 +40,16 @@ def cmd_forget(args: argparse.Namespace) -> int:
     verb = "would forget" if args.dry_run else "forgot"
     for v in verdicts:
         print(f"{verb} checkpoint {v.checkpoint_id}: {v.path} ({gb(v.bytes)})")
-    if not args.dry_run:
-        print("they can no longer be restored; their local copies are untouched; content nothing kept "
-              f"references is deleted from the workers by the next collection (after {s.gc_grace_seconds:.0f} s; "
-              "`ckpt gc` runs one now)")
+    print(("they would" if args.dry_run else "they") + " no longer be restorable. " + LAST_COPY.format(
+        grace=s.gc_grace_seconds, keep=s.keep_last))
     return 0
+
+
+#: What forgetting means for the bytes, said before and after (`ckpt forget`, `ckpt policy`).
+LAST_COPY = ("Their content is deleted from the workers by the first collection after {grace:.0f} s once "
+             "their local copies are gone (`ckpt gc` runs one now): a local copy still on the training disk "
+             "is then the ONLY copy, and the local policy (keep the newest {keep} per run) rotates it "
+             "like any other.")
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
@@ -63,10 +68,14 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for run in runs:
             policy = s.policy_for(run)
             print(f"{run}: remote retention {policy.describe()}")
-            for v in retention.plan_run(session, s, run):
+            verdicts = retention.plan_run(session, s, run)
+            for v in verdicts:
                 mark = "keep  " if v.keep else "forget"
                 print(f"  {mark} {v.checkpoint_id:>6}  step {v.step if v.step is not None else '-':>8}  "
                       f"{gb(v.bytes):>11}  {v.why}  {v.path}")
+            if any(not v.keep for v in verdicts):
+                print("  forgotten checkpoints are no longer restorable. " + LAST_COPY.format(
+                    grace=s.gc_grace_seconds, keep=s.keep_last))
     return 0
 
 

@@ -8,6 +8,7 @@ from datetime import datetime
 from pipeline import states
 from pipeline.cli.common import settings_from
 from pipeline.cli.progress import age
+from pipeline.core.retention import recency
 from pipeline.db.transitions import now
 from pipeline.states import WorkerState
 
@@ -17,10 +18,10 @@ def gb(n: int) -> str:
 
 
 def _checkpoint_table(rows: list[dict], t: datetime) -> None:
-    """One run's checkpoints on this page, newest step first (those without a step last)."""
+    """One run's checkpoints on this page, newest first (pipeline.core.retention.recency)."""
     if not rows:
         return
-    rows = sorted(rows, key=lambda c: (c["step"] is not None, c["step"] or 0, c["id"]), reverse=True)
+    rows = sorted(rows, key=lambda c: recency(c["written_at"].timestamp(), c["step"], c["id"]), reverse=True)
     print(f"    {'ID':>6}  {'STEP':>8}  {'WRITTEN':>11}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} "
           f"{'SIZE':>10}  NAME")
     for c in rows:

@@ -1,11 +1,16 @@
 """Retention, pure: which local checkpoints of a run rotate away, and which protected
 checkpoints stay restorable from the storage workers.
 
-Locally, keep the newest ``keep_last`` checkpoints of each run; "newest" is by the step
-number in the name (pipeline.core.layouts.step_of) when both have one, then by detection
-order (the checkpoint id), never by the last digits of a name or a modification time a copy
-can change. Whether a candidate may really be deleted is decided elsewhere
-(pipeline.store.rotation).
+"Newest" is one definition everywhere (docs/design.md, "The newest save"): the most recently
+completed save, by the time its content was complete (its newest file's modification time),
+then the writer's own step (Trainer ``global_step``, else the step in its name), then
+detection order (the checkpoint id): :func:`recency`. When in doubt, keep: whatever the
+order, nothing drops the newest of a run by any of the three measures (:func:`newest_ids`),
+so a copy that moved a modification time or a name without digits never makes the newest
+save look old.
+
+Locally, keep the newest ``keep_last`` checkpoints of each run. Whether a candidate may
+really be deleted is decided elsewhere (pipeline.store.rotation).
 
 Remotely, a :class:`Policy` keeps checkpoints by count, step, calendar bucket and metric;
 the ones it drops are forgotten (pipeline.integrity.retention) and their content collected
@@ -17,22 +22,51 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
 class LocalCheckpoint:
     id: int
     step: int | None
+    #: When its content was complete: its newest file's modification time (seconds).
     mtime: float
 
 
+class _Saved(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def step(self) -> int | None: ...
+
+
+def recency(completed: float, step: int | None, id: int) -> tuple[float, int, int]:
+    """The sort key of "newest": completion time, then the writer's step, then detection order."""
+    return (completed, step if step is not None else -1, id)
+
+
+def newest_ids(items: Iterable[_Saved], completed: Callable[[Any], float]) -> set[int]:
+    """The newest of ``items`` by each measure on its own: completion time, step, detection
+    order. What no retention rule ever drops."""
+    items = list(items)
+    if not items:
+        return set()
+    out = {max(items, key=lambda c: (completed(c), c.id)).id, max(items, key=lambda c: c.id).id}
+    stepped = [c for c in items if c.step is not None]
+    if stepped:
+        out.add(max(stepped, key=lambda c: (c.step, c.id)).id)
+    return out
+
+
 def newest_first(items: list[LocalCheckpoint]) -> list[LocalCheckpoint]:
-    return sorted(items, key=lambda c: (c.step is not None, c.step or 0, c.id), reverse=True)
+    return sorted(items, key=lambda c: recency(c.mtime, c.step, c.id), reverse=True)
 
 
 def to_rotate(items: list[LocalCheckpoint], keep_last: int) -> list[int]:
-    """Ids of the checkpoints beyond the newest ``keep_last``, oldest last."""
-    return [c.id for c in newest_first(items)[keep_last:]]
+    """Ids of the checkpoints beyond the newest ``keep_last``, oldest last; never one of the
+    newest by any measure (:func:`newest_ids`)."""
+    never = newest_ids(items, lambda c: c.mtime)
+    return [c.id for c in newest_first(items)[keep_last:] if c.id not in never]
 
 
 # -- remote retention: which protected checkpoints stay restorable -------------------------
@@ -87,15 +121,20 @@ class Protected:
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
+def _completed(c: Protected) -> float:
+    return c.saved_at.timestamp()
+
+
 def _newest_first(items: Iterable[Protected]) -> list[Protected]:
-    return sorted(items, key=lambda c: (c.step is not None, c.step or 0, c.saved_at, c.id), reverse=True)
+    return sorted(items, key=lambda c: recency(_completed(c), c.step, c.id), reverse=True)
 
 
 def kept(items: Iterable[Protected], policy: Policy) -> dict[int, list[str]]:
     """Per kept checkpoint, why (every rule that keeps it). Deterministic.
 
     A checkpoint is kept when any rule keeps it (the rules add up, as restic's do); pins and
-    the newest checkpoint of the run are always kept, and so is everything when no rule is set.
+    the newest checkpoint of the run (by each measure of :func:`newest_ids`) are always kept,
+    and so is everything when no rule is set.
     """
     ordered = _newest_first(items)
     why: dict[int, list[str]] = {}
@@ -105,7 +144,10 @@ def kept(items: Iterable[Protected], policy: Policy) -> dict[int, list[str]]:
 
     if not ordered:
         return why
-    keep(ordered[0], "newest")
+    newest = newest_ids(ordered, _completed)
+    for c in ordered:
+        if c.id in newest:
+            keep(c, "newest")
     for c in ordered:
         if c.pinned:
             keep(c, "pinned")

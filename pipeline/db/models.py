@@ -74,8 +74,9 @@ class Checkpoint(Base):
         # A path names a checkpoint on one host: two hosts may write the same path.
         UniqueConstraint("host", "path", "version", name="uq_checkpoints_host_path_version"),
         Index("ix_checkpoints_run_current", "run", "current"),
-        # A run's newest checkpoints (status, the runs view) without sorting the run.
-        Index("ix_checkpoints_run_step", "run", "current", "step", "id"),
+        # A run's newest checkpoints (status, the runs view: pipeline.core.retention.recency)
+        # without sorting the run.
+        Index("ix_checkpoints_run_recent", "run", "current", "mtime", "id"),
         # Counts and bytes by run and state (the overview, /metrics) from the index alone.
         Index("ix_checkpoints_run_state", "run", "current", "store_state", "local_present", "total_bytes"),
     )
@@ -91,6 +92,8 @@ class Checkpoint(Base):
     #: SHA-256 over the sorted (relative path, size, file SHA-256) of every file.
     version: Mapped[str] = mapped_column(String(64))
     step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: When its content was complete: its newest file's modification time, refreshed when the
+    #: same content is saved again. What "newest" reads first (pipeline.core.retention.recency).
     mtime: Mapped[float] = mapped_column(Float)
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     local_present: Mapped[bool] = mapped_column(Boolean, default=True)

@@ -59,6 +59,8 @@ class Detected:
     completed_by: str = "structure"
     #: training metrics the checkpoint carries (pipeline.detection.metrics)
     metrics: dict[str, float] | None = None
+    #: the step its writer says it saved at (Trainer ``global_step``), else None
+    writer_step: int | None = None
     #: files other hosts hold (their parts), and the ids of the parts they come from
     remote: tuple[PartFile, ...] = ()
     parts: tuple[int, ...] = ()
@@ -96,9 +98,10 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
         shards.append(tuple(zip(plans, shard_shas, strict=True)))
     if not completeness.unchanged(entries):
         raise SourceChanged(str(path), "a file changed while it was being hashed")
+    state = metrics.trainer_state((e.relpath, e.abspath, e.size) for e in entries)
     return Detected(run=run, path=path, entries=tuple(entries), shas=tuple(shas), shards=tuple(shards),
                     layout=layout, completed_by=completed_by,
-                    metrics=metrics.read((e.relpath, e.abspath, e.size) for e in entries) or None)
+                    metrics=metrics.from_trainer_state(state) or None, writer_step=metrics.writer_step(state))
 
 
 def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int, int], ...]:
@@ -134,6 +137,16 @@ def owner_elsewhere(session: Session, checkpoint_id: int | None, host: str) -> s
     return owner if owner is not None and owner != host else None
 
 
+def _completed_again(ckpt: Checkpoint, d: Detected) -> None:
+    """The same content saved again at its path: it completed now (what "newest" reads:
+    pipeline.core.retention.recency), and its files' times are the ones on disk."""
+    ckpt.mtime = max(ckpt.mtime, max(e.mtime_ns for e in d.entries) / 1e9)
+    times = {e.relpath: e.mtime_ns for e in d.entries}
+    for f in ckpt.files:
+        if f.relpath in times and f.host is None:
+            f.mtime_ns = times[f.relpath]
+
+
 def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
            host: str | None = None, started_at: datetime | None = None) -> tuple[Checkpoint, Job, bool]:
     """Insert ``d`` as the current version at its path on ``host``, with a ``detected`` store
@@ -157,6 +170,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
         _claim(session, d.parts, existing.id)
         existing.current = True
         existing.local_present = True
+        _completed_again(existing, d)
         job = latest_store_job(session, existing.id)
         if job is None or job.state in (S.SUPERSEDED, S.VANISHED):
             existing.released_at = None  # (a forgotten checkpoint stays forgotten)
@@ -168,7 +182,8 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
 
     ckpt = Checkpoint(
         path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
-        step=roots.step_of(d.path.name), mtime=max(e.mtime_ns for e in d.entries) / 1e9,
+        step=d.writer_step if d.writer_step is not None else roots.step_of(d.path.name),
+        mtime=max(e.mtime_ns for e in d.entries) / 1e9,
         total_bytes=d.total_bytes, local_present=True, current=True, layout=d.layout or None,
         completed_by=d.completed_by, metrics=d.metrics, host=host,
     )

@@ -25,17 +25,27 @@ MAX_BYTES = 64 * 1024 * 1024
 
 def read(files: Iterable[tuple[str, str, int]]) -> dict[str, float]:
     """Metrics of a checkpoint from its files ``(relpath, abspath, size)``; empty if none."""
+    return from_trainer_state(trainer_state(files))
+
+
+def trainer_state(files: Iterable[tuple[str, str, int]]) -> Any:
+    """The parsed ``trainer_state.json`` among ``files``, or None (missing, huge, malformed)."""
     for relpath, abspath, size in files:
         if relpath != STATE_FILE or size > MAX_BYTES:
             continue
         try:
             with open(abspath, "rb") as f:
-                doc = json.loads(f.read())
+                return json.loads(f.read())
         except (OSError, ValueError) as exc:
             log.info("%s: no metrics (%s)", abspath, exc)
-            return {}
-        return from_trainer_state(doc)
-    return {}
+            return None
+    return None
+
+
+def writer_step(doc: Any) -> int | None:
+    """The step the trainer says it saved at (``global_step``), or None."""
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**62 else None
 
 
 def _number(v: Any) -> float | None:

@@ -47,10 +47,15 @@ MARK_BATCH = 5000
 
 
 def kept_reference() -> Exists:
-    """SQL: some checkpoint that still holds its content references ``Content``."""
+    """SQL: some checkpoint that still holds its content references ``Content``: one not
+    released, or one forgotten whose local copy is still on the training disk (the local
+    policy deletes that copy only while RF good copies exist elsewhere: invariant 1; its
+    content goes once it has)."""
+    holds = Checkpoint.released_at.is_(None) | (
+        Checkpoint.local_present.is_(True) & (Checkpoint.store_state == states.StoreState.FORGOTTEN.value))
     return (select(Shard.id).join(CheckpointFile, CheckpointFile.id == Shard.file_id)
             .join(Checkpoint, Checkpoint.id == CheckpointFile.checkpoint_id)
-            .where(Shard.sha256 == Content.sha256, Checkpoint.released_at.is_(None)).exists())
+            .where(Shard.sha256 == Content.sha256, holds).exists())
 
 
 def garbage_query(settings: Settings) -> Select[Any]:

@@ -1,9 +1,11 @@
 """Remote retention in the control plane: pins, ``ckpt forget`` and the policy sweep.
 
 A checkpoint the policy (pipeline.core.retention) drops, or that a person forgets, moves
-its store job to ``forgotten``: it can no longer be restored, its local copy is left as it
-is, and its content becomes garbage once no kept checkpoint references it (the collection's
-grace period starts at the forget: pipeline.integrity.gc). Only protected checkpoints
+its store job to ``forgotten``: it can no longer be restored, its local copy is left to the
+local policy (which rotates it like any other: pipeline.store.rotation), and its content
+becomes garbage once no kept checkpoint references it and its local copy is gone (the
+collection's grace period starts at the forget: pipeline.integrity.gc). The newest save of
+a run, by every measure of pipeline.core.retention.newest_ids, is never forgotten. Only protected checkpoints
 (``verified``, ``rotated``) are considered or forgotten: one still being stored keeps
 everything it references.
 """
@@ -17,7 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
-from pipeline.core.retention import Protected, kept
+from pipeline.core.retention import Protected, kept, newest_ids, recency
 from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.detection.catalog import latest_store_job, resolve
@@ -54,9 +56,10 @@ def plan_run(session: Session, settings: Settings, run: str) -> list[Verdict]:
     """The policy's verdict on every protected checkpoint of ``run``, newest first."""
     rows = protected(session, run)
     keep = kept([p for _c, p in rows], settings.policy_for(run))
+    order = {c.id: recency(c.mtime, c.step, c.id) for c, _p in rows}
     out = [Verdict(c.id, c.path, c.step, c.total_bytes, c.id in keep, ", ".join(keep.get(c.id, ["dropped"])))
            for c, _p in rows]
-    return sorted(out, key=lambda v: (v.step is not None, v.step or 0, v.checkpoint_id), reverse=True)
+    return sorted(out, key=lambda v: order[v.checkpoint_id], reverse=True)
 
 
 def runs_with_policy(session: Session, settings: Settings) -> list[str]:
@@ -104,9 +107,7 @@ def forget(session: Session, refs: list[str], *, dry_run: bool = False) -> list[
                             "checkpoints can be forgotten")
         if c.pinned:
             raise CkptError(f"checkpoint {c.id} ({c.path}) is pinned; `ckpt unpin {c.id}` first")
-        newest = max((p for _c, p in protected(session, c.run)),
-                     key=lambda p: (p.step is not None, p.step or 0, p.saved_at, p.id))
-        if newest.id == c.id:
+        if c.id in newest_ids((p for _c, p in protected(session, c.run)), lambda p: p.saved_at.timestamp()):
             raise CkptError(f"checkpoint {c.id} ({c.path}) is the newest protected checkpoint of {c.run}: "
                             "it is what a resume restores, and is always kept")
         out.append(Verdict(c.id, c.path, c.step, c.total_bytes, False, "ckpt forget"))

@@ -5,6 +5,11 @@ that sees every shard with at least RF good, fresh copies (pipeline.core.copies:
 decision is a pure function of plain rows) and no other active job on the checkpoint;
 the workers are asked right before that transaction whether they still hold every copy.
 When in doubt, the file stays and the job says why.
+
+The local policy counts every local checkpoint of the run, forgotten ones too: a forgotten
+checkpoint's local copy rotates like any other (its job stays ``forgotten``), and its
+content stays on the workers until it has (pipeline.integrity.gc.kept_reference), so the
+rule above holds for it as well.
 """
 from __future__ import annotations
 
@@ -33,6 +38,17 @@ from pipeline.store.trash import move_to_trash, put_back
 
 log = logging.getLogger("ckpt.rotate")
 S = states.StoreState
+#: Store states whose local copy the local policy may remove: verified, and forgotten (the
+#: remote policy dropped it; its content waits on the workers until the local copy is gone).
+ROTATABLE = frozenset({S.VERIFIED, S.FORGOTTEN})
+
+
+def _coordinator_rotated(session: Session, job: Job) -> bool:
+    """The coordinator's host removed its files of the job's checkpoint by rotation."""
+    if job.state == S.ROTATED:
+        return True
+    ckpt = session.get(Checkpoint, job.checkpoint_id)
+    return job.state == S.FORGOTTEN and ckpt is not None and not ckpt.local_present
 
 
 def rotation_candidates(session: Session, run: str, keep_last: int, host: str | None) -> list[int]:
@@ -52,7 +68,7 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
             job = latest_store_job(s, cid)
             if job is None:
                 continue
-            if job.state == S.VERIFIED:
+            if job.state in ROTATABLE:
                 sends.append(Send("rotate", (job.id,)))
             elif job.state not in states.TERMINAL[JobKind.STORE]:
                 reason = f"rotation waits: the checkpoint is {job.state}, not yet verified"
@@ -64,7 +80,7 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
                 CheckpointPart.run == run, CheckpointPart.host == settings.host_id,
                 CheckpointPart.local_present.is_(True), CheckpointPart.checkpoint_id.is_not(None))):
             job = latest_store_job(s, part.checkpoint_id) if part.checkpoint_id is not None else None
-            if job is not None and job.state == S.ROTATED:
+            if job is not None and _coordinator_rotated(s, job):
                 sends.append(Send("rotate_part", (job.id, part.host)))
     return sends
 
@@ -77,8 +93,8 @@ def _empty_trash(session: Session, run: str) -> None:
         held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
         undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
         undecided = undecided and not os.path.lexists(was)
-        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None) == S.ROTATED
-                      for c in rows)
+        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
+                      in (S.ROTATED, S.FORGOTTEN) for c in rows)
         if rotated and not undecided:
             trash.remove(entry)
             log.info("removed %s, left by a rotation that committed", entry)
@@ -147,9 +163,11 @@ def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
 def rotate(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
         job = s.get(Job, job_id)
-        if job is None or job.state != S.VERIFIED:
+        if job is None or job.state not in ROTATABLE:
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
+        if not ckpt.local_present:
+            return []
         if owner_elsewhere(s, ckpt.id, settings.host_id):
             # Its files are on another host: deleting nothing here must not count as rotated.
             return [Send("rotate", (job_id,))]
@@ -170,16 +188,22 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
             # finds the job rotated.
             job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
             ckpt = s.scalars(select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()).one()
-            if job.state != S.VERIFIED or not ckpt.local_present:
+            if job.state not in ROTATABLE or not ckpt.local_present:
                 return []
+            forgotten = job.state == S.FORGOTTEN
             if put_back(path):  # a rotation crashed after its rename, before its commit
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
                 trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
                 ckpt.local_present = False
-                transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
-                           detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+                if forgotten:  # it stays forgotten: its content goes with the next collection
+                    job.blocked_reason = None
+                    note(s, job_id, f"local copy removed by the local policy; {settings.rf}+ verified replicas "
+                                    "remained, collected with the next garbage collection (it was forgotten)")
+                else:
+                    transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
+                               detail=f"local copy removed; {settings.rf}+ verified replicas remain")
     except BaseException:
         if trashed is not None:
             os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
@@ -203,11 +227,22 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
     rule of invariant 1 hold again and the part as it was stored."""
     if host != settings.host_id:
         return [Send("rotate_part", (job_id, host))]  # its files are on that host: sent there
+    with session_scope(settings.db_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.checkpoint_id is None or not _coordinator_rotated(s, job):
+            return []
+        checkpoint_id = job.checkpoint_id
+    # As rotate does: the workers confirm they hold every copy that counts, right before the
+    # deciding transaction (which sees the rule hold again on the rows).
+    reason = confirm_with_workers(settings, checkpoint_id)
+    if reason:
+        _block(settings, job_id, f"{host}'s part: {reason}")
+        return []
     trashed = None
     try:
         with session_scope(settings.db_url) as s:
             job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
-            if job is None or job.state != S.ROTATED or job.checkpoint_id is None:
+            if job is None or job.checkpoint_id != checkpoint_id or not _coordinator_rotated(s, job):
                 return []
             part = s.scalars(select(CheckpointPart).where(
                 CheckpointPart.checkpoint_id == job.checkpoint_id, CheckpointPart.host == host,

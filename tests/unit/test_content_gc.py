@@ -71,9 +71,27 @@ def checkpoint(s, name: str, contents: list[int], *, state: str = "verified", co
     return ck.id
 
 
-def forget(s, checkpoint_id: int) -> None:
+def forget(s, checkpoint_id: int, *, local_copy: bool = False) -> None:
+    """Forget a checkpoint; without ``local_copy`` its local copy is gone too (rotated): a
+    forgotten checkpoint still on the training disk keeps its content (test below)."""
     job = s.scalar(select(Job).where(Job.checkpoint_id == checkpoint_id, Job.kind == "store"))
     assert transition(s, job.id, "store", job.state, "forgotten", detail="test")
+    s.get(Checkpoint, checkpoint_id).local_present = local_copy
+
+
+def test_a_forgotten_checkpoint_keeps_its_content_while_its_local_copy_is_on_disk(db):
+    """Its local copy is rotated by the local policy only while RF good copies exist
+    (invariant 1): collecting them first would leave that copy undeletable, the disk full."""
+    db = no_grace(db)
+    with session_scope(db.db_url) as s:
+        workers(s)
+        a = checkpoint(s, "a", [1])
+        checkpoint(s, "b", [2])
+        forget(s, a, local_copy=True)
+    assert gc.mark(db) == (0, 0)
+    with session_scope(db.db_url) as s:
+        s.get(Checkpoint, a).local_present = False  # rotated by the local policy
+    assert gc.mark(db) == (1, SIZE)
 
 
 def content_states(s) -> dict[int, str]:

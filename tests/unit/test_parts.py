@@ -11,8 +11,10 @@ import dataclasses
 import shutil
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import select
 
+from pipeline.cluster.client import WorkerClient
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointPart, ContentCopy, DetectionProblem, StorageWorker
 from pipeline.db.transitions import now, transition
@@ -22,6 +24,7 @@ from pipeline.queues import host_queue, queues_for
 from pipeline.steps import Send
 from pipeline.store.rotation import plan_run, rotate_part
 from tests.checkpoints import dcp_folder
+from tests.processes import KEY, storage_workers
 
 
 def _split_step(db, tmp_path):
@@ -82,13 +85,27 @@ def test_a_step_is_recorded_once_every_host_announced_its_part(db, tmp_path):
         assert len(s.scalars(select(Checkpoint)).all()) == 1
 
 
-def _rotated(db, tmp_path):
-    """The split step recorded, protected (RF verified copies of every content), rotated on
-    node-a; node-b's part still there, at the path both hosts use."""
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Two real storage worker processes: rotate_part asks them, as rotate does."""
+    with storage_workers(tmp_path_factory.mktemp("parts"), 2) as ws:
+        yield ws
+
+
+def _rotated(db, tmp_path, workers):
+    """The split step recorded, protected (RF verified copies of every content, held by real
+    workers), rotated on node-a; node-b's part still there, at the path both hosts use."""
     (tmp_path / "runs" / "r").mkdir(parents=True)
     step, b_dir = _split_step(db, tmp_path)
     _announce_b(db, step, b_dir)
     assert _watcher(db, "node-a").consider(step.parent, step) is None
+    with session_scope(db.db_url) as s:
+        for f in s.scalar(select(Checkpoint)).files:
+            src = (b_dir if f.host == "node-b" else step) / f.relpath
+            for sh in f.shards:
+                for w in workers:
+                    WorkerClient(w.url, KEY.encode(), w.node_id).put_range(sh.sha256, b"", str(src), sh.src_offset,
+                                                                           sh.length)
     shutil.rmtree(step)  # node-a's rotation removed its files
     shutil.copytree(b_dir, step, copy_function=shutil.copy2)  # node-b's view of the path
     with session_scope(db.db_url) as s:
@@ -98,19 +115,19 @@ def _rotated(db, tmp_path):
                      ("verified", "rotated")]:
             transition(s, job.id, "store", a, b)
         ckpt.local_present = False
-        for w in ("w1", "w2"):
-            s.add(StorageWorker(id=w, url=f"http://127.0.0.1:1/{w}", source="static", state="up", last_seen=now()))
+        for w in workers:
+            s.add(StorageWorker(id=w.node_id, url=w.url, source="static", state="up", last_seen=now()))
         s.flush()
         for sha in {sh.sha256 for f in ckpt.files for sh in f.shards}:
-            for w in ("w1", "w2"):
+            for w in (w.node_id for w in workers):
                 s.add(ContentCopy(sha256=sha, worker_id=w, state="verified", attempts=1, verified_at=now(),
                                   checked_at=now(), stored_at=now() - timedelta(seconds=5)))
         return step, job.id
 
 
-def test_each_host_removes_its_own_part_once_the_checkpoint_is_rotated(db, tmp_path):
-    step, job_id = _rotated(db, tmp_path)
-    b = dataclasses.replace(db, host="node-b", rf=2)
+def test_each_host_removes_its_own_part_once_the_checkpoint_is_rotated(db, tmp_path, workers):
+    step, job_id = _rotated(db, tmp_path, workers)
+    b = dataclasses.replace(db, host="node-b", rf=2, cluster_key=KEY)
     # node-b's rotation pass finds its part of a rotated checkpoint
     assert plan_run(b, str(step.parent)) == [Send("rotate_part", (job_id, "node-b"))]
     # on another host, the message goes on to node-b and deletes nothing here
@@ -134,13 +151,32 @@ def test_each_host_removes_its_own_part_once_the_checkpoint_is_rotated(db, tmp_p
     assert plan_run(b, str(step.parent)) == []
 
 
-def test_a_part_is_not_removed_without_rf_copies(db, tmp_path):
-    step, job_id = _rotated(db, tmp_path)
+def test_a_part_is_not_removed_without_rf_copies(db, tmp_path, workers):
+    step, job_id = _rotated(db, tmp_path, workers)
     with session_scope(db.db_url) as s:
-        for cp in s.scalars(select(ContentCopy).where(ContentCopy.worker_id == "w2")):
+        for cp in s.scalars(select(ContentCopy).where(ContentCopy.worker_id == workers[1].node_id)):
             cp.state = "corrupt"
-    assert rotate_part(dataclasses.replace(db, host="node-b", rf=2), job_id, "node-b") == []
+    assert rotate_part(dataclasses.replace(db, host="node-b", rf=2, cluster_key=KEY), job_id, "node-b") == []
     assert (step / "__0_0.distcp").exists()
+
+
+def test_a_part_is_not_removed_when_the_workers_do_not_confirm_their_copies(db, tmp_path, workers):
+    """The database says RF good copies; a worker lost one (a disk replaced, a wipe): rotate_part
+    asks the workers first, as rotate does, and keeps the part."""
+    step, job_id = _rotated(db, tmp_path, workers)
+    b_sha = _b_shard(db)
+    assert WorkerClient(workers[1].url, KEY.encode(), workers[1].node_id).delete(b_sha)
+    b = dataclasses.replace(db, host="node-b", rf=2, cluster_key=KEY)
+    assert rotate_part(b, job_id, "node-b") == []
+    assert (step / "__0_0.distcp").exists()
+    with session_scope(db.db_url) as s:
+        reason = catalog.latest_store_job(s, s.scalar(select(Checkpoint.id))).blocked_reason
+    assert reason.startswith("rotation blocked: node-b's part: ") and "confirmed by the workers" in reason, reason
+
+
+def _b_shard(db) -> str:
+    with session_scope(db.db_url) as s:
+        return next(sh.sha256 for f in s.scalar(select(Checkpoint)).files if f.host == "node-b" for sh in f.shards)
 
 
 def test_a_watcher_clears_only_its_own_hosts_problems(db, tmp_path):

@@ -128,3 +128,19 @@ def test_a_larger_count_never_forgets_more(items, policy, rule):
     if not policy.is_set:
         return
     assert set(to_forget(items, more)) <= set(to_forget(items, policy))
+
+
+def test_the_final_model_without_a_step_is_the_newest_and_kept():
+    """HF ``trainer.save_model()`` writes model.safetensors after checkpoint-300: no step in its
+    name, but the most recently completed save. ``keep_last 2`` keeps it and checkpoint-300."""
+    items = [Protected(1, 100, at(0)), Protected(2, 200, at(1)), Protected(3, 300, at(2)), Protected(4, None, at(3))]
+    assert to_forget(items, Policy(keep_last=2)) == [1, 2]
+    assert to_forget(items, Policy(keep_last=1)) == [1, 2]  # 3 stays too: the newest by step
+
+
+def test_lightning_last_ckpt_rewritten_after_the_top_k_is_the_newest():
+    """``ModelCheckpoint(save_top_k=2, save_last=True)`` once the metric stops improving: the
+    top-k files (steps 2 and 4) stay old, last.ckpt (no step in its name) is rewritten at step 10."""
+    items = [Protected(1, 2, at(0)), Protected(2, 4, at(1)), Protected(3, None, at(5))]
+    assert "newest" in kept(items, Policy(keep_last=1))[3]
+    assert to_forget(items, Policy(keep_last=1)) == [1]

@@ -75,6 +75,59 @@ def hf_trainer(run: Path) -> list[str]:
     return [str(run / f"checkpoint-{s}") for s in (2, 4, 6)]
 
 
+def hf_trainer_final(run: Path) -> list[str]:
+    """checkpoint-2/4/6, then what a training script does at its end: ``trainer.save_model()``
+    into the run itself (``model.safetensors``: no step in the name)."""
+    trainer = _trained(run)
+    trainer.save_model()
+    return [*(str(run / f"checkpoint-{s}") for s in (2, 4, 6)), str(run / "model.safetensors")]
+
+
+def hf_trainer_epoch(run: Path) -> list[str]:
+    """checkpoint-2/4/6, then the model saved into a folder ``epoch-1`` (no step in the name)."""
+    trainer = _trained(run)
+    trainer.model.save_pretrained(run / "epoch-1")
+    return [*(str(run / f"checkpoint-{s}") for s in (2, 4, 6)), str(run / "epoch-1")]
+
+
+def _trained(run: Path) -> Any:
+    import time
+
+    from transformers import Trainer
+
+    trainer = Trainer(model=tiny_qwen(2), args=trainer_args(run), train_dataset=Tokens())
+    trainer.train()
+    time.sleep(1.1)  # the final save completes later, on a coarse-clock filesystem too
+    return trainer
+
+
+def lightning_last(run: Path) -> list[str]:
+    """``ModelCheckpoint(save_top_k=2, save_last=True)`` on a metric that stops improving after
+    step 4: the top-2 files stay at steps 2 and 4 while ``last.ckpt`` is rewritten up to step 10."""
+    import lightning as L
+    import torch
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(32, 32)
+
+        def training_step(self, batch: Any, _i: int) -> Any:
+            step = self.global_step + 1
+            self.log("score", float(step if step <= 4 else 100 + step))  # best (min) at step 4
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(80, 32)), batch_size=8)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(run), filename="step_{step}", every_n_train_steps=2,
+                                               save_top_k=2, save_last=True, monitor="score", mode="min")
+    L.Trainer(max_steps=10, callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
+              accelerator="cpu", devices=1, default_root_dir=str(run.parent)).fit(Tiny(), data)
+    return sorted(str(p) for p in run.glob("*.ckpt"))
+
+
 def accelerate_state(run: Path) -> list[str]:
     import torch
     from accelerate import Accelerator
@@ -164,6 +217,9 @@ WRITERS = {
     "save_pretrained": save_pretrained,
     "save_pretrained_sharded": save_pretrained_sharded,
     "hf_trainer": hf_trainer,
+    "hf_trainer_final": hf_trainer_final,
+    "hf_trainer_epoch": hf_trainer_epoch,
+    "lightning_last": lightning_last,
     "accelerate": accelerate_state,
     "lightning": lightning,
     "dcp2": lambda run: dcp(run, 2),
