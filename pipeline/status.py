@@ -97,6 +97,7 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
             "written_at": datetime.fromtimestamp(c.mtime, tz=UTC),
             "state": job.state if job else "unknown", "job_id": job.id if job else None,
             "blocked_reason": blocked, "host": c.host,
+            "disk_changed": c.disk_changed, "disk_changed_at": c.disk_changed_at,
             "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
             "health": h.get("health", "unprotected"),
             "shards": {k: v for k, v in h.items() if k != "health"},
@@ -164,10 +165,23 @@ def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict
         elif local:
             entry["unprotected_bytes"] += int(size)
     latest_protected = Checkpoint.store_state.in_(sorted(states.PROTECTED))
+    changed = changed_on_disk(session, list(out))
     for run, entry in out.items():
         entry["newest"] = _newest(session, run)
         entry["protected"] = _newest(session, run, latest_protected)
+        entry["changed_on_disk"] = changed.get(run, 0)
     return out
+
+
+def changed_on_disk(session: Session, runs: list[str]) -> dict[str, int]:
+    """Per run: current checkpoints whose files on disk are not their recorded version
+    (pipeline.detection.ondisk): "changed on disk, not protected"."""
+    if not runs:
+        return {}
+    q = (select(Checkpoint.run, func.count(Checkpoint.id))
+         .where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True), Checkpoint.run.in_(runs))
+         .group_by(Checkpoint.run))
+    return {run: n for run, n in session.execute(q)}
 
 
 def run_summaries(session: Session, settings: Settings, at: datetime | None = None, runs: list[str] | None = None,
@@ -198,6 +212,7 @@ def run_summaries(session: Session, settings: Settings, at: datetime | None = No
             "protected_id": best["id"] if best else None,
             "protected_age_s": (t - best["written_at"]).total_seconds() if best else None,
             "vanished_unprotected": f["by_state"].get(StoreState.VANISHED.value, 0),
+            "changed_on_disk": f.get("changed_on_disk", 0),
             "behind": behind,
         })
     return out

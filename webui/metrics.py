@@ -119,7 +119,10 @@ def _detection_metrics(doc: dict[str, Any]) -> Iterator[Any]:
                                labels=["run"])
     vanished = GaugeMetricFamily("ckpt_run_vanished_unprotected",
                                  "Checkpoints deleted before they were protected", labels=["run"])
+    changed = GaugeMetricFamily("ckpt_run_changed_on_disk", "Checkpoints whose files on disk changed since their "
+                                "recorded version, the new content not protected yet", labels=["run"])
     for r in doc["runs"]:
+        changed.add_metric([r["run"]], r.get("changed_on_disk", 0))
         step.add_metric([r["run"]], r["protected_step"] if r["protected_step"] is not None else -1)
         if r["protected_age_s"] is not None:
             age.add_metric([r["run"]], r["protected_age_s"])
@@ -128,7 +131,7 @@ def _detection_metrics(doc: dict[str, Any]) -> Iterator[Any]:
     problems = GaugeMetricFamily("ckpt_detection_problems", "Entries of watched runs that are not protected "
                                  "(malformed, unreadable or stuck incomplete)")
     problems.add_metric([], len(doc["problems"]))
-    yield from (step, age, behind, vanished, problems)
+    yield from (step, age, behind, vanished, changed, problems)
 
 
 def _step_durations(session: Session) -> dict[str, list[float]]:

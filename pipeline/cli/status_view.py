@@ -33,6 +33,8 @@ def _checkpoint_table(rows: list[dict], t: datetime) -> None:
         written = age((t - c["written_at"]).total_seconds()) + " ago"
         print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {state:<11} {reps:<14} {health:<17} {local:<7} "
               f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['name']}" + ("" if c["current"] else "  (older version)"))
+        if c.get("disk_changed"):
+            print(f"            !! CHANGED ON DISK, not protected: {c['disk_changed']}")
         if c.get("blocked_reason"):
             print(f"            {c['blocked_reason']}")
         if c.get("pinned"):
@@ -76,6 +78,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if r["vanished_unprotected"]:
             print(f"    !! {r['vanished_unprotected']} checkpoint(s) vanished unprotected "
                   "(deleted before their copies were verified)")
+        if r.get("changed_on_disk"):
+            print(f"    !! {r['changed_on_disk']} checkpoint(s) CHANGED ON DISK, the new content NOT PROTECTED "
+                  "(saved again at the same path and not complete yet; a restore by path refuses them)")
         _checkpoint_table(by_run.pop(r["run"], []), t)
         print()
     for run, rows in by_run.items():  # a run the summaries did not list (none should be)

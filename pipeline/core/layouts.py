@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -334,3 +334,52 @@ def judge(entry: Entry, *, declared: bool = False) -> Verdict:
 def describe() -> Sequence[tuple[str, str]]:
     """(layout, writer) for every row of the table, for documentation and ``ckpt status``."""
     return [(lay.name, lay.writer) for lay in LAYOUTS]
+
+
+# -- saved again over a recorded version ----------------------------------------------------
+
+def _complete_indexes(entry: Entry) -> list[str]:
+    """The HF indexes whose named files are all there: an index naming files that are gone is
+    one a writer left behind (save_pretrained unsharded over a sharded save), not its last file."""
+    out = []
+    for f in entry.files:
+        if f.relpath.endswith(".index.json") and not f.problem:
+            base = f.relpath.rsplit("/", 1)[0] + "/" if "/" in f.relpath else ""
+            if all(base + n in entry.relpaths for n in f.names):
+                out.append(f.relpath)
+    return out
+
+
+#: Per layout, the files its writer writes last (the table above). Over a recorded version at
+#: the same path, a save is complete only once one of them is new as well.
+_LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
+    "commit-marker": lambda e: [e.commit_marker] if e.commit_marker in e.relpaths else [],
+    "torch-dcp": lambda e: sorted(r for r in e.relpaths if r.rsplit("/", 1)[-1].endswith(".metadata")),
+    "hf-trainer": lambda e: ["trainer_state.json"] if "trainer_state.json" in e.relpaths else [],
+    "accelerate": lambda e: ["random_states_0.pkl"] if "random_states_0.pkl" in e.relpaths else [],
+    "hf-sharded": _complete_indexes,
+}
+
+
+def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]]) -> str | None:
+    """Why ``entry``, a folder whose recorded version had the files ``recorded`` (relative
+    path -> size, modification time), is a new save still being written over it, or None.
+
+    A writer saving again into the same folder leaves the old version's last file (its
+    ``.metadata``, ``trainer_state.json``, marker, index) in place until it writes its own: the
+    folder then looks complete while it mixes two saves. So once any file differs from the
+    recorded version, every layout the folder shows must have a last file that differs too.
+    """
+    if not entry.is_dir or not recorded:
+        return None
+    now = {f.relpath: (f.size, f.mtime_ns) for f in entry.files}
+    changed = sorted(r for r in now.keys() | recorded.keys() if now.get(r) != recorded.get(r))
+    if not changed:
+        return None
+    for lay in LAYOUTS:
+        last = _LAST_WRITTEN.get(lay.name, lambda e: [])(entry) if lay.recognize(entry) else []
+        if last and all(now[r] == recorded.get(r) for r in last):
+            listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
+            return (f"saved again over its recorded version ({listed} changed) but not yet "
+                    f"{' or '.join(last)}, which its writer ({lay.writer}) writes last")
+    return None

@@ -118,6 +118,11 @@ class Checkpoint(Base):
     #: checkpoint's state"): written only by create_job() and transition(), in the transaction
     #: that changes the job. Decisions that delete or release read the job itself.
     store_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    #: When the files at its path stopped matching this (current) version while the new
+    #: content is not recorded yet, and what changed (pipeline.detection.ondisk): shown loudly
+    #: as "changed on disk, not protected"; a restore by path refuses it. None: they match.
+    disk_changed_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True, index=True)
+    disk_changed: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"

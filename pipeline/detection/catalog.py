@@ -24,7 +24,7 @@ from pipeline import states
 from pipeline.core.planner import ShardPlan, plan
 from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Content, Job, Shard
 from pipeline.db.transitions import create_job, note, now, transition
-from pipeline.detection import completeness, metrics, roots
+from pipeline.detection import completeness, metrics, ondisk, roots
 from pipeline.errors import SourceChanged, UnknownCheckpoint
 from pipeline.hashing import scan_from_two_places
 from pipeline.states import ContentState, JobKind
@@ -164,6 +164,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
                                                        Checkpoint.host.is_(None) if host is None
                                                        else Checkpoint.host == host))
     _supersede_others(session, str(d.path), host, keep=existing.id if existing is not None else None)
+    ondisk.clear(session, str(d.path), host)  # what is on disk is this version now
     reference(session, {sha: p.size for shards in d.shards for p, sha in shards}
                | {r["sha256"]: r["size"] for f in d.remote for r in f.shards})
     if existing is not None:
@@ -280,6 +281,7 @@ def mark_vanished(session: Session, ckpt: Checkpoint) -> None:
     and status says so loudly; a protected one keeps its remote copies.
     """
     ckpt.local_present = False
+    ckpt.disk_changed_at = ckpt.disk_changed = None
     job = latest_store_job(session, ckpt.id)
     if job is None:
         return

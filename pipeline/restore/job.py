@@ -26,7 +26,7 @@ from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.detection.catalog import latest_store_job, resolve
 from pipeline.durable import fsync_dir
 from pipeline.errors import DestinationExists, RestoreError
-from pipeline.restore import destination
+from pipeline.restore import current, destination
 from pipeline.restore.gather import FileSource, manifest
 from pipeline.restore.rebuild import fsync_tree, write_file
 from pipeline.settings import Settings
@@ -70,6 +70,8 @@ def validate(session: Session, settings: Settings, ref: str | int, dest: str, *,
     if store is None or store.state not in states.RESTORABLE:
         state = store.state if store else "unknown"
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
+    if not str(ref).isdigit():  # by path: the version on disk there, or a refusal that says why
+        current.check(settings, ckpt, target)
     return ckpt, target
 
 

@@ -1,0 +1,35 @@
+"""A restore *by path* means the current version at that path, and only while the files on
+disk are that version (docs/design.md, section 2, "The current version of a path is what is
+on disk now").
+
+When the files there changed since (saved again and not recorded yet, killed halfway, edited
+in place), the path's newest content is not protected: giving back the recorded version
+would silently return older weights than the ones the user sees. Such a restore is refused,
+naming what changed and how to get the recorded version anyway (by its id).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeline.db.models import Checkpoint
+from pipeline.detection.catalog import own_files
+from pipeline.detection.ondisk import differs
+from pipeline.errors import RestoreError
+from pipeline.settings import Settings
+
+
+def check(settings: Settings, ckpt: Checkpoint, dest: Path) -> None:
+    """Raise if the files at ``ckpt.path`` are not the version a restore by path would give."""
+    why = ckpt.disk_changed
+    if why is None and ckpt.host in (None, settings.host_id) and os.path.lexists(ckpt.path):
+        if ckpt.local_present:
+            why = differs(Path(ckpt.path), ckpt.is_dir, own_files(ckpt))
+        else:
+            why = f"its local copy was rotated, and {ckpt.path} holds other files now"
+    if why is None:
+        return
+    raise RestoreError(
+        f"{ckpt.path} changed on disk since its protected version (checkpoint {ckpt.id}) was recorded, and the "
+        f"new content is not protected: {why}. Restoring by path would give back the older version; "
+        f"to get that version anyway, name it by id: `ckpt restore {ckpt.id} --to {dest}`")
