@@ -230,9 +230,11 @@ class Watcher:
             return self.settings.settle_seconds  # vanished or changed while looking
         verdict, remote = found.verdict, None
         if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
-            if parts.is_part(e.relpath for e in found.entries):
+            rels = [e.relpath for e in found.entries]
+            if parts.is_part(rels):
                 return self._part(run, path, found, options)
-            verdict, remote = self._with_parts(path, found, options)
+            if ".metadata" in rels:  # a collective save's .metadata naming other hosts' files
+                verdict, remote = self._with_parts(path, found, options)
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
             self._problem(run, key, verdict.reason)
             return None
@@ -314,9 +316,11 @@ class Watcher:
                 return None
             waited = time.time() - known[1]
             if waited >= max(options.quiet_seconds, self.settings.settle_seconds):
-                self._problem(run, key, f"torch DCP rank files without .metadata, announced as this host's part"
+                self._problem(run, key, f"torch DCP rank files without any metadata, announced as this host's part"
                                         f" {waited:.0f} s ago: no host has recorded a step whose .metadata names"
-                                        " them (is the coordinator's host watched?)")
+                                        " them (a collective save's coordinator writes .metadata, maybe on"
+                                        " another host: is it watched?; a save without collectives writes"
+                                        " __<rank>.metadata here, last)")
             return None
         tree_ns = completeness.tree_mtime_ns(path)
         if not completeness.settled(found.entries, self.settings.settle_seconds, tree_ns=tree_ns):
