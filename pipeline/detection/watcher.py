@@ -338,11 +338,17 @@ class Watcher:
         return None
 
     def _problem(self, run: Path, path: str, reason: str) -> None:
-        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped."""
-        if self.reported.get(path) == reason:
+        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped.
+
+        Logged again only when the problem changes its kind (:func:`problems.kind_of`), not when
+        a number in it does ("incomplete for 60 s" then "for 90 s"); the row keeps the latest words.
+        """
+        before = self.reported.get(path)
+        if before == reason:
             return
         self.reported[path] = reason
-        log.error("not protecting %s: %s", path, reason)
+        if before is None or problems.kind_of(before) != problems.kind_of(reason):
+            log.error("not protecting %s: %s", path, reason)
         try:
             with session_scope(self.settings.db_url) as s:
                 problems.report(s, path, str(run), reason, self.settings.host_id)
