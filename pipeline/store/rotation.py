@@ -23,8 +23,9 @@ from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, StorageWorker
 from pipeline.db.transitions import note, transition
+from pipeline.detection import roots
 from pipeline.detection.catalog import latest_store_job, on_host, own_files, owner_elsewhere
-from pipeline.errors import WorkerError
+from pipeline.errors import OutsideRoots, WorkerError
 from pipeline.settings import Settings
 from pipeline.states import JobKind
 from pipeline.steps import Send
@@ -162,6 +163,10 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         _block(settings, job_id, reason)
         return []
 
+    base = roots.base_for(Path(os.path.dirname(path)), settings.roots)
+    if base is None:  # never delete through a path that no longer leads inside a watched root
+        _block(settings, job_id, f"{path} is no longer inside a watched root (a link on its path leads out)")
+        return []
     trashed = None
     try:
         with session_scope(settings.db_url) as s:
@@ -176,10 +181,13 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
-                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
+                trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
                 ckpt.local_present = False
                 transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
                            detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+    except OutsideRoots:  # retargeted between the check above and the rename: nothing moved
+        _block(settings, job_id, f"{path} is no longer inside a watched root (a link on its path leads out)")
+        return []
     except BaseException:
         if trashed is not None:
             os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
@@ -188,7 +196,7 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         _block(settings, job_id, reason)
         return []
     if trashed is not None:
-        trash.remove(Path(trashed))
+        trash.remove(Path(trashed), inside=base)
     log.info("rotated %s (job %d)", path, job_id)
     with session_scope(settings.db_url) as s:  # and the parts other hosts hold of it, there
         return [Send("rotate_part", (job_id, h)) for h in s.scalars(
