@@ -47,7 +47,8 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
     options = settings.options_for(roots.root_of(run, settings.roots))
     if not ckpt_path.exists():
         raise IncompleteCheckpoint(str(ckpt_path), "it does not exist")
-    found = completeness.examine(ckpt_path, commit_marker=options.commit_marker)
+    found = completeness.examine(ckpt_path, commit_marker=options.commit_marker,
+                                 follow_link=ckpt_path.is_symlink())  # locate() kept it inside its root
     entries = completeness.accept(found, declared=True)
     started = now()
     with EarlySends(settings, _send, options.replication) as early:

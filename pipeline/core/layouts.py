@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -178,19 +178,57 @@ def _marker(entry: Entry) -> str | None:
     return f"the commit marker {entry.commit_marker!r} is not there yet"
 
 
-def _dcp(entry: Entry) -> str | None:
-    meta = entry.file(".metadata")
-    if meta is None:
-        return "torch DCP data files (*.distcp) without the .metadata file the coordinator writes last"
-    if meta.problem:
-        return f".metadata: {meta.problem}"
-    sizes = {f.relpath: f.size for f in entry.files}
+#: A rank's own metadata, written by ``dcp.save(..., use_collectives=False)`` and
+#: ``dcp.async_save(..., use_collectives=False)`` (torch >= 2.8): ``__<rank>.metadata`` names that
+#: rank's ``__<rank>_<i>.distcp`` files and is renamed into place after them.
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+_RANK_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def rank_metadata(names: Iterable[str]) -> list[str]:
+    """The rank-local DCP metadata files among ``names`` (``__0.metadata``...)."""
+    return sorted(n for n in names if _RANK_METADATA.match(n))
+
+
+def _named_present(meta: FileFacts, sizes: dict[str, int]) -> str | None:
     for name in meta.names:
         if name not in sizes:
-            return f".metadata names {name}, which is not there"
+            return f"{meta.relpath} names {name}, which is not there"
     for name, needed in meta.needs_bytes:
         if sizes.get(name, 0) < needed:
-            return f"{name} has {sizes.get(name, 0):,} of the {needed:,} bytes .metadata says it holds"
+            return f"{name} has {sizes.get(name, 0):,} of the {needed:,} bytes {meta.relpath} says it holds"
+    return None
+
+
+def _dcp(entry: Entry) -> str | None:
+    sizes = {f.relpath: f.size for f in entry.files}
+    meta = entry.file(".metadata")
+    if meta is None:
+        return _dcp_ranks(entry, sizes)
+    if meta.problem:
+        return f".metadata: {meta.problem}"
+    return _named_present(meta, sizes)
+
+
+def _dcp_ranks(entry: Entry, sizes: dict[str, int]) -> str | None:
+    """A save without collectives: no global ``.metadata``; every rank whose data files are
+    here has its own ``__<rank>.metadata``, which names files that are all here."""
+    metas = [f for f in entry.files if _RANK_METADATA.match(f.relpath)]
+    if not metas:
+        return ("torch DCP data files (*.distcp) without metadata: neither the .metadata a collective save's"
+                " coordinator writes last nor the __<rank>.metadata each rank of a save without collectives"
+                " writes last")
+    ranks = {int(m[1]) for f in metas if (m := _RANK_METADATA.match(f.relpath))}
+    for f in entry.files:
+        m = _RANK_DATA.match(f.relpath)
+        if m and int(m[1]) not in ranks:
+            return f"{f.relpath} is there but not yet __{m[1]}.metadata, which its rank writes last"
+    for meta in metas:
+        if meta.problem:
+            return f"{meta.relpath}: {meta.problem}"
+        missing = _named_present(meta, sizes)
+        if missing:
+            return missing
     return None
 
 
@@ -227,8 +265,40 @@ def _sharded(entry: Entry) -> str | None:
             return f"{index.relpath}: {index.problem}"
         base = index.relpath.rsplit("/", 1)[0] + "/" if "/" in index.relpath else ""
         absent = sorted(n for n in index.names if base + n not in entry.relpaths)
-        if absent:
+        if absent and not _stale(index, entry, groups):
             return f"{index.relpath} names missing files: {', '.join(absent[:5])}"
+    return None
+
+
+def _stale(index: FileFacts, entry: Entry, groups: dict[tuple[str, str, str, int], set[int]]) -> bool:
+    """An index a re-save left behind: ``save_pretrained`` unsharded into a folder that held a
+    sharded save deletes the old shards, writes ``model.safetensors`` and leaves
+    ``model.safetensors.index.json`` as it was. Stale when none of the files it names is
+    there, no shard of its family is either (a sharded re-save in progress has some), and the
+    single file it indexed (its name without ``.index.json``) is complete and newer than it."""
+    single = entry.file(index.relpath[: -len(".index.json")])
+    if single is None or single.problem or single.mtime_ns < index.mtime_ns:
+        return False
+    base = index.relpath.rsplit("/", 1)[0] + "/" if "/" in index.relpath else ""
+    if any(base + n in entry.relpaths for n in index.names):
+        return False
+    name = single.relpath.rsplit("/", 1)[-1]
+    stem, dot, ext = name.rpartition(".")
+    return not any(b == base.rstrip("/") and s == stem and e == dot + ext for b, s, e, _n in groups)
+
+
+def _index_behind(entry: Entry) -> str | None:
+    """A file an index names that is newer than the index: the writer writes the index last,
+    so a re-save with the same shard names is rewriting them (old and new shards side by side
+    look complete). Complete only once the folder stops changing (a copy that did not keep the
+    writer's times waits that long too)."""
+    for index in (f for f in entry.files if f.relpath.endswith(".index.json") and not f.problem):
+        base = index.relpath.rsplit("/", 1)[0] + "/" if "/" in index.relpath else ""
+        for n in index.names:
+            f = entry.file(base + n)
+            if f is not None and f.mtime_ns > index.mtime_ns:
+                return (f"{base + n} is newer than {index.relpath}, which is written last (a re-save rewriting"
+                        " the shards): complete once the folder stops changing")
     return None
 
 
@@ -254,6 +324,9 @@ class Layout:
     #: declares the checkpoint complete (pipeline.protect) overrides it. A rule about
     #: consistency (the files an index or .metadata names are there) always holds.
     order_only: bool = False
+    #: Why an entry complete by the rule may still be mid-save (None: it is not): then it is
+    #: complete only once quiet, like a folder of no known layout.
+    doubt: Callable[[Entry], str | None] | None = None
     doc: str = field(default="", compare=False)
 
 
@@ -264,8 +337,8 @@ def _has(*globs: str) -> Callable[[Entry], bool]:
 LAYOUTS: tuple[Layout, ...] = (
     Layout("commit-marker", "any writer that drops a marker file when done (Orbax style)",
            lambda e: bool(e.commit_marker), _marker, order_only=True),
-    Layout("torch-dcp", "torch.distributed.checkpoint (dcp.save)",
-           _has(".metadata", "*.distcp"), _dcp),
+    Layout("torch-dcp", "torch.distributed.checkpoint (dcp.save, dcp.async_save; with or without collectives)",
+           _has(".metadata", "*.distcp", "__*.metadata"), _dcp),
     # By name alone: the Trainer writes config.json and a complete model.safetensors into
     # checkpoint-N/ seconds before training_args.bin, and that alone looks like a save_pretrained.
     Layout("hf-trainer", "transformers Trainer (checkpoint-N/)",
@@ -276,7 +349,8 @@ LAYOUTS: tuple[Layout, ...] = (
            _has("random_states_*.pkl", "optimizer*.bin", "scheduler*.bin", "sampler*.bin"), _accelerate,
            order_only=True),
     Layout("hf-sharded", "transformers save_pretrained(max_shard_size=...) and other sharded writers",
-           lambda e: _has("*.index.json")(e) or any(_SHARD_NAME.match(n) for n in e.names), _sharded),
+           lambda e: _has("*.index.json")(e) or any(_SHARD_NAME.match(n) for n in e.names), _sharded,
+           doubt=_index_behind),
     Layout("hf-pretrained", "transformers save_pretrained (one weights file)",
            _has("config.json"), _pretrained, proves_finished=False),
 )
@@ -323,6 +397,9 @@ def judge(entry: Entry, *, declared: bool = False) -> Verdict:
         # No writer's trace: more files may still come (accelerate writes model.safetensors,
         # then pauses before optimizer.bin). Only a quiet folder is taken as finished.
         return Verdict("quiet", "folder", "no known layout: complete once the folder stops changing")
+    doubt = next((d for lay in shown if lay.doubt is not None and (d := lay.doubt(entry))), None)
+    if doubt:
+        return Verdict("quiet", name, doubt)
     unchecked = [f.relpath for f in entry.files if f.format not in SELF_CHECKING]
     if unchecked and not any(lay.proves_finished for lay in shown):
         listed = ", ".join(unchecked[:3]) + ("..." if len(unchecked) > 3 else "")

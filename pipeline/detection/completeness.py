@@ -112,14 +112,16 @@ class Examined:
     commit_marker: str = ""
 
 
-def examine(path: Path, *, commit_marker: str = "") -> Examined:
-    """Read every file of the entry at ``path`` and judge it (never follows a symlink).
+def examine(path: Path, *, commit_marker: str = "", follow_link: bool = False) -> Examined:
+    """Read every file of the entry at ``path`` and judge it (never follows a symlink inside
+    it; ``path`` itself only with ``follow_link``, for a link pipeline.detection.roots found
+    to stay inside its root).
 
     Raises :class:`UnreadableEntry` for an entry that cannot be a checkpoint as it is, and
     ``OSError`` when it vanished or changed while being read.
     """
     check_name(str(path))
-    st = os.lstat(path)
+    st = os.stat(path) if follow_link else os.lstat(path)
     is_dir = stat.S_ISDIR(st.st_mode)
     if is_dir:
         files, newest = _walk(path)
@@ -179,7 +181,7 @@ def tree_mtime_ns(path: Path) -> int:
     directory being deleted can look like a smaller, valid checkpoint for a moment.
     """
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
+        if not stat.S_ISDIR(os.stat(path).st_mode):  # a symlinked checkpoint: its target's tree
             return 0
         return _walk(path)[1]
     except (FileNotFoundError, UnreadableEntry):

@@ -17,7 +17,7 @@ import struct
 from typing import Any, BinaryIO
 
 from pipeline.core.header import MAX_HEADER_BYTES, Header, parse_header
-from pipeline.core.layouts import FileFacts, FileFormat
+from pipeline.core.layouts import FileFacts, FileFormat, rank_metadata
 from pipeline.errors import HeaderError
 
 #: JSON files above this size are not parsed (an HF index of a 400B model is a few MB).
@@ -40,7 +40,7 @@ def file_facts(relpath: str, abspath: str, size: int, mtime_ns: int) -> tuple[Fi
                                  permanent=not exc.truncated), None
         if name.endswith(".distcp"):  # DCP data: items back to back; .metadata says how long each file is
             return FileFacts(relpath, size, mtime_ns, FileFormat.OTHER), None
-        if name == ".metadata":  # renamed into place whole by its writer: any problem is for good
+        if name == ".metadata" or rank_metadata([name]):  # renamed into place whole: any problem is for good
             problem, names, needs = dcp_metadata(f, size)
             return FileFacts(relpath, size, mtime_ns, FileFormat.DCP_METADATA, problem, bool(problem), names,
                              needs), None

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pipeline.core.layouts import FileFacts
+from pipeline.core.layouts import FileFacts, rank_metadata
 from pipeline.db.models import Checkpoint, CheckpointPart
 from pipeline.db.transitions import now
 from pipeline.detection.catalog import Detected, PartFile, latest_store_job, mark_vanished
@@ -25,9 +25,11 @@ from pipeline.states import StoreState
 
 
 def is_part(names: Iterable[str]) -> bool:
-    """Whether a folder's files are a DCP rank's part: data files, no ``.metadata``."""
+    """Whether a folder's files are a DCP rank's part: data files, and no metadata at all (a
+    folder with a rank's own ``__<rank>.metadata`` is a save without collectives, judged whole
+    on this host by the layout table)."""
     rels = list(names)
-    return ".metadata" not in rels and any(r.endswith(".distcp") for r in rels)
+    return ".metadata" not in rels and not rank_metadata(rels) and any(r.endswith(".distcp") for r in rels)
 
 
 def _file_rows(d: Detected) -> list[dict[str, Any]]:

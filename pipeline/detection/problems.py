@@ -7,6 +7,8 @@ removed when the entry is protected or is gone.
 """
 from __future__ import annotations
 
+import re
+
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -15,6 +17,13 @@ from pipeline.db.transitions import now
 
 #: Longest reason kept.
 MAX_REASON = 2000
+_NUMBER = re.compile(r"\d[\d,.]*")
+
+
+def kind_of(reason: str) -> str:
+    """The kind of a problem: its reason with every number masked. A problem is logged when
+    it appears or changes kind, not when only its numbers change (seconds waited, bytes)."""
+    return _NUMBER.sub("#", reason)
 
 
 def report(session: Session, path: str, run: str, reason: str, host: str = "") -> bool:

@@ -90,6 +90,7 @@ class Watcher:
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
         self.reported: dict[str, str] = {}      # path -> last problem reported
+        self.refused: set[str] = set()          # runs refused: a glob reaches them only through a link out
         self.dirty: set[Path] = set()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -164,15 +165,22 @@ class Watcher:
         and the scan goes on with the rest of the run and the other runs.
         """
         self.report_in()
-        found = roots.runs_of(self.settings.roots)
-        self._watch_new_runs([run for _root, run in found])
+        found, refused = roots.expand(self.settings.roots)
+        self._watch_new_runs([run for _root, run, _base in found])
+        if only is None:
+            self._refused_runs(refused)
+        runs_real = frozenset(os.path.realpath(run) for _root, run, _base in found)
         next_look = self.settings.scan_interval
-        for root, run in found:
+        for root, run, base in found:
             if only is not None and run not in only:
                 continue
             options = self.settings.options_for(root)
             present = set()
-            for path in roots.checkpoints_in(run):
+            paths, links_out = roots.entries_in(run, base, runs_real)
+            for out in links_out:  # listed in "not protected" for as long as it leads out
+                present.add(shown(out.path))
+                self._problem(run, shown(out.path), out.reason)
+            for path in paths:
                 present.add(shown(str(path)))
                 try:
                     wait = self.consider(run, path, options)
@@ -184,6 +192,20 @@ class Watcher:
                     next_look = min(next_look, wait)
             self._vanished(run, present)
         return next_look
+
+    def _refused_runs(self, refused: list[roots.Refused]) -> None:
+        """Report runs a glob reaches only through a link out of its root; forget those that
+        are no longer refused."""
+        now_refused = {shown(r.path) for r in refused}
+        for r in refused:
+            self._problem(Path(r.run), shown(r.path), r.reason)
+        gone = self.refused - now_refused
+        self.refused = now_refused
+        if gone:
+            with session_scope(self.settings.db_url) as s:
+                for path in gone:
+                    self.reported.pop(path, None)
+                    problems.clear(s, path, self.settings.host_id)
 
     def _vanished(self, run: Path, present: set[str]) -> None:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
@@ -222,7 +244,8 @@ class Watcher:
         options = options or self.settings.options_for(roots.root_of(run, self.settings.roots))
         key = str(path)
         try:
-            found = completeness.examine(path, commit_marker=options.commit_marker)
+            # A symlinked entry is here only if it stays inside its root (roots.entries_in).
+            found = completeness.examine(path, commit_marker=options.commit_marker, follow_link=path.is_symlink())
         except UnreadableEntry as exc:
             self._problem(run, exc.path, exc.reason)
             return None  # looked at again when it changes (an event) or at the next full scan
@@ -230,9 +253,11 @@ class Watcher:
             return self.settings.settle_seconds  # vanished or changed while looking
         verdict, remote = found.verdict, None
         if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
-            if parts.is_part(e.relpath for e in found.entries):
+            rels = [e.relpath for e in found.entries]
+            if parts.is_part(rels):
                 return self._part(run, path, found, options)
-            verdict, remote = self._with_parts(path, found, options)
+            if ".metadata" in rels:  # a collective save's .metadata naming other hosts' files
+                verdict, remote = self._with_parts(path, found, options)
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
             self._problem(run, key, verdict.reason)
             return None
@@ -314,9 +339,11 @@ class Watcher:
                 return None
             waited = time.time() - known[1]
             if waited >= max(options.quiet_seconds, self.settings.settle_seconds):
-                self._problem(run, key, f"torch DCP rank files without .metadata, announced as this host's part"
+                self._problem(run, key, f"torch DCP rank files without any metadata, announced as this host's part"
                                         f" {waited:.0f} s ago: no host has recorded a step whose .metadata names"
-                                        " them (is the coordinator's host watched?)")
+                                        " them (a collective save's coordinator writes .metadata, maybe on"
+                                        " another host: is it watched?; a save without collectives writes"
+                                        " __<rank>.metadata here, last)")
             return None
         tree_ns = completeness.tree_mtime_ns(path)
         if not completeness.settled(found.entries, self.settings.settle_seconds, tree_ns=tree_ns):
@@ -334,11 +361,17 @@ class Watcher:
         return None
 
     def _problem(self, run: Path, path: str, reason: str) -> None:
-        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped."""
-        if self.reported.get(path) == reason:
+        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped.
+
+        Logged again only when the problem changes its kind (:func:`problems.kind_of`), not when
+        a number in it does ("incomplete for 60 s" then "for 90 s"); the row keeps the latest words.
+        """
+        before = self.reported.get(path)
+        if before == reason:
             return
         self.reported[path] = reason
-        log.error("not protecting %s: %s", path, reason)
+        if before is None or problems.kind_of(before) != problems.kind_of(reason):
+            log.error("not protecting %s: %s", path, reason)
         try:
             with session_scope(self.settings.db_url) as s:
                 problems.report(s, path, str(run), reason, self.settings.host_id)

@@ -26,10 +26,12 @@ from pipeline.core import copies
 from pipeline.core.retention import LocalCheckpoint, to_rotate
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, StorageWorker
+from pipeline.db.models import Checkpoint, CheckpointPart, Job, StorageWorker
 from pipeline.db.transitions import note, transition
+from pipeline.detection import roots
 from pipeline.detection.catalog import latest_store_job, on_host, own_files, owner_elsewhere
-from pipeline.errors import WorkerError
+from pipeline.detection.ondisk import differs as changed_since_detection
+from pipeline.errors import OutsideRoots, WorkerError
 from pipeline.settings import Settings
 from pipeline.states import JobKind
 from pipeline.steps import Send
@@ -115,31 +117,6 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
     )
 
 
-def changed_since_detection(root: Path, is_dir: bool, files: list[CheckpointFile]) -> str | None:
-    """What on the local copy at ``root`` (its recorded ``files``) differs from what was
-    detected (and stored), or None.
-
-    A file rewritten in place, or a file added to a checkpoint folder since, holds bytes
-    that no replica has: deleting the local copy would lose them.
-    """
-    recorded = {f.relpath: f for f in files}
-    if is_dir and root.is_dir():
-        for dirpath, _dirs, names in os.walk(root):
-            for name in names:
-                rel = os.path.relpath(os.path.join(dirpath, name), root)
-                if rel not in recorded:
-                    return f"{rel} was added to {root} after it was stored"
-    for rel, f in recorded.items():
-        path = root / rel if rel else root
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue  # gone already: nothing of it left to lose
-        if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
-            return f"{path} changed after it was stored ({st.st_size:,} bytes, modified {st.st_mtime_ns})"
-    return None
-
-
 def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
     """Ask the workers whether they still hold the copies that count, at the right size.
 
@@ -180,6 +157,10 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         _block(settings, job_id, reason)
         return []
 
+    base = roots.base_for(Path(os.path.dirname(path)), settings.roots)
+    if base is None:  # never delete through a path that no longer leads inside a watched root
+        _block(settings, job_id, f"{path} is no longer inside a watched root (a link on its path leads out)")
+        return []
     trashed = None
     try:
         with session_scope(settings.db_url) as s:
@@ -195,7 +176,7 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
-                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
+                trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
                 ckpt.local_present = False
                 if forgotten:  # it stays forgotten: its content goes with the next collection
                     job.blocked_reason = None
@@ -204,6 +185,9 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
                 else:
                     transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
                                detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+    except OutsideRoots:  # retargeted between the check above and the rename: nothing moved
+        _block(settings, job_id, f"{path} is no longer inside a watched root (a link on its path leads out)")
+        return []
     except BaseException:
         if trashed is not None:
             os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
@@ -212,7 +196,7 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         _block(settings, job_id, reason)
         return []
     if trashed is not None:
-        trash.remove(Path(trashed))
+        trash.remove(Path(trashed), inside=base)
     log.info("rotated %s (job %d)", path, job_id)
     with session_scope(settings.db_url) as s:  # and the parts other hosts hold of it, there
         return [Send("rotate_part", (job_id, h)) for h in s.scalars(
@@ -238,7 +222,7 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
     if reason:
         _block(settings, job_id, f"{host}'s part: {reason}")
         return []
-    trashed = None
+    trashed, base = None, None
     try:
         with session_scope(settings.db_url) as s:
             job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
@@ -250,6 +234,9 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
             if part is None:
                 return []
             path = part.path
+            base = roots.base_for(Path(os.path.dirname(path)), settings.roots)
+            if base is None:  # never delete through a path that no longer leads inside a watched root
+                raise OutsideRoots(path, [str(r) for r in settings.roots])
             if put_back(path):
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             ckpt = one(s, Checkpoint, job.checkpoint_id)
@@ -258,10 +245,14 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
                 shard_copies(s, ckpt.id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
                 active_job=None, changed=changed_since_detection(Path(path), True, mine))
             if reason is None:
-                trashed = move_to_trash(Path(path)) if os.path.lexists(path) else None
+                trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
                 part.local_present = False
                 job.blocked_reason = None
                 note(s, job_id, f"{host}'s part removed from {path}")
+    except OutsideRoots:  # nothing moved
+        _block(settings, job_id, f"{host}'s part: {path} is no longer inside a watched root (a link on its path "
+                                 "leads out)")
+        return []
     except BaseException:
         if trashed is not None:
             os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
@@ -270,7 +261,7 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
         _block(settings, job_id, f"{host}'s part: {reason}")
         return []
     if trashed is not None:
-        trash.remove(Path(trashed))
+        trash.remove(Path(trashed), inside=base)
     log.info("removed this host's part of %s (job %d)", path, job_id)
     return []
 

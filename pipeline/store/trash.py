@@ -10,20 +10,45 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
 from pipeline.durable import fsync_dir
+from pipeline.errors import OutsideRoots
 
 PREFIX = ".ckpt-trash-"
 
 
-def move_to_trash(path: Path) -> str:
-    """Rename the checkpoint to a hidden name in its run (atomic; the watcher ignores it)."""
-    trash = str(path.parent / f"{PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
-    os.rename(path, trash)
-    fsync_dir(path.parent)
-    return trash
+def _run_fd(path: Path, inside: Path | None) -> int:
+    """The open directory holding ``path``, checked (by what was opened, not by its name
+    again) to be ``inside`` that directory when given: a link on the way that was
+    retargeted out of the root since detection is never followed to delete."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    if inside is None:
+        return fd
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else os.path.realpath(path.parent)
+    except OSError:
+        real = os.path.realpath(path.parent)
+    if real != str(inside) and not real.startswith(str(inside).rstrip(os.sep) + os.sep):
+        os.close(fd)
+        raise OutsideRoots(str(path), [str(inside)])
+    return fd
+
+
+def move_to_trash(path: Path, inside: Path | None = None) -> str:
+    """Rename the checkpoint to a hidden name in its run (atomic; the watcher ignores it).
+    A symlinked checkpoint: the link is renamed, never what it points to. ``inside``: the
+    root's base the run must resolve into (raises :class:`OutsideRoots` otherwise)."""
+    name = f"{PREFIX}{uuid.uuid4().hex[:8]}-{path.name}"
+    fd = _run_fd(path, inside)
+    try:
+        os.rename(path.name, name, src_dir_fd=fd, dst_dir_fd=fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return str(path.parent / name)
 
 
 def entries(run: str | Path) -> list[tuple[Path, Path]]:
@@ -37,8 +62,20 @@ def entries(run: str | Path) -> list[tuple[Path, Path]]:
             if e.startswith(PREFIX) and len(e) > len(PREFIX) + 9 and e[len(PREFIX) + 8] == "-"]
 
 
-def remove(entry: Path) -> None:
-    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+def remove(entry: Path, inside: Path | None = None) -> None:
+    """Delete a trash entry (a link: the link only), through its run's directory as opened
+    and checked (see :func:`move_to_trash`)."""
+    fd = _run_fd(entry, inside)
+    try:
+        st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(entry.name, dir_fd=fd)
+        else:
+            os.unlink(entry.name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def put_back(path: str | Path) -> bool:

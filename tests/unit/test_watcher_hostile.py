@@ -73,7 +73,8 @@ def corpus(run: Path, outside: Path) -> dict[str, str]:
     (run / "latest").write_text("global_step500")  # DeepSpeed's tracker: a run file
     (run / "latest_checkpointed_iteration.txt").write_text("500")
     (run / "config.json").write_text("{}")
-    os.symlink(outside, run / "link_out")  # a symlink entry: never a checkpoint
+    os.symlink(outside, run / "link_out")  # a symlink out of the root: never followed, listed (issue 27)
+    expect["link_out"] = "problem"
     return expect
 
 
@@ -109,7 +110,8 @@ def test_hostile_entries_are_reported_once_and_the_good_one_is_detected(db, host
     assert names == ["step_7.safetensors"]
     reported = {name for name, what in expect.items() if what == "problem"}
     assert reported <= set(problems), f"not reported: {reported - set(problems)}"
-    assert not {"latest", "latest_checkpointed_iteration.txt", "config.json", "link_out"} & set(problems)
+    assert not {"latest", "latest_checkpointed_iteration.txt", "config.json"} & set(problems)
+    assert "outside the root" in problems["link_out"]
     assert not os.path.exists("/tmp/ckpt-pwned"), "a DCP .metadata was unpickled"
     assert (outside / "precious.safetensors").exists()
 

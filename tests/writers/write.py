@@ -172,7 +172,7 @@ def lightning(run: Path) -> list[str]:
     return [str(run / f"step_step={s}.ckpt") for s in (2, 4, 6)]
 
 
-def _dcp_rank(rank: int, world: int, out: str, port: int) -> None:
+def _dcp_rank(rank: int, world: int, out: str, port: int, collectives: bool = True) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -182,17 +182,19 @@ def _dcp_rank(rank: int, world: int, out: str, port: int) -> None:
     torch.manual_seed(rank)
     state = {f"layer{i}.weight": torch.randn(128, 128) for i in range(4)}
     state["step"] = 10
-    dcp.save(state, checkpoint_id=out)
+    dcp.save(state, checkpoint_id=out, use_collectives=collectives)
     dist.destroy_process_group()
 
 
-def dcp(run: Path, world: int) -> list[str]:
+def dcp(run: Path, world: int, *, collectives: bool = True) -> list[str]:
+    """``world`` gloo ranks save one step; without collectives each rank writes its own
+    ``__<rank>.metadata`` (torch >= 2.8) instead of the coordinator's ``.metadata``."""
     import torch.multiprocessing as mp
 
     from pipeline.cluster.client import free_port
 
-    out = run / f"dcp_{world}ranks_step_10"
-    mp.spawn(_dcp_rank, args=(world, str(out), free_port()), nprocs=world)
+    out = run / f"dcp_{world}ranks{'' if collectives else '_local'}_step_10"
+    mp.spawn(_dcp_rank, args=(world, str(out), free_port(), collectives), nprocs=world)
     return [str(out)]
 
 
@@ -224,6 +226,7 @@ WRITERS = {
     "lightning": lightning,
     "dcp2": lambda run: dcp(run, 2),
     "dcp4": lambda run: dcp(run, 4),
+    "dcp2_local": lambda run: dcp(run, 2, collectives=False),
     "torch_save": torch_save,
     "safetensors": safetensors_file,
 }
