@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster.wire import is_loopback
-from pipeline.durable import WriteBehind, fsync_dir
+from pipeline.durable import WriteBehind
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.restore.gather import BLOCK, FileSource, ShardSource, fetch
 
@@ -174,8 +174,3 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
 
-
-def fsync_tree(root: Path) -> None:
-    """fsync every directory of a rebuilt tree (the files were fsynced as written)."""
-    for dirpath, _dirs, _names in os.walk(root):
-        fsync_dir(Path(dirpath))
