@@ -132,6 +132,12 @@ class RestoreError(CkptError):
     """Raised when a checkpoint cannot be given back (no healthy replica, bad destination)."""
 
 
+class UnsafeDestination(RestoreError):
+    """Raised when a restore may not write where it was asked to (outside the restore roots, an
+    overwrite of something that is not a protected checkpoint's content, a staging path
+    tampered with); the restore job fails at once, it is not retried."""
+
+
 class DestinationExists(RestoreError):
     """Raised when a restore's destination already exists and overwriting was not asked for."""
 

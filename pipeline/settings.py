@@ -111,8 +111,8 @@ class Settings:
     #: steps that touch their local files run here only (docs/design.md, "Hosts"). Empty: the
     #: hostname. Set it when hostnames are not unique or not stable.
     host: str = ""
-    #: Directories a restore may write under; empty means the watched roots' parents (and, for
-    #: the CLI and the Python API, the caller's current directory). docs/design.md, invariant 7.
+    #: Directories a restore may write under besides the watched roots themselves (and, for the
+    #: CLI and the Python API, the caller's current directory). docs/design.md, invariant 7.
     restore_roots: tuple[str, ...] = ()
     #: Static storage workers (URLs), for networks without multicast.
     workers: tuple[str, ...] = ()

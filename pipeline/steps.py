@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
@@ -62,11 +63,16 @@ def start_job(session: Session, settings: Settings, job_id: int, kind: str, queu
 def fail_job(session: Session, job_id: int, error: str) -> bool:
     """Mark a job ``failed`` with ``error``, from whatever non-terminal state it is in."""
     job = session.get(Job, job_id)
-    if job is None or job.state in states.TERMINAL[job.kind]:
+    if job is None:
+        return False
+    # Its state as the database has it: a transition earlier in this transaction (start_job)
+    # updated the row without refreshing the object.
+    state = session.scalar(select(Job.state).where(Job.id == job_id))
+    if state is None or state in states.TERMINAL[job.kind]:
         return False
     # Remember where it failed, so a requeue from the dead-letter queue resumes there.
-    params = dict(job.params or {}, failed_from=job.state)
-    return transition(session, job_id, job.kind, job.state, "failed", detail=error, last_error=error,
+    params = dict(job.params or {}, failed_from=state)
+    return transition(session, job_id, job.kind, state, "failed", detail=error, last_error=error,
                       attempts=job.attempts, params=params)
 
 

@@ -10,6 +10,7 @@ Recording the new content, or the recorded content coming back, clears the flag.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -26,10 +27,12 @@ log = logging.getLogger("ckpt.detect")
 Signature = tuple[tuple[str, int, int], ...]
 
 
-def differs(root: Path, is_dir: bool, files: list[CheckpointFile]) -> str | None:
+def differs(root: Path, is_dir: bool, files: list[CheckpointFile], *, by_content: bool = False) -> str | None:
     """What of the files at ``root`` differs from the recorded ``files`` (relative path,
     size, modification time): a file rewritten in place or added since holds bytes no
-    replica has. A file gone is not counted (nothing of it is left to lose). None if nothing."""
+    replica has. A file gone is not counted (nothing of it is left to lose). None if nothing.
+    ``by_content``: a file of the recorded size whose time moved (touched, copied back) is
+    hashed, and differs only if its SHA-256 does."""
     recorded = {f.relpath: f for f in files}
     if is_dir and root.is_dir():
         for dirpath, _dirs, names in os.walk(root):
@@ -44,8 +47,18 @@ def differs(root: Path, is_dir: bool, files: list[CheckpointFile]) -> str | None
         except FileNotFoundError:
             continue  # gone already: nothing of it left to lose
         if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+            if by_content and st.st_size == f.size and _sha256(path) == f.sha256:
+                continue
             return f"{path} changed after it was stored ({st.st_size:,} bytes, modified {st.st_mtime_ns})"
     return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def changed_files(recorded: Signature, found: Signature) -> list[str]:

@@ -24,7 +24,7 @@ def check(settings: Settings, ckpt: Checkpoint, dest: Path) -> None:
     why = ckpt.disk_changed
     if why is None and ckpt.host in (None, settings.host_id) and os.path.lexists(ckpt.path):
         if ckpt.local_present:
-            why = differs(Path(ckpt.path), ckpt.is_dir, own_files(ckpt))
+            why = differs(Path(ckpt.path), ckpt.is_dir, own_files(ckpt), by_content=True)
         else:
             why = f"its local copy was rotated, and {ckpt.path} holds other files now"
     if why is None:

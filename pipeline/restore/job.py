@@ -3,17 +3,20 @@
 Files are rebuilt (pipeline.restore.rebuild) in a hidden staging path next to the
 destination, checked against the SHA-256 recorded at detection, fsynced, and only then
 renamed into place (docs/design.md, invariants 2 and 4). Each attempt has its own staging
-path; only the job's latest attempt may put its result in place.
+path; only the job's latest attempt may put its result in place. The staging path is written
+through descriptors (pipeline.restore.staging), and the destination is checked again
+(pipeline.restore.destination) in the transaction that decides to write it (invariant 7).
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 
 from sqlalchemy import select
@@ -24,14 +27,14 @@ from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.detection.catalog import latest_store_job, resolve
-from pipeline.durable import fsync_dir
-from pipeline.errors import DestinationExists, RestoreError
+from pipeline.errors import RestoreError, UnsafeDestination
 from pipeline.restore import current, destination
 from pipeline.restore.gather import FileSource, manifest
-from pipeline.restore.rebuild import fsync_tree, write_file
+from pipeline.restore.rebuild import write_file
+from pipeline.restore.staging import Staging, identity, remove_at
 from pipeline.settings import Settings
 from pipeline.states import JobKind
-from pipeline.steps import Send, start_job
+from pipeline.steps import Send, fail_job, start_job
 
 log = logging.getLogger("ckpt.restore")
 R = states.RestoreState
@@ -41,23 +44,31 @@ def request(session: Session, settings: Settings, ref: str | int, dest: str, *, 
             extra_roots: Iterable[Path] = ()) -> Job:
     """Validate a restore request and create its job (the caller enqueues ``restore``).
 
-    ``extra_roots``: directories this caller may also restore under (its current directory)."""
-    ckpt, target = validate(session, settings, ref, dest, overwrite=overwrite, extra_roots=extra_roots)
+    ``extra_roots``: directories this caller may also restore under (its current directory);
+    they go with the job, so the actor checks the destination against the same roots."""
+    extra = [p.resolve() for p in extra_roots]
+    ckpt, target = validate(session, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
+    params: dict[str, object] = {"dest": str(target), "overwrite": overwrite, "host": settings.host_id,
+                                 "seen": destination.seen(target)}
+    if extra:
+        params["extra_roots"] = [str(p) for p in extra]
     return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
-                      params={"dest": str(target), "overwrite": overwrite, "host": settings.host_id},
-                      bytes_total=ckpt.total_bytes,
-                      detail=f"restore to {target}")
+                      params=params, bytes_total=ckpt.total_bytes, detail=f"restore to {target}")
 
 
 def validate(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
              extra_roots: Iterable[Path] = ()) -> tuple[Checkpoint, Path]:
     """The checkpoint and resolved destination of a restore that may go ahead; raises the
-    reason it may not (what a form checks before it is submitted, and :func:`request`)."""
+    reason it may not (what a form checks before it is submitted, and :func:`request`).
+
+    An existing destination is examined as the actor will examine it, except that a file
+    whose size and mtime equal its protected record is not read (the actor reads it)."""
     ckpt = resolve(session, ref, settings.host_id)
     target = Path(dest).expanduser().resolve()
-    destination.check(session, settings, target, extra_roots)
-    if target.exists() and not overwrite:
-        raise DestinationExists(str(target))
+    extra = list(extra_roots)
+    destination.check(session, settings, target, extra)
+    if destination.existing(session, settings, target, overwrite=overwrite, extra_roots=extra):
+        destination.examine(lambda: nullcontext(session), settings, target, trust_stat=True)
     if not target.parent.is_dir():
         raise RestoreError(f"{target.parent} is not a directory; create it first")
     store = latest_store_job(session, ckpt.id)
@@ -86,48 +97,141 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
         ckpt = one(s, Checkpoint, job.checkpoint_id)
         files = manifest(s, ckpt)
         is_dir, dest, overwrite = ckpt.is_dir, Path(job.params["dest"]), bool(job.params.get("overwrite"))
+        extra = [Path(p) for p in job.params.get("extra_roots", ())]
         # Each attempt (a redelivery, or a re-drive while a stalled attempt still runs)
         # rebuilds in its own staging path and may put it in place only while it is the
         # job's latest attempt: two attempts never write the same file.
         attempt, verified = job.attempts, job.params.get("staging")
         resumed = job.state == R.VERIFIED  # a crash came after the files were verified
+        if not resumed:  # refused before anything is fetched; checked again before writing
+            try:
+                destination.check(s, settings, dest, extra)
+                destination.existing(s, settings, dest, overwrite=overwrite, extra_roots=extra)
+                if "seen" in job.params and destination.seen(dest) != job.params["seen"]:
+                    raise UnsafeDestination(f"{dest} changed since the restore was asked (saved again there?): "
+                                            f"what is there now is not what was asked to be replaced; "
+                                            f"{destination.INSTEAD}")
+            except RestoreError as exc:
+                return _refuse(s, job_id, exc)
 
-    old = dest.parent / f".{dest.name}.ckpt-old-{job_id}"
+    old = f".{dest.name}.ckpt-old-{job_id}"
     done = sum(f.size for f in files)
-    if resumed and verified and Path(verified).exists():
-        staging: Path | None = Path(verified)
-    elif resumed and not old.exists() and _holds(dest, files, is_dir):
-        staging = None  # already in place: only the record of it was lost
-    else:
-        staging = dest.parent / f".{dest.name}.ckpt-restore-{job_id}.{attempt}"
-        gathered = _gather(settings, job_id, attempt, files, staging, is_dir)
-        if gathered is None:
-            return []
-        done = gathered
+    try:
+        staging = _staging(settings, job_id, attempt, files, dest, is_dir, resumed, verified)
+    except UnsafeDestination as exc:
+        with session_scope(settings.db_url) as s:
+            return _refuse(s, job_id, exc)
+    if staging is None:
+        return []
+    try:
+        done = staging.done or done
+        return _put_in_place(settings, job_id, attempt, staging, dest, old, files, overwrite, extra, done)
+    finally:
+        staging.close()
+
+
+class _Staged(Staging):
+    """A staging entry and the bytes its attempt wrote (0: adopted or already in place)."""
+
+    done = 0
+    in_place = False
+
+
+def _staging(settings: Settings, job_id: int, attempt: int, files: list[FileSource], dest: Path, is_dir: bool,
+             resumed: bool, verified: str | None) -> _Staged | None:
+    """The verified staging entry to put in place: this attempt's, or the one a crashed
+    attempt verified; None if a later attempt took the job over meanwhile."""
+    if resumed and verified:
+        adopted = _Staged(dest.parent, Path(verified).name, is_dir=is_dir)
+        if adopted.adopt() and _holds(Path(verified), files, is_dir):
+            return adopted
+        adopted.in_place = adopted.made is None and _holds(dest, files, is_dir)  # only the record was lost
+        if adopted.in_place:
+            return adopted
+        adopted.close()
+    staged = _Staged(dest.parent, f".{dest.name}.ckpt-restore-{job_id}.{attempt}", is_dir=is_dir)
+    try:
+        gathered = _gather(settings, job_id, attempt, files, staged)
+    except BaseException:
+        staged.close()
+        raise
+    if gathered is None:
+        staged.close()
+        return None
+    staged.done = gathered
+    return staged
+
+
+def _put_in_place(settings: Settings, job_id: int, attempt: int, staging: _Staged, dest: Path, old: str,
+                  files: list[FileSource], overwrite: bool, extra: list[Path], done: int) -> list[Send]:
+    """Check the destination again and, in the transaction that decides it, rename the
+    verified staging entry to ``dest`` (an existing ``dest`` set aside first, then removed)."""
+    pfd = staging.parent_fd
+    found: destination.Replaceable | None = None
+    try:
+        if overwrite and not staging.in_place and os.path.lexists(dest):
+            # Read with no transaction open: every byte of what an overwrite would replace.
+            found = destination.examine(lambda: session_scope(settings.db_url, readonly=True), settings, dest,
+                                        trust_stat=False)
+    except RestoreError as exc:
+        with session_scope(settings.db_url) as s:
+            return _refuse(s, job_id, exc, staging)
     with session_scope(settings.db_url) as s:
-        # The deciding transaction: only the latest attempt puts its result in place.
+        # The deciding transaction: only the latest attempt puts its result in place, and
+        # only where the destination rules allow it now.
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
         if job.state != R.VERIFIED or job.attempts != attempt:
-            if staging is not None and str(staging) != job.params.get("staging"):
-                _remove(staging)
+            if staging.made is not None and staging.name != Path(job.params.get("staging") or "").name:
+                _remove_ours(staging)
             log.info("job %d: attempt %d superseded by attempt %d; leaving it", job_id, attempt, job.attempts)
             return []
-        if staging is not None and staging.exists():
-            _put_in_place(staging, dest, old, overwrite)
-        if old.exists():  # the crash came between the two renames of an overwrite
-            _remove(old)
-        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.ckpt-restore-{job_id}.*"):
-            _remove(stale)  # of attempts that crashed (or stalled and lost the job)
+        if not staging.in_place:
+            try:
+                _recheck(s, settings, dest, found, overwrite, extra)
+                staging.still_ours()
+                if found is not None:
+                    os.rename(dest.name, old, src_dir_fd=pfd, dst_dir_fd=pfd)
+                    try:
+                        destination.unchanged(found, dest.parent / old)  # what was set aside is what was examined
+                    except RestoreError:
+                        os.rename(old, dest.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                        raise
+                os.rename(staging.name, dest.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                os.fsync(pfd)
+            except RestoreError as exc:
+                return _refuse(s, job_id, exc, staging)
+        remove_at(pfd, old)  # set aside above, or by an attempt that crashed between the two renames
+        prefix = f".{glob.escape(dest.name)}.ckpt-restore-{job_id}.*"
+        for stale in os.listdir(pfd):
+            if fnmatch.fnmatchcase(stale, prefix):
+                remove_at(pfd, stale)  # of attempts that crashed (or stalled and lost the job)
         transition(s, job_id, JobKind.RESTORE, R.VERIFIED, R.DONE, detail=f"restored to {dest}")
     log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
     return []
 
 
-def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSource], staging: Path,
-            is_dir: bool) -> int | None:
-    """Rebuild every file under ``staging``, verified and fsynced, and move the job to
+def _recheck(session: Session, settings: Settings, dest: Path, found: destination.Replaceable | None,
+             overwrite: bool, extra: list[Path]) -> None:
+    """The destination rules again, now (docs/design.md, invariant 7)."""
+    destination.check(session, settings, dest, extra)
+    if destination.existing(session, settings, dest, overwrite=overwrite, extra_roots=extra):
+        if found is None:
+            raise UnsafeDestination(f"{dest} appeared while restoring; left it as it is; {destination.INSTEAD}")
+        destination.unchanged(found)
+
+
+def _refuse(session: Session, job_id: int, exc: RestoreError, staging: Staging | None = None) -> list[Send]:
+    """Fail the job with the reason its destination may not be written (never retried)."""
+    if staging is not None and staging.made is not None:
+        _remove_ours(staging)
+    fail_job(session, job_id, f"refused: {exc}")
+    log.warning("job %d: %s", job_id, exc)
+    return []
+
+
+def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSource], staging: _Staged) -> int | None:
+    """Rebuild every file in ``staging``, verified and fsynced, and move the job to
     ``verified``; None if a later attempt took the job over meanwhile."""
-    _remove(staging)  # a leftover of a crashed attempt, or a symlink planted at this predictable name
     key = settings.key()
     done = 0
     renew_every = max(0.5, settings.lease_seconds / 4)
@@ -142,61 +246,67 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
                 renew_lease(s2, job_id, settings.lease_seconds, bytes_done=done)
 
     try:
-        if is_dir:
-            staging.mkdir()
+        staging.create()
+        if staging.is_dir:
             for f in files:
-                out = staging / f.relpath
-                out.parent.mkdir(parents=True, exist_ok=True)
-                write_file(f, out, key, progress, wire=settings.wire_compression)
-            fsync_tree(staging)
+                dir_fd, name = staging.place(f.relpath)
+                write_file(f, name, key, progress, wire=settings.wire_compression, dir_fd=dir_fd)
+            staging.fsync()
         else:
-            write_file(files[0], staging, key, progress, wire=settings.wire_compression)
+            made = write_file(files[0], staging.name, key, progress, wire=settings.wire_compression,
+                              dir_fd=staging.parent_fd)
+            staging.made = identity(made)
+        staging.still_ours()
+        os.fsync(staging.parent_fd)
     except BaseException:
-        _remove(staging)
+        if staging.made is not None:
+            _remove_ours(staging)
+        elif not staging.is_dir:  # a file this attempt created (O_EXCL) and did not finish
+            remove_at(staging.parent_fd, staging.name)
         raise
     with session_scope(settings.db_url) as s:
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
         if job.attempts != attempt or job.state != R.GATHERING:
-            _remove(staging)
+            _remove_ours(staging)
             return None
         transition(s, job_id, JobKind.RESTORE, R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
                    detail=matching(len(files)), bytes_done=done,
-                   attempts=attempt, params={**job.params, "staging": str(staging)})
+                   attempts=attempt, params={**job.params, "staging": str(staging.parent / staging.name)})
     return done
+
+
+def _remove_ours(staging: Staging) -> None:
+    """Remove the staging entry if it still is the one this attempt made (a link or an entry
+    put in its place is left alone: it is not ours, and following it could reach anywhere)."""
+    try:
+        staging.still_ours()
+    except RestoreError:
+        return
+    remove_at(staging.parent_fd, staging.name)
 
 
 def matching(n: int) -> str:
     return f"{n} files match their recorded SHA-256" if n != 1 else "1 file matches its recorded SHA-256"
 
 
-def _put_in_place(staging: Path, dest: Path, old: Path, overwrite: bool) -> None:
-    """Rename the verified ``staging`` to ``dest`` (the old ``dest`` set aside first)."""
-    if dest.exists():
-        if not overwrite:
-            raise RestoreError(f"{dest} appeared while restoring; left the result at {staging}")
-        os.rename(dest, old)
-    os.rename(staging, dest)
-    fsync_dir(dest.parent)
-
-
 def _holds(dest: Path, files: list[FileSource], is_dir: bool) -> bool:
-    """Whether ``dest`` already is the restored checkpoint (its files hash as recorded)."""
+    """Whether ``dest`` is exactly the restored checkpoint: its files, no link among them, each
+    hashing as recorded."""
+    try:
+        found = dict(destination.walk(dest))
+    except (OSError, RestoreError):
+        return False
+    if set(found) != {f.relpath if is_dir else "" for f in files}:
+        return False
     for f in files:
-        path = dest / f.relpath if is_dir else dest
+        rel = f.relpath if is_dir else ""
+        if found[rel].st_size != f.size:
+            return False
         try:
-            if os.path.getsize(path) != f.size:
-                return False
-            with open(path, "rb") as fh:
+            fd = os.open(dest / rel if rel else dest, os.O_RDONLY | os.O_NOFOLLOW)
+            with open(fd, "rb") as fh:
                 if hashlib.file_digest(fh, "sha256").hexdigest() != f.sha256:
                     return False
         except OSError:
             return False
     return True
-
-
-def _remove(path: Path) -> None:
-    """Remove a file or a directory tree at ``path``; a symlink is removed, never followed."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)

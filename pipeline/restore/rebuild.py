@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster.wire import is_loopback
-from pipeline.durable import WriteBehind, fsync_dir
+from pipeline.durable import WriteBehind
 from pipeline.errors import HashMismatch, RestoreError
 from pipeline.restore.gather import BLOCK, FileSource, ShardSource, fetch
 
@@ -51,8 +51,13 @@ class _Written:
                 self.progress(n)
 
 
-def write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None = None, *, wire: str = "off") -> None:
+def write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress | None = None, *, wire: str = "off",
+               dir_fd: int | None = None) -> os.stat_result:
     """Rebuild one file at ``out`` from its shards; raise unless it matches its SHA-256.
+
+    ``dir_fd``: ``out`` is a name in that open directory (the restore's staging directory,
+    written through its descriptor: docs/design.md, invariant 7). Returns the file's
+    ``fstat`` as created, so the caller can tell it from anything put at its name later.
 
     The file's SHA-256 covers every byte written, so the shards are not also hashed one by
     one (that hashed every byte twice, and was the restore's bottleneck on two cores). If
@@ -60,15 +65,15 @@ def write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None =
     finds the replica that sent bad bytes and reads that shard from another.
     """
     try:
-        _write_file(f, out, key, progress, check=False, wire=wire)
+        return _write_file(f, out, key, progress, check=False, wire=wire, dir_fd=dir_fd)
     except HashMismatch as exc:
         log.warning("%s; rebuilding it checking every shard, to skip the bad copy", exc)
-        os.unlink(out)
-        _write_file(f, out, key, progress, check=True, wire=wire)
+        os.unlink(out, dir_fd=dir_fd)
+        return _write_file(f, out, key, progress, check=True, wire=wire, dir_fd=dir_fd)
 
 
-def _write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None, *, check: bool,
-                wire: str) -> None:
+def _write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress | None, *, check: bool,
+                wire: str, dir_fd: int | None) -> os.stat_result:
     end = 0
     for shard in f.shards:
         if shard.src_offset != end:
@@ -78,37 +83,39 @@ def _write_file(f: FileSource, out: Path, key: bytes, progress: Progress | None,
         raise RestoreError(f"manifest gap: the shards cover {end:,} bytes of a file of {f.size:,}")
     # A new file, never through a symlink (docs/design.md, invariant 7): the staging path is
     # predictable, and whoever planted something there does not get our bytes written through it.
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    # The hash reads back through the same descriptor: the name is never opened again.
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
     written = _Written(progress)
     whole = hashlib.sha256()
     stop = threading.Event()
     try:
-        with open(out, "rb", buffering=0) as back:  # the hash reads what was written, in order
-            behind = WriteBehind(fd)
-            block = memoryview(bytearray(BLOCK))
-            streams = _streams(f)
-            with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="ckpt-fetch") as pool:
-                futures = [pool.submit(_shard_into, fd, shard, key, written, stop, check, wire) for shard in f.shards]
-                try:
-                    for shard, fut in zip(f.shards, futures, strict=True):
-                        fut.result()
-                        _hash_range(back.fileno(), shard.src_offset, shard.length, whole, block)
-                        behind.written(shard.src_offset + shard.length)
-                except BaseException:
-                    stop.set()  # the shards under way end at their next block
-                    for fut in futures:
-                        fut.cancel()
-                    raise
+        behind = WriteBehind(fd)
+        block = memoryview(bytearray(BLOCK))
+        streams = _streams(f)
+        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="ckpt-fetch") as pool:
+            futures = [pool.submit(_shard_into, fd, shard, key, written, stop, check, wire) for shard in f.shards]
+            try:
+                for shard, fut in zip(f.shards, futures, strict=True):
+                    fut.result()
+                    _hash_range(fd, shard.src_offset, shard.length, whole, block)
+                    behind.written(shard.src_offset + shard.length)
+            except BaseException:
+                stop.set()  # the shards under way end at their next block
+                for fut in futures:
+                    fut.cancel()
+                raise
         os.ftruncate(fd, f.size)
         failpoints.hit("restore.fsync")
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # a restore does not flood the page cache
+        created = os.fstat(fd)
     finally:
         os.close(fd)
     actual = whole.hexdigest()
     if actual != f.sha256:
         written(-written.total)
         raise HashMismatch(f"restored {f.relpath or 'file'}", f.sha256, actual)
+    return created
 
 
 def _streams(f: FileSource) -> int:
@@ -167,8 +174,3 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
 
-
-def fsync_tree(root: Path) -> None:
-    """fsync every directory of a rebuilt tree (the files were fsynced as written)."""
-    for dirpath, _dirs, _names in os.walk(root):
-        fsync_dir(Path(dirpath))

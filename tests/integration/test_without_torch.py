@@ -37,7 +37,7 @@ def test_a_venv_without_torch_protects_and_restores(venv, tmp_path):
     assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr
     home, runs = tmp_path / "home", tmp_path / "runs"
     (runs / "r").mkdir(parents=True)
-    env = base_env(home, CKPT_ROOTS=str(runs / "*"))
+    env = base_env(home, CKPT_ROOTS=str(runs / "*"), CKPT_RESTORE_ROOTS=str(tmp_path))  # restored beside the runs
     env.pop("PYTHONPATH", None)
     with open(tmp_path / "up.log", "wb") as log:
         up = subprocess.Popen([str(venv / "bin" / "ckpt"), "up", "--workers", "2", "--processes", "1"], env=env,

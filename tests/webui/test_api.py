@@ -116,14 +116,14 @@ def test_restore_validates_checkpoint_and_destination(client, web_settings, toke
     ids = seed(web_settings)
     r = client.post("/api/restore", json={"checkpoint": "424242", "dest": str(tmp_path / "d")}, headers=bearer(token))
     assert r.status_code == 404
-    existing = tmp_path / "exists"
+    existing = tmp_path / "runs" / "r1" / "exists"
     existing.write_text("keep")
     r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(existing)},
                     headers=bearer(token))
     assert r.status_code == 409 and "already exists" in r.get_json()["error"]
     r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"]}, headers=bearer(token))
     assert r.status_code == 400 and "dest" in r.get_json()["error"]
-    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "new")},
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "runs" / "new")},
                     headers=bearer(token))
     assert r.status_code == 202 and r.get_json()["kind"] == "restore"
     assert existing.read_text() == "keep"
@@ -160,7 +160,8 @@ def test_restore_of_a_checkpoint_that_is_not_protected_is_400(client, web_settin
 
     path = atomic_save(state_dict(5), tmp_path / "runs" / "r1" / "step_5.safetensors")
     operations.store(web_settings, str(path))
-    r = client.post("/api/restore", json={"checkpoint": str(path), "dest": str(tmp_path / "o")}, headers=bearer(token))
+    r = client.post("/api/restore", json={"checkpoint": str(path), "dest": str(tmp_path / "runs" / "o")},
+                    headers=bearer(token))
     assert r.status_code == 400 and "only replicated or verified" in r.get_json()["error"]
 
 

@@ -4,7 +4,9 @@ versions; a job's numbers mean what they say; a worker says why it is not used a
 drained; times are ISO 8601."""
 from __future__ import annotations
 
+import os
 import re
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +33,12 @@ def test_restore_from_the_checkpoint_page_checks_the_destination(admin, web_sett
     existing = tmp_path / "runs" / "taken"
     existing.mkdir()
     assert "exists" in admin.get(check, query_string={"dest": str(existing)}).get_json()["error"]
-    assert admin.get(check, query_string={"dest": str(existing), "overwrite": "1"}).get_json()["ok"] is True
+    run_dir = admin.get(check, query_string={"dest": str(existing), "overwrite": "1"}).get_json()
+    assert run_dir["ok"] is False and "an overwrite never removes a run" in run_dir["error"]
+    settled = time.time() - 10  # saved longer ago than the settle time
+    os.utime(ids["path"], (settled, settled))
+    protected = admin.get(check, query_string={"dest": ids["path"], "overwrite": "1"}).get_json()
+    assert protected == {"ok": True, "target": ids["path"]}  # a protected checkpoint's own files, unchanged
     good = admin.get(check, query_string={"dest": str(tmp_path / "runs" / "back")}).get_json()
     assert good == {"ok": True, "target": str(tmp_path / "runs" / "back")}
     assert one_job(web_settings, "restore").id == ids["restore_job"]  # checking created nothing

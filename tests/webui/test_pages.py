@@ -86,9 +86,9 @@ def test_store_form_creates_a_job_and_goes_to_its_page(admin, web_settings, tmp_
 def test_restore_and_scrub_forms(admin, web_settings, tmp_path):
     ids = seed(web_settings)
     token = csrf_of(admin.get("/actions").get_data(as_text=True))
-    r = admin.post("/actions/restore", data={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "out"),
-                                             "csrf_token": token})
-    assert r.status_code == 303 and one_job(web_settings, "restore").params["dest"] == str(tmp_path / "out")
+    out = tmp_path / "runs" / "out"
+    r = admin.post("/actions/restore", data={"checkpoint": ids["checkpoint"], "dest": str(out), "csrf_token": token})
+    assert r.status_code == 303 and one_job(web_settings, "restore").params["dest"] == str(out)
     r = admin.post("/actions/scrub", data={"csrf_token": token})
     assert r.status_code == 303 and r.headers["Location"] == "/jobs?kind=scrub"
 
