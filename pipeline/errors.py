@@ -93,8 +93,8 @@ class InvalidMove(CkptError):
     (pipeline.states.COPY_MOVES, WORKER_MOVES)."""
 
     def __init__(self, what: str, current: str, target: str) -> None:
-        self.what, self.current, self.target = what, current, target
-        super().__init__(f"{what}: cannot go from {current!r} to {target!r}")
+        self.what, self.current, self.target = what, str(current), str(target)
+        super().__init__(f"{what}: cannot go from {self.current!r} to {self.target!r}")
 
 
 class PlacementError(CkptError):

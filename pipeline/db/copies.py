@@ -15,10 +15,10 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Subquery, and_, case, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
 
 from pipeline.core import placement
 from pipeline.core.copies import Copy, ShardCopies, good_workers
-from pipeline.db.engine import rowcount
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import InvalidMove, PlacementError
@@ -126,6 +126,8 @@ def move(session: Session, where: ContentCopy | ColumnElement[bool], to: str, *,
     """
     target = CopyState(to)
     sources = copy_sources(target)
+    if not sources:
+        raise InvalidMove("copy", "any state", target)
     if from_ is not None:
         narrowed = frozenset(CopyState(f) for f in from_)
         if not narrowed <= sources:
@@ -151,9 +153,13 @@ def move(session: Session, where: ContentCopy | ColumnElement[bool], to: str, *,
         conds += [ContentCopy.stored_at.is_not(None), ContentCopy.stored_at <= rehashed]
     elif target in (CopyState.CORRUPT, CopyState.MISSING):
         values.update(checked_at=t)
-    result = session.execute(update(ContentCopy).where(*conds).values(**values)
-                             .execution_options(synchronize_session="fetch"))
-    return rowcount(result)
+    moved = list(session.scalars(update(ContentCopy).where(*conds).values(**values).returning(ContentCopy.id)
+                                 .execution_options(synchronize_session=False)))
+    for copy_id in moved:  # a row this session holds reads what the UPDATE wrote
+        held = session.identity_map.get(identity_key(ContentCopy, copy_id))
+        if held is not None:
+            session.expire(held, list(values))
+    return len(moved)
 
 
 def new_copy(content: Content, worker_id: str) -> ContentCopy:
