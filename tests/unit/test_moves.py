@@ -277,29 +277,31 @@ def _model_move(row: Row, to: str, sources: frozenset[str], at: datetime, rehash
     return True
 
 
-moves = st.lists(st.tuples(
-    st.sampled_from([s for s in CopyState if copy_sources(s)]),  # a target some state can reach
-    st.sets(st.sampled_from(WORKERS), min_size=1),               # which copies the condition selects
-    st.integers(-5, 30),                                         # at: minutes after T0 (clocks jump back)
-    st.integers(-5, 5),                                          # the re-hash: minutes from ``at``
-    st.booleans(),                                               # narrowed to one random source state
-    st.sampled_from(list(CopyState)),
-), min_size=1, max_size=25)
+#: Targets in the order the generator prefers (it favours the first): the ones that make a history
+#: long (stored, verified, damaged and back) before the ones that end it (deleting).
+PROGRESS = (CopyState.STORED, CopyState.VERIFIED, CopyState.CORRUPT, CopyState.MISSING, CopyState.PENDING,
+            CopyState.ABANDONED, CopyState.DELETING)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(moves)
-def test_random_histories_of_moves_keep_verified_after_stored(db, history):
-    """Given three copies, When random moves (valid or not, with clocks that jump) are made by
-    condition, Then each copy is where the table and the model say, every change of state is an
-    edge of COPY_MOVES, and after every move: a verified copy has ``stored_at <= verified_at``,
-    a stored one no ``verified_at``, a pending one neither, and a checked state a ``checked_at``."""
+@given(st.data())
+def test_random_histories_of_moves_keep_verified_after_stored(db, data):
+    """Given three copies, When random moves (mostly ones the table allows from where the chosen
+    copies are, some it refuses; clocks that jump back) are made by condition, Then each copy is
+    where the table and the model say, every change of state is an edge of COPY_MOVES, and after
+    every move: a verified copy has ``stored_at <= verified_at``, a stored one no ``verified_at``,
+    a pending one neither, and a checked state a ``checked_at``."""
     with session_scope(db.db_url) as s:
         rows = _fresh(s)
         model = {r.worker_id: Row(CopyState.PENDING) for r in rows}
-        for to, chosen, minutes, rehash_delta, narrow, one_source in history:
-            at = T0 + timedelta(minutes=minutes)
-            rehashed = at + timedelta(minutes=rehash_delta)
+        for _ in range(data.draw(st.integers(5, 40), label="moves")):
+            chosen = data.draw(st.sets(st.sampled_from(WORKERS), min_size=1))
+            reachable = [t for t in PROGRESS if any(t in COPY_MOVES[CopyState(model[w].state)] for w in chosen)]
+            to = data.draw(st.sampled_from(reachable) if reachable and data.draw(st.integers(0, 4)) else
+                           st.sampled_from([c for c in CopyState if copy_sources(c)]))
+            at = T0 + timedelta(minutes=data.draw(st.integers(-5, 30)))  # clocks jump back too
+            rehashed = at + timedelta(minutes=data.draw(st.integers(-5, 5)))
+            narrow, one_source = data.draw(st.integers(0, 4)) == 0, data.draw(st.sampled_from(list(CopyState)))
             sources = copy_sources(to)
             from_ = None
             if narrow:
