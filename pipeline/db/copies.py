@@ -109,9 +109,10 @@ def move(session: Session, where: ContentCopy | ColumnElement[bool], to: str, *,
     One ``UPDATE ... WHERE <where> AND state IN <sources>``: a copy in a state from which
     :data:`~pipeline.states.COPY_MOVES` has no move to ``to`` is left as it is (a compare-and-set:
     whatever moved it meanwhile has the last word). ``from_`` narrows the sources further.
-    Raises :class:`~pipeline.errors.InvalidMove` for a move the table lacks: ``from_`` naming
-    a state that cannot reach ``to``, or a loaded row whose state cannot. It writes the columns
-    the target implies, with ``last_error = error`` (None clears it) and ``at`` (default now):
+    Raises :class:`~pipeline.errors.InvalidMove` for a move the table lacks: a target no state
+    reaches, ``from_`` naming a state that cannot reach ``to``, or a loaded row whose state cannot.
+    It writes the columns the target implies, with ``last_error = error`` (None clears it) and
+    ``at`` (default now):
 
     - ``pending``: ``stored_at = verified_at = None``. From a retired row it is a new copy
       (placement): ``attempts = 0``. From a sent one it is the same copy sent again after a
