@@ -88,6 +88,15 @@ class InvalidTransition(CkptError):
         super().__init__(f"{kind} job {job_id}: cannot go from {current!r} to {target!r}")
 
 
+class InvalidMove(CkptError):
+    """Raised when a copy or a storage worker is asked to make a move its table does not have
+    (pipeline.states.COPY_MOVES, WORKER_MOVES)."""
+
+    def __init__(self, what: str, current: str, target: str) -> None:
+        self.what, self.current, self.target = what, str(current), str(target)
+        super().__init__(f"{what}: cannot go from {self.current!r} to {self.target!r}")
+
+
 class PlacementError(CkptError):
     """Raised when there are not enough live storage workers for the replication factor."""
 

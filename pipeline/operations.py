@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import states
+from pipeline.db import workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
@@ -83,8 +84,8 @@ def drain(settings: Settings, worker_id: str) -> None:
         w = s.get(StorageWorker, worker_id)
         if w is None:
             raise CkptError(f"no storage worker {worker_id!r}; `ckpt status` lists them")
-        if w.state not in states.STICKY_WORKERS:  # draining already, or drained: nothing changes
-            w.state = states.WorkerState.DRAINING
+        if workers.may(w, states.WorkerState.DRAINING):  # draining already, or drained: nothing changes
+            workers.set_state(s, w, states.WorkerState.DRAINING)
 
 
 def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Path:

@@ -1,10 +1,10 @@
-"""States as data: jobs and their transitions, replicas, storage workers, and their groups.
+"""States as data: jobs, copies and storage workers, the moves each may make, and their groups.
 
-Who sets each state is written beside it. :func:`pipeline.db.transitions.transition` is
-the only code that moves a job, and it consults :data:`TRANSITIONS`. Replica and worker
-states are set by the steps named beside them; the groups below are the only place that
-says which states count toward the replication factor, which can be read, and so on
-(docs/design.md, "States").
+Who sets each state is written beside it. One function moves each lifecycle and consults its
+table: :func:`pipeline.db.transitions.transition` a job (:data:`TRANSITIONS`),
+:func:`pipeline.db.copies.move` a copy (:data:`COPY_MOVES`), :func:`pipeline.db.workers.set_state`
+a storage worker (:data:`WORKER_MOVES`). The groups below are the only place that says which
+states count toward the replication factor, which can be read, and so on (docs/design.md, "States").
 """
 from __future__ import annotations
 
@@ -204,9 +204,40 @@ class CopyState(StrEnum):
     DELETING = "deleting"    # garbage collection: its content is condemned; the worker deletes it
 
 
-#: The old name, kept for readers of earlier code.
-ReplicaState = CopyState
 _Rep = CopyState
+
+#: The moves a copy may make: ``COPY_MOVES[from]`` is where it may go, and :func:`pipeline.db.copies.move`
+#: (the only code that changes a copy's state) refuses any other. Who makes each move, and why:
+COPY_MOVES: dict[CopyState, frozenset[CopyState]] = {
+    # replicate: stored (its re-hash is then recorded as a move to verified), or given up
+    # (unreachable, full); verify, repair: found corrupt; garbage collection: its content is condemned.
+    _Rep.PENDING: frozenset({_Rep.STORED, _Rep.CORRUPT, _Rep.ABANDONED, _Rep.DELETING}),
+    # verify: missing (sent again: pending), corrupt, unreachable (abandoned); verify, scrub, reconcile,
+    # repair: re-hashed (verified) or damaged; reconcile (surplus), garbage collection: deleting.
+    _Rep.STORED: frozenset({_Rep.PENDING, _Rep.VERIFIED, _Rep.CORRUPT, _Rep.MISSING, _Rep.ABANDONED,
+                            _Rep.DELETING}),
+    # The same; verified -> verified is a re-hash that matched again (recheck, verify, scrub).
+    _Rep.VERIFIED: frozenset({_Rep.PENDING, _Rep.VERIFIED, _Rep.CORRUPT, _Rep.MISSING, _Rep.ABANDONED,
+                              _Rep.DELETING}),
+    # scrub, reconcile: a re-hash that matches again (verified), found again or absent now; repair:
+    # rebuilt on the same worker (stored, then verified by its re-hash), or its rebuild failed.
+    _Rep.CORRUPT: frozenset({_Rep.STORED, _Rep.VERIFIED, _Rep.CORRUPT, _Rep.MISSING, _Rep.DELETING}),
+    _Rep.MISSING: frozenset({_Rep.STORED, _Rep.VERIFIED, _Rep.CORRUPT, _Rep.MISSING, _Rep.DELETING}),
+    # placement reuses a retired row for a new copy on the same worker; reconcile, garbage
+    # collection: the worker still holds a file for it, deleted now.
+    _Rep.ABANDONED: frozenset({_Rep.PENDING, _Rep.DELETING}),
+    # No move enters ``trimmed`` any more (a surplus copy goes through ``deleting``); rows an
+    # earlier version left are reused like abandoned ones.
+    _Rep.TRIMMED: frozenset({_Rep.PENDING, _Rep.DELETING}),
+    # Only the deletion removes the row; a repeat (reconcile of a worker the sweep missed) is allowed.
+    _Rep.DELETING: frozenset({_Rep.DELETING}),
+}
+
+
+def copy_sources(target: str) -> frozenset[CopyState]:
+    """The copy states from which :data:`COPY_MOVES` allows a move to ``target``."""
+    return frozenset(s for s, targets in COPY_MOVES.items() if target in targets)
+
 
 #: Copies the worker should hold a file for: scrub and reconcile check them.
 HELD: frozenset[str] = frozenset({_Rep.STORED.value, _Rep.VERIFIED.value, _Rep.CORRUPT.value,
@@ -251,5 +282,34 @@ PLACEABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value})
 READABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.FULL.value, _W.DRAINING.value})
 #: Workers a scrub re-hashes.
 SCRUBBED_WORKERS: frozenset[str] = READABLE_WORKERS
-#: States an operator decided: a probe does not override them.
+#: States an operator decided: a probe does not override them (:data:`WORKER_MOVES` has no
+#: edge from them to ``up``, ``full`` or ``down``).
 STICKY_WORKERS: frozenset[str] = frozenset({_W.DRAINING.value, _W.REMOVABLE.value})
+
+#: The state a worker row is created in: discovery and membership record what they found;
+#: only a proof of the cluster key admits it.
+WORKER_INITIAL = _W.CANDIDATE
+
+#: The moves a worker may make: ``WORKER_MOVES[from]`` is where it may go, and
+#: :func:`pipeline.db.workers.set_state` (the only code that changes a worker's state) refuses any
+#: other. A repeat (``up -> up`` at every probe) is no move. Who makes each:
+#: membership admits (``up``, ``full``), rejects, or finds a worker silent or replaced at its URL
+#: (``down``); replicate and verify find one unreachable (``down``) or full (a 507); an operator
+#: drains one (``ckpt worker drain``), and the scheduler marks it ``removable`` once drained.
+#: The sticky rule is this table: from ``draining`` and ``removable`` only the operator's next step
+#: and a failed cluster-key challenge (``rejected``: a stranger answers there) lead anywhere.
+WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
+    _W.CANDIDATE: frozenset({_W.UP, _W.FULL, _W.DOWN, _W.REJECTED, _W.DRAINING}),
+    _W.UP: frozenset({_W.FULL, _W.DOWN, _W.REJECTED, _W.DRAINING}),
+    _W.FULL: frozenset({_W.UP, _W.DOWN, _W.REJECTED, _W.DRAINING}),
+    _W.DOWN: frozenset({_W.UP, _W.FULL, _W.REJECTED, _W.DRAINING}),
+    # A rejected worker proves the key again (admitted), or replicate and verify find it unreachable.
+    _W.REJECTED: frozenset({_W.UP, _W.FULL, _W.DOWN, _W.DRAINING}),
+    _W.DRAINING: frozenset({_W.REMOVABLE, _W.REJECTED}),
+    _W.REMOVABLE: frozenset({_W.REJECTED}),
+}
+
+
+def worker_may(current: str, target: str) -> bool:
+    """Whether :data:`WORKER_MOVES` lets a worker in ``current`` be set to ``target`` (a repeat may)."""
+    return current == target or target in WORKER_MOVES[WorkerState(current)]

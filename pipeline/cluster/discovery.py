@@ -30,10 +30,10 @@ from zeroconf import (
     Zeroconf,
 )
 
+from pipeline.db import workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.settings import Settings
-from pipeline.states import WorkerState
 
 log = logging.getLogger("ckpt.discovery")
 SERVICE = "_ckpt-store._tcp.local."
@@ -112,7 +112,7 @@ def record_candidate(settings: Settings, node: str, url: str, zone: str) -> None
             row_id = f"{node}@{hashlib.sha256(url.encode()).hexdigest()[:8]}"
         if s.get(StorageWorker, row_id) is not None:
             return
-        s.add(StorageWorker(id=row_id, url=url, zone=zone, source="mdns", state=WorkerState.CANDIDATE))
+        workers.add(s, row_id, url, source="mdns", zone=zone)
         log.info("found storage worker %s at %s on mDNS (candidate)", node, url)
 
 

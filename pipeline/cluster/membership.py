@@ -24,12 +24,13 @@ from sqlalchemy.orm import Session
 
 from pipeline.cluster import auth
 from pipeline.cluster.client import WorkerClient
+from pipeline.db import workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import UntrustedAnswer, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import STICKY_WORKERS, WorkerState
+from pipeline.states import WorkerState
 
 log = logging.getLogger("ckpt.membership")
 
@@ -124,8 +125,7 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
             # Never under the id it claims: a stranger must not take (or block) a real
             # worker's row. hash() is salted per process: a stable id comes from the URL's SHA-256.
             stable = "unknown-" + hashlib.sha256(url.encode()).hexdigest()[:12]
-            rows = [s.get(StorageWorker, stable) or StorageWorker(id=stable, url=url, source=source)]
-            s.add(rows[0])
+            rows = [s.get(StorageWorker, stable) or workers.add(s, stable, url, source=source)]
         for w in rows:
             holds = s.scalar(select(ContentCopy.id).where(ContentCopy.worker_id == w.id).limit(1))
             if w.source == "mdns" and holds is None:
@@ -136,14 +136,13 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
                 continue
             if w.state != WorkerState.REJECTED:
                 log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
-            w.state, w.last_error = WorkerState.REJECTED, reason
+            workers.set_state(s, w, WorkerState.REJECTED, error=reason)
         return
     if isinstance(answer, dict):
         node = str(answer["node_id"])
         found = s.get(StorageWorker, node)
         if found is None:
-            found = StorageWorker(id=node, url=url, source=source, state=WorkerState.CANDIDATE)
-            s.add(found)
+            found = workers.add(s, node, url, source=source)
         w = found
         for other in rows:  # recorded at this URL under another name
             if other.id == node:
@@ -152,14 +151,14 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
             if other.state in (WorkerState.CANDIDATE, WorkerState.REJECTED) and holds is None:
                 s.delete(other)  # an mDNS candidate, a stranger that held nothing
             elif other.state not in (WorkerState.REJECTED, WorkerState.REMOVABLE):
-                # Another node now answers at its URL: its copies are not here to count.
-                other.state, other.last_error = WorkerState.DOWN, f"{node} answers at {url} now"
+                # Another node now answers at its URL: its copies are not here to count (a
+                # draining one stays draining: WORKER_MOVES; its answers are signed by its own node).
+                workers.observe(s, other, WorkerState.DOWN, error=f"{node} answers at {url} now")
                 result.went_down.append(other.id)
         w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
         w.used_bytes = int(answer.get("used", 0))
-        if w.state not in STICKY_WORKERS:
-            full = is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark)
-            live = WorkerState.FULL if full else WorkerState.UP
+        live = WorkerState.FULL if is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark) else WorkerState.UP
+        if workers.may(w, live):  # never out of an operator's draining or removable
             if w.state == WorkerState.DOWN:
                 result.returned.append(node)
             if w.state not in (WorkerState.UP, WorkerState.FULL):
@@ -168,7 +167,7 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
                 log.warning("storage worker %s is %s: %s of %s bytes free (high watermark %.0f%%)",
                             node, live, f"{w.free_bytes:,}", f"{w.capacity_bytes:,}",
                             100 * settings.high_watermark)
-            w.state = live
+            workers.set_state(s, w, live)
         w.url, w.zone, w.last_seen, w.last_error = url, answer.get("zone", ""), t, None
         result.answers[url] = node
         return
@@ -177,6 +176,6 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
         w.last_error = answer
         silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
         if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
-            w.state = WorkerState.DOWN
+            workers.set_state(s, w, WorkerState.DOWN)
             result.went_down.append(w.id)
             log.warning("storage worker %s at %s is down: %s", w.id, url, answer)

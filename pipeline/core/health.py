@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from pipeline.core.copies import Copy, good_workers, is_good
-from pipeline.states import READABLE_WORKERS, RETIRED, ReplicaState, WorkerState
+from pipeline.states import READABLE_WORKERS, RETIRED, CopyState, WorkerState
 
 #: Replica healths of a good copy: the ones a shard's health counts.
 COUNTS = ("verified", "stale")
@@ -22,7 +22,7 @@ COUNTS = ("verified", "stale")
 
 def replica_health(copy: Copy, fresh_after: datetime) -> str:
     """The health of one copy; ``fresh_after`` is now minus the freshness window."""
-    if copy.state in (ReplicaState.CORRUPT, ReplicaState.MISSING):
+    if copy.state in (CopyState.CORRUPT, CopyState.MISSING):
         return str(copy.state)
     if copy.worker_state not in READABLE_WORKERS:
         return "missing"
@@ -30,9 +30,9 @@ def replica_health(copy: Copy, fresh_after: datetime) -> str:
         return "verified"
     if is_good(copy):
         return "stale"
-    if copy.state == ReplicaState.VERIFIED and copy.worker_state == WorkerState.DRAINING:
+    if copy.state == CopyState.VERIFIED and copy.worker_state == WorkerState.DRAINING:
         return "draining"
-    if copy.state in (ReplicaState.STORED, ReplicaState.VERIFIED):
+    if copy.state in (CopyState.STORED, CopyState.VERIFIED):
         return "unverified"
     return "pending"
 

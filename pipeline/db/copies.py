@@ -2,7 +2,10 @@
 reconciliation, garbage collection and status.
 
 :func:`good_copy` is the SQL form of :func:`pipeline.core.copies.is_good`, the one rule for
-a copy that counts toward the replication factor (docs/design.md, section 3).
+a copy that counts toward the replication factor (docs/design.md, section 3). :func:`move` is
+the only code that changes a copy's state (and :func:`new_copy` the only one that creates a
+copy): it follows :data:`pipeline.states.COPY_MOVES` and writes the columns each target implies,
+so "re-hashed after it was stored" (``verified_at >= stored_at``) holds by construction.
 """
 from __future__ import annotations
 
@@ -10,24 +13,24 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Subquery, and_, func, select, update
+from sqlalchemy import ColumnElement, Subquery, and_, case, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
 
 from pipeline.core import placement
 from pipeline.core.copies import Copy, ShardCopies, good_workers
-from pipeline.db.engine import rowcount
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
 from pipeline.db.transitions import now
-from pipeline.errors import PlacementError
+from pipeline.errors import InvalidMove, PlacementError
 from pipeline.states import (
     COUNTING_WORKERS,
-    HELD,
     PLACEABLE_WORKERS,
     PLACED,
     REUSABLE,
     SENT,
     ContentState,
     CopyState,
+    copy_sources,
 )
 
 
@@ -94,15 +97,77 @@ def contents_of(session: Session, checkpoint_id: int) -> list[Content]:
     return list(session.scalars(select(Content).where(Content.sha256.in_(shas)).order_by(Content.sha256)))
 
 
-def mark(session: Session, worker_id: str, sha256: str, states: Iterable[str] = HELD, **values: Any) -> int:
-    """Set ``values`` on the copy of content ``sha256`` on ``worker_id`` if it is in ``states``."""
-    result = session.execute(
-        update(ContentCopy)
-        .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256 == sha256,
-               ContentCopy.state.in_(sorted(states)))
-        .values(**values).execution_options(synchronize_session=False)
-    )
-    return rowcount(result)
+def on(worker_id: str, *shas: str) -> ColumnElement[bool]:
+    """SQL: the copies of contents ``shas`` on ``worker_id`` (what :func:`move` is usually given)."""
+    return and_(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(shas))
+
+
+def move(session: Session, where: ContentCopy | ColumnElement[bool], to: str, *, at: datetime | None = None,
+         from_: Iterable[str] | None = None, rehashed_at: datetime | None = None, error: str | None = None) -> int:
+    """Move the copies ``where`` selects (a row, or a condition) to state ``to``; how many moved.
+
+    One ``UPDATE ... WHERE <where> AND state IN <sources>``: a copy in a state from which
+    :data:`~pipeline.states.COPY_MOVES` has no move to ``to`` is left as it is (a compare-and-set:
+    whatever moved it meanwhile has the last word). ``from_`` narrows the sources further.
+    Raises :class:`~pipeline.errors.InvalidMove` for a move the table lacks: a target no state
+    reaches, ``from_`` naming a state that cannot reach ``to``, or a loaded row whose state cannot.
+    It writes the columns the target implies, with ``last_error = error`` (None clears it) and
+    ``at`` (default now):
+
+    - ``pending``: ``stored_at = verified_at = None``. From a retired row it is a new copy
+      (placement): ``attempts = 0``. From a sent one it is the same copy sent again after a
+      check found it missing: its attempts go on (they bound the resend loop), ``checked_at = at``.
+    - ``stored``: the bytes were written: ``stored_at = checked_at = at``, ``verified_at = None``
+      (nothing re-hashed them since).
+    - ``verified``: ``verified_at = rehashed_at`` (when the matching re-hash was made; default
+      ``at``), ``checked_at = at``; only a copy stored no later than that re-hash moves, so a
+      verified copy always has ``stored_at <= verified_at``.
+    - ``corrupt``, ``missing``: ``checked_at = at``.
+    - ``abandoned``, ``deleting``: nothing else.
+    """
+    target = CopyState(to)
+    sources = copy_sources(target)
+    if not sources:
+        raise InvalidMove("copy", "any state", target)
+    if from_ is not None:
+        narrowed = frozenset(CopyState(f) for f in from_)
+        if not narrowed <= sources:
+            raise InvalidMove("copy", ", ".join(sorted(narrowed - sources)), target)
+        sources = narrowed
+    if isinstance(where, ContentCopy):
+        if where.state not in sources:
+            raise InvalidMove(f"copy {where.id} of {where.sha256[:12]} on {where.worker_id}", where.state, target)
+        where = ContentCopy.id == where.id
+    t = at if at is not None else now()
+    values: dict[str, Any] = {"state": target, "last_error": error}
+    conds = [where, ContentCopy.state.in_(sorted(sources))]
+    if target == CopyState.PENDING:
+        retired = ContentCopy.state.in_(sorted(REUSABLE))
+        values.update(stored_at=None, verified_at=None,
+                      attempts=case((retired, 0), else_=ContentCopy.attempts),
+                      checked_at=case((ContentCopy.state.in_(sorted(SENT)), t), else_=ContentCopy.checked_at))
+    elif target == CopyState.STORED:
+        values.update(stored_at=t, checked_at=t, verified_at=None)
+    elif target == CopyState.VERIFIED:
+        rehashed = rehashed_at if rehashed_at is not None else t
+        values.update(verified_at=rehashed, checked_at=t)
+        conds += [ContentCopy.stored_at.is_not(None), ContentCopy.stored_at <= rehashed]
+    elif target in (CopyState.CORRUPT, CopyState.MISSING):
+        values.update(checked_at=t)
+    moved = list(session.scalars(update(ContentCopy).where(*conds).values(**values).returning(ContentCopy.id)
+                                 .execution_options(synchronize_session=False)))
+    for copy_id in moved:  # a row this session holds reads what the UPDATE wrote
+        held = session.identity_map.get(identity_key(ContentCopy, copy_id))
+        if held is not None:
+            session.expire(held, list(values))
+    return len(moved)
+
+
+def new_copy(content: Content, worker_id: str) -> ContentCopy:
+    """A new ``pending`` copy of ``content`` on ``worker_id`` (added to the content's copies)."""
+    row = ContentCopy(sha256=content.sha256, worker_id=worker_id, state=CopyState.PENDING, attempts=0)
+    content.copies.append(row)
+    return row
 
 
 def shas_on(session: Session, worker_id: str, states: Iterable[str], after: str = "",
@@ -145,11 +210,9 @@ def place(session: Session, content: Content, wanted: int, *, candidates: list[p
     for target in targets:
         row = rows.get(target)
         if row is None:
-            row = ContentCopy(sha256=content.sha256, worker_id=target, state=CopyState.PENDING, attempts=0)
-            content.copies.append(row)
+            row = new_copy(content, target)
         else:
-            row.state, row.attempts, row.last_error = CopyState.PENDING, 0, None
-            row.stored_at = row.verified_at = None
+            move(session, row, CopyState.PENDING)
         out.append(row)
     session.flush()
     return out
@@ -170,11 +233,9 @@ def place_one(session: Session, content: Content) -> ContentCopy:
     target = placement.place(content.sha256, live_candidates(session), 1, exclude=busy)[0]
     row = next((c for c in content.copies if c.worker_id == target), None)
     if row is None:
-        row = ContentCopy(sha256=content.sha256, worker_id=target, state=CopyState.PENDING, attempts=0)
-        content.copies.append(row)
+        row = new_copy(content, target)
     else:
-        row.state, row.attempts, row.last_error, row.stored_at, row.verified_at = (
-            CopyState.PENDING, 0, None, None, None)
+        move(session, row, CopyState.PENDING)
     session.flush()
     return row
 
@@ -230,6 +291,5 @@ def good_counts(session: Session, shas: Iterable[str]) -> dict[str, int]:
 
 
 __all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_after", "good_copies_per_shard",
-           "good_copy", "good_count", "good_counts", "held_per_worker", "live_candidates", "mark", "place", "place_one",
-           "placed_count",
-           "shard_copies", "shas_on"]
+           "good_copy", "good_count", "good_counts", "held_per_worker", "live_candidates", "move", "new_copy", "on",
+           "place", "place_one", "placed_count", "shard_copies", "shas_on"]

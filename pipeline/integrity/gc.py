@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Exists, Select, delete, func, select, update
+from sqlalchemy import Exists, Select, delete, func, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.db.copies import move, on
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_worker_jobs, now, renew_lease, transition
@@ -193,9 +194,7 @@ def collect(settings: Settings, job_id: int) -> list[Send]:
                 names = list(s.scalars(select(Content.sha256).where(
                     Content.sha256.in_([sha for sha, _size in rows]), Content.state == ContentState.CONDEMNED)
                     .order_by(Content.sha256).with_for_update()))
-                s.execute(update(ContentCopy)
-                          .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(names))
-                          .values(state=CopyState.DELETING).execution_options(synchronize_session=False))
+                move(s, on(worker_id, *names), CopyState.DELETING)
                 sizes = dict(rows)
                 batch_end = max(sizes)
             try:

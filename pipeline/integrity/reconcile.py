@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.copies import good_count, good_counts, mark
+from pipeline.db.copies import good_count, good_counts, move, on
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Content, ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import create_job, now, renew_lease, transition
@@ -99,8 +99,8 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
                 t = now()
                 bad = record_rehash(s, worker_id, answers, t)
                 for sha in absent:
-                    mark(s, worker_id, sha, states=states.SENT, state=CopyState.MISSING, checked_at=t,
-                         last_error="absent when the worker came back")
+                    move(s, on(worker_id, sha), CopyState.MISSING, at=t, from_=states.SENT,
+                         error="absent when the worker came back")
                 for sha in bad + absent:
                     repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy")
                     if repair is not None:
@@ -116,8 +116,8 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
                 now_state = dict(s.execute(select(Content.sha256, Content.state).where(Content.sha256.in_(garbage))
                                            .with_for_update()).all())
                 garbage = [sha for sha in garbage
-                           if mark(s, worker_id, sha, state=CopyState.DELETING,
-                                   states=set(CopyState) if now_state.get(sha) == ContentState.CONDEMNED
+                           if move(s, on(worker_id, sha), CopyState.DELETING,
+                                   from_=None if now_state.get(sha) == ContentState.CONDEMNED
                                    else states.REUSABLE | {CopyState.DELETING.value}) == 1]
             if unknown or corrupt:
                 client.quarantine(unknown + corrupt)
@@ -153,6 +153,6 @@ def _trim_if_surplus(s: Session, worker_id: str, sha: str, rf: int) -> bool:
         return False
     # ``deleting`` (not ``trimmed``) until the file is gone: placement never reuses the row of
     # a file about to be deleted.
-    return mark(s, worker_id, sha, states=(CopyState.VERIFIED,), state=CopyState.DELETING,
-                last_error="surplus copy trimmed") == 1
+    return move(s, on(worker_id, sha), CopyState.DELETING, from_=(CopyState.VERIFIED,),
+                error="surplus copy trimmed") == 1
 

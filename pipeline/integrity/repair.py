@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.copies import good_count, mark, place_one
+from pipeline.db.copies import good_count, move, on, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_job, now, renew_lease, transition
@@ -162,8 +162,7 @@ def _good_source(settings: Settings, key: bytes, w: ContentWork) -> WorkerClient
         w.sources.pop(0)
         with session_scope(settings.db_url) as s:  # it was counted as good: not any more
             state = CopyState.MISSING if answer["sha256"] is None else CopyState.CORRUPT
-            mark(s, worker_id, w.sha, checked_at=now(), state=state,
-                 last_error=f"re-hash at repair: {answer['sha256']}")
+            move(s, on(worker_id, w.sha), state, from_=states.HELD, error=f"re-hash at repair: {answer['sha256']}")
         if answer["sha256"] is not None:
             _quarantine(key, worker_id, url, w.sha)
         w.fix_in_place.append((worker_id, url, CopyState.MISSING))  # set aside; rebuilt there like a missing copy
@@ -188,12 +187,12 @@ def _rebuild_on(settings: Settings, key: bytes, w: ContentWork, worker_id: str, 
     t = now()
     if answer["sha256"] != w.sha:
         with session_scope(settings.db_url) as s:
-            mark(s, worker_id, w.sha, states=states.DAMAGED | {CopyState.PENDING}, state=CopyState.CORRUPT,
-                 checked_at=t, last_error=f"re-hash after repair gave {answer['sha256']}")
+            move(s, on(worker_id, w.sha), CopyState.CORRUPT, at=t, from_=states.DAMAGED | {CopyState.PENDING},
+                 error=f"re-hash after repair gave {answer['sha256']}")
         raise WorkerError(url, f"copy of {w.sha[:12]} did not verify after repair")
-    with session_scope(settings.db_url) as s:
-        mark(s, worker_id, w.sha, states=states.EXPECTED, state=CopyState.VERIFIED,
-             stored_at=t, verified_at=t, checked_at=t, last_error=None)
+    with session_scope(settings.db_url) as s:  # stored anew there, and its re-hash matched
+        move(s, on(worker_id, w.sha), CopyState.STORED, at=t)
+        move(s, on(worker_id, w.sha), CopyState.VERIFIED, at=t)
     target.purge_quarantined([w.sha])  # only now that the new copy verified
 
 

@@ -11,14 +11,14 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.copies import mark, shas_on
+from pipeline.db.copies import move, on, shas_on
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import ContentCopy, Job, StorageWorker
+from pipeline.db.models import Job, StorageWorker
 from pipeline.db.transitions import (
     create_worker_jobs,
     now,
@@ -93,19 +93,15 @@ def record_rehash(s: Session, worker_id: str, answers: dict[str, dict[str, Any]]
     bad = []
     good = [name for name, answer in answers.items() if answer.get("sha256") == name]  # the name is the SHA-256
     for i in range(0, len(good), 500):
-        s.execute(update(ContentCopy)
-                  .where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(good[i:i + 500]),
-                         ContentCopy.state.in_(sorted(HELD)))
-                  .values(verified_at=t, checked_at=t, state=CopyState.VERIFIED, last_error=None)
-                  .execution_options(synchronize_session=False))
+        move(s, on(worker_id, *good[i:i + 500]), CopyState.VERIFIED, at=t, from_=HELD)
     for name, answer in answers.items():
         actual = answer.get("sha256")
         if actual == name:
             continue
         if actual is None:
-            mark(s, worker_id, name, checked_at=t, state=CopyState.MISSING, last_error="absent at scrub")
+            move(s, on(worker_id, name), CopyState.MISSING, at=t, from_=HELD, error="absent at scrub")
             bad.append(name)
         else:
-            mark(s, worker_id, name, checked_at=t, state=CopyState.CORRUPT, last_error=f"re-hash gave {actual}")
+            move(s, on(worker_id, name), CopyState.CORRUPT, at=t, from_=HELD, error=f"re-hash gave {actual}")
             bad.append(name)
     return bad

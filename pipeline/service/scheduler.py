@@ -25,7 +25,8 @@ from sqlalchemy.orm import Session
 from pipeline import capacity, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
-from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, place
+from pipeline.db import workers
+from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, move, place
 from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
@@ -143,7 +144,7 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
         for content in contents_of(session, job.checkpoint_id or 0):
             for cp in content.copies:
                 if cp.state == CopyState.PENDING and cp.worker.state not in states.PLACEABLE_WORKERS:
-                    cp.state, cp.last_error = CopyState.ABANDONED, f"{cp.worker_id} is {cp.worker.state}"
+                    move(session, cp, CopyState.ABANDONED, error=f"{cp.worker_id} is {cp.worker.state}")
             if content.state == ContentState.LIVE:
                 try:
                     place(session, content, settings.rf)
@@ -295,7 +296,7 @@ def finish_drains(settings: Settings) -> None:
             total = s.scalar(select(func.count()).select_from(its_content))
             covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
             if covered == total:
-                w.state, w.last_error = WorkerState.REMOVABLE, None
+                workers.set_state(s, w, WorkerState.REMOVABLE, error=None)
                 log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",
                          w.id, total)
 

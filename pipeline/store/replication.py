@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 from pipeline import failpoints, states
 from pipeline.capacity import capacity_reason
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.copies import place_one
+from pipeline.db import workers
+from pipeline.db.copies import move, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
@@ -155,12 +156,10 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
     with session_scope(settings.db_url) as s:
         t = now()
         for cid, answer in results:
-            # A copy that does not re-hash to its name stays "stored": the verify step finds it
-            # corrupt and replaces it.
-            done = ({"state": CopyState.VERIFIED, "verified_at": t} if answer == sha
-                    else {"state": CopyState.STORED})
-            s.execute(update(ContentCopy).where(ContentCopy.id == cid, ContentCopy.state == CopyState.PENDING)
-                      .values(stored_at=t, checked_at=t, last_error=None, **done))
+            # Stored; verified by the re-hash if it matched. One that does not re-hash to its name
+            # stays "stored": the verify step finds it corrupt and replaces it.
+            if move(s, ContentCopy.id == cid, CopyState.STORED, at=t, from_=(CopyState.PENDING,)) and answer == sha:
+                move(s, ContentCopy.id == cid, CopyState.VERIFIED, at=t, from_=(CopyState.STORED,))
         for job in waiting_jobs(s, sha):
             grown = Job.bytes_done + size * len(results)
             s.execute(update(Job).where(Job.id == job.id)
@@ -226,7 +225,7 @@ def fan_in(s: Session, settings: Settings, sha: str) -> list[Send]:
 def _abandon(settings: Settings, copy_id: int, why: str) -> list[Send]:
     with session_scope(settings.db_url) as s:
         cp = one(s, ContentCopy, copy_id)
-        cp.state, cp.last_error = CopyState.ABANDONED, why
+        move(s, ContentCopy.id == copy_id, CopyState.ABANDONED, error=why)
         log.error("copy %d of %s abandoned: %s", copy_id, cp.sha256[:12], why)
         for job in waiting_jobs(s, cp.sha256):
             note(s, job.id, f"content {cp.sha256[:12]}: {why}")
@@ -250,13 +249,11 @@ def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, f
               named: dict[str, Any] | None = None) -> list[Send]:
     with session_scope(settings.db_url) as s:
         worker = one(s, StorageWorker, worker_id)
-        if worker.state not in states.STICKY_WORKERS:
-            worker.state = WorkerState.FULL if full else WorkerState.DOWN
-        worker.last_error = error
+        workers.observe(s, worker, WorkerState.FULL if full else WorkerState.DOWN, error=error)
         cp = one(s, ContentCopy, copy_id)
         if cp.state != CopyState.PENDING:
             return []
-        cp.state, cp.last_error = CopyState.ABANDONED, error
+        move(s, cp, CopyState.ABANDONED, error=error)
         try:
             with s.begin_nested():
                 moved = place_one(s, cp.content)

@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
-from pipeline.db.copies import place
+from pipeline.db import workers
+from pipeline.db.copies import move, on, place
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
@@ -84,11 +85,12 @@ def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[st
         return dict(pool.map(ask, asks.items()))
 
 
-def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: str, error: str) -> list[Send]:
-    """Stop counting ``cp`` and, if its content is now short of RF, place fresh copies on
-    other placeable workers; the messages that send them. With nowhere to place one now, the
-    store's next re-drive places it (pipeline.service.scheduler.resume)."""
-    cp.state, cp.last_error = state, error
+def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: str, error: str, *,
+                 at: datetime | None = None) -> list[Send]:
+    """Stop counting ``cp`` (moved to ``state`` at ``at``) and, if its content is now short of RF,
+    place fresh copies on other placeable workers; the messages that send them. With nowhere to
+    place one now, the store's next re-drive places it (pipeline.service.scheduler.resume)."""
+    move(session, cp, state, at=at, error=error)
     try:
         with session.begin_nested():
             fresh = place(session, cp.content, settings.rf)
@@ -150,9 +152,7 @@ def recheck_copies(settings: Settings, asks: dict[str, WorkerAsk]) -> int:
         for worker_id, answer in answers.items():
             matched = [name for name, sha in answer.items() if sha == name] if isinstance(answer, dict) else []
             if matched:  # still verified (a verify that found otherwise meanwhile has the last word)
-                s.execute(update(ContentCopy).where(
-                    ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(matched),
-                    ContentCopy.state == CopyState.VERIFIED).values(verified_at=t, checked_at=t))
+                move(s, on(worker_id, *matched), CopyState.VERIFIED, at=t, from_=(CopyState.VERIFIED,))
                 matched_n += len(matched)
     return matched_n
 
@@ -183,10 +183,7 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         bad: list[str] = []
         for worker_id, answer in answers.items():
             if isinstance(answer, str):
-                worker = one(s, StorageWorker, worker_id)
-                if worker.state not in states.STICKY_WORKERS:
-                    worker.state = WorkerState.DOWN
-                worker.last_error = answer
+                workers.observe(s, one(s, StorageWorker, worker_id), WorkerState.DOWN, error=answer)
         for cp in copies_of(s, checkpoint_id, states.SENT):
             reply = answers.get(cp.worker_id)
             if reply is None:
@@ -199,17 +196,15 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             if actual == "absent":
                 continue  # stored since the question was asked
             if actual == cp.sha256:
-                cp.state, cp.last_error, cp.checked_at = CopyState.VERIFIED, None, t
-                if cp.id not in confirmed:
-                    cp.verified_at = t
+                # A confirmed copy was re-hashed when it was stored (or by the recheck): that
+                # re-hash stands; the others were re-hashed now.
+                move(s, cp, CopyState.VERIFIED, at=t, rehashed_at=cp.verified_at if cp.id in confirmed else t)
             elif actual is None:
-                cp.state, cp.last_error, cp.checked_at = CopyState.PENDING, "missing on the worker at verify", t
-                cp.stored_at = cp.verified_at = None
+                move(s, cp, CopyState.PENDING, at=t, error="missing on the worker at verify")
                 bad.append(f"content {cp.sha256[:12]} missing on {cp.worker_id}")
                 sends.append(Send("replicate", (cp.id,)))
             else:
-                sends += replace_copy(s, settings, cp, CopyState.CORRUPT, f"at verify the worker gave {actual}")
-                cp.checked_at = t
+                sends += replace_copy(s, settings, cp, CopyState.CORRUPT, f"at verify the worker gave {actual}", at=t)
                 bad.append(f"content {cp.sha256[:12]} corrupt on {cp.worker_id}")
         if bad:
             transition(s, job_id, JobKind.STORE, S.REPLICATED, S.SHARDED, lease_seconds=settings.lease_seconds,
