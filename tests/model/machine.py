@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.model.world import RUNS, Save, World, WorldStats
 from tests.model.writers import KINDS
@@ -61,9 +61,20 @@ class Lifecycle(RuleBasedStateMachine):
 
     # -- the trainer -----------------------------------------------------------------
 
+    @initialize(first=st.lists(st.tuples(runs, st.sampled_from(KINDS), st.booleans(), st.booleans()),
+                               min_size=1, max_size=4))
+    def training_started(self, first: list[tuple[str, str, bool, bool]]) -> None:
+        for run, kind, slow, sharded in first:
+            self.world.save(run, kind, slow=slow, sharded=sharded)
+
     @rule(run=runs, kind=st.sampled_from(KINDS), slow=st.booleans(), sharded=st.booleans())
     def save(self, run: str, kind: str, slow: bool, sharded: bool) -> None:
         self.world.save(run, kind, slow=slow, sharded=sharded)
+
+    @rule(run=runs, kind=st.sampled_from(KINDS), sharded=st.booleans())
+    def save_atomic(self, run: str, kind: str, sharded: bool) -> None:
+        """(Most saves are written at once: a second rule makes them as likely as the rest.)"""
+        self.world.save(run, kind, slow=False, sharded=sharded)
 
     @precondition(lambda self: self._writing())
     @rule(i=index)
