@@ -16,6 +16,9 @@ from tests.processes import StorageWorker as WorkerProcess
 
 runs = st.sampled_from(RUNS)
 index = st.integers(min_value=0, max_value=63)
+#: Where a restore writes: a new directory, one that exists, the checkpoint's own path, its run,
+#: and a path through a symlink that leaves the restore roots.
+RESTORE_TARGETS = ("fresh", "existing", "in_place", "run", "through_link")
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -132,8 +135,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.world.set_remote_keep_last(run, k)
 
     @precondition(lambda self: self._any())
-    @rule(i=index, where=st.sampled_from(["fresh", "existing", "in_place", "run", "through_link"]),
-          overwrite=st.booleans())
+    @rule(i=index, where=st.sampled_from(RESTORE_TARGETS), overwrite=st.booleans())
     def restore(self, i: int, where: str, overwrite: bool) -> None:
         a = self._any()
         self.world.restore(a[i % len(a)], where, overwrite=overwrite)

@@ -30,3 +30,29 @@ def test_baseline_saves_protect_rotate_and_restore(world):
     assert world.restore(saves[0], "fresh", overwrite=False) == "done", world.history
     assert world.restore(saves[2], "fresh", overwrite=False) == "done", world.history
     world.check()
+
+
+# -- restore confinement (issue 27: "--overwrite never removes ... a run, nor a root") --------
+
+def test_restore_overwrite_never_replaces_a_run(world):
+    """Found by the machine (shrunk): a protected checkpoint restored with --overwrite to its
+    own run directory. Broke (d): the restore renamed the run aside and put the checkpoint's
+    files in its place, so the run (every other checkpoint in it) was gone."""
+    s = world.save("r0", "st_step")
+    steps(world, world.settle)
+    world.restore(s, "run", overwrite=True)  # refused, or a Violation
+    world.check()
+
+
+def test_restore_in_place_never_overwrites_a_save_being_written(world):
+    """Found by the machine (shrunk from 33 steps): ``trainer.save_model()`` writes
+    model.safetensors, it is protected; the trainer starts writing it again (half of the new
+    file is there); ``ckpt restore PATH --to PATH --overwrite`` puts the old version over the
+    new one. Broke (a): the half-written new save was overwritten by the system, and nothing
+    anywhere holds its bytes (the restore checked that the path's recorded version is
+    protected, not what is on disk now)."""
+    s = world.save("r0", "st_final")
+    steps(world, world.settle)
+    steps(world, lambda: world.resave(s, slow=True))
+    world.restore(s, "in_place", overwrite=True)  # refused, or (a) below
+    world.check()
