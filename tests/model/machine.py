@@ -34,6 +34,13 @@ class Lifecycle(RuleBasedStateMachine):
         self.world = World(self.base / f"ex{self.examples}", self.workers)
 
     def teardown(self) -> None:
+        try:
+            if not self.world.violations:  # a history that failed already is reported as it is
+                self.world.finish()
+        finally:
+            self._count_and_close()
+
+    def _count_and_close(self) -> None:
         w, t = self.world.stats, type(self).totals
         t.steps += w.steps
         t.messages += w.messages
@@ -65,8 +72,13 @@ class Lifecycle(RuleBasedStateMachine):
     # -- the trainer -----------------------------------------------------------------
 
     @initialize(first=st.lists(st.tuples(runs, st.sampled_from(KINDS), st.booleans(), st.booleans()),
-                               min_size=1, max_size=4))
-    def training_started(self, first: list[tuple[str, str, bool, bool]]) -> None:
+                               min_size=1, max_size=4),
+                keep_last=st.integers(0, 3), remote_keep_last=st.integers(0, 2))
+    def training_started(self, first: list[tuple[str, str, bool, bool]], keep_last: int,
+                         remote_keep_last: int) -> None:
+        self.world.set_keep_last(keep_last)
+        for run in RUNS:
+            self.world.set_remote_keep_last(run, remote_keep_last)
         for run, kind, slow, sharded in first:
             self.world.save(run, kind, slow=slow, sharded=sharded)
 
@@ -176,6 +188,10 @@ class Lifecycle(RuleBasedStateMachine):
     @rule()
     def expire_leases(self) -> None:
         self.world.expire_leases()
+
+    @rule()
+    def tick(self) -> None:
+        self.world.tick()
 
     @rule()
     def rotation(self) -> None:

@@ -21,7 +21,10 @@ guarantee). Each method is one thing that happens, and appends a readable line t
     disk now when that one is complete and was looked at, or refuses with an error
     (checked by :meth:`World.restore`);
 (d) nothing outside the restore roots is written or removed, and a restore never replaces a
-    run or a root.
+    run or a root;
+(e) at the end of an example, once the system is quiet, every complete save still on disk as
+    written is protected in that version, or named in a detection problem
+    (:meth:`World.finish`).
 """
 from __future__ import annotations
 
@@ -45,7 +48,16 @@ from pipeline.cluster.membership import probe_all
 from pipeline.db.copies import good_copy
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    Content,
+    ContentCopy,
+    DetectionProblem,
+    Job,
+    Shard,
+    StorageWorker,
+)
 from pipeline.db.transitions import now
 from pipeline.detection.catalog import latest_store_job
 from pipeline.detection.watcher import Watcher
@@ -491,12 +503,57 @@ class World:
         result = probe_all(self.settings)
         self._collect(scheduler.reconcile_returned(self.settings, result.returned))
 
+    def tick(self) -> None:
+        """The scheduler's periodic sweep: rotation, the remote policy, repair of short
+        contents, stores waiting for room."""
+        self._note("tick()")
+        self._collect(scheduler.rotation_sweep(self.settings))
+        scheduler.retention_sweep(self.settings)
+        self._collect(scheduler.under_replicated(self.settings))
+        self._collect(scheduler.retry_waiting(self.settings))
+
     def settle(self) -> None:
-        """A quiet while: the watcher scans, every message runs, rotation runs, and again."""
+        """A quiet while: the watcher scans, every message runs, the scheduler sweeps, and again."""
         self.scan()
         self.drain()
-        self.rotation()
+        self.tick()
         self.drain()
+
+    def finish(self) -> None:
+        """The end of an example: the system is left alone until it is quiet (leases end, the
+        scheduler re-drives), then (e) every complete save that is on disk as it was saved is
+        protected in its current version, or named in a detection problem."""
+        for _ in range(3):
+            self.scan()
+            self.drain()
+            self.expire_leases()
+            self.drain()
+            self.tick()
+            self.drain()
+            self.check()
+        with session_scope(self.settings.db_url, readonly=True) as s:
+            problems = {p.path: p.reason for p in s.scalars(select(DetectionProblem))}
+            for save in self.saves:
+                if save.version is None or save.destroyed or not self._on_disk(save):
+                    continue
+                latest = max((o for o in self.saves if o.path == save.path and o.version is not None),
+                             key=lambda o: o.complete_at or 0)
+                if latest is not save or str(save.path) in problems:
+                    continue
+                ckpt = s.scalar(select(Checkpoint).where(Checkpoint.path == str(save.path),
+                                                         Checkpoint.current.is_(True)))
+                files = {f.relpath: f.sha256 for f in ckpt.files} if ckpt is not None else {}
+                job = latest_store_job(s, ckpt.id) if ckpt is not None else None
+                state = job.state if job is not None else "not recorded"
+                if files != save.version:
+                    self._violate(f"(e) {save.label} is complete on disk, but its current recorded version is "
+                                  f"{_short(files)} ({state}), not {_short(save.version)}, and no problem names it")
+                if state not in states.PROTECTED and state != states.StoreState.FORGOTTEN:
+                    self._violate(f"(e) {save.label} is complete on disk and recorded, but {state} once the system "
+                                  f"was quiet: {job.last_error if job else ''} {job.blocked_reason if job else ''}")
+
+    def _on_disk(self, s: Save) -> bool:
+        return all(self.expect.get(s.path / r if r else s.path) == x for r, x in (s.version or {}).items())
 
     # -- faults on the storage workers ----------------------------------------------
 
