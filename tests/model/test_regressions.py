@@ -56,3 +56,25 @@ def test_restore_in_place_never_overwrites_a_save_being_written(world):
     steps(world, lambda: world.resave(s, slow=True))
     world.restore(s, "in_place", overwrite=True)  # refused, or (a) below
     world.check()
+
+
+# -- every layout protected or named; "newest" is the most recently completed save ----------
+
+def test_dcp_without_collectives_is_protected_or_named(world):
+    """Found by the machine (its shrink ran out of time; this is the core of it): a torch DCP
+    save with ``use_collectives=False`` (``__0.metadata``, no ``.metadata``). Broke (e): once the
+    system was quiet the save was neither recorded nor named in a detection problem."""
+    world.save("r0", "dcp_nocoll")
+    world.finish()
+
+
+def test_final_model_without_a_step_is_never_lost(world):
+    """Issue 27's first row as a history of the machine's rules: three step-named saves, then
+    ``trainer.save_model()``'s model.safetensors, remote ``keep_last 2``, local ``keep_last 2``.
+    The final model is the newest complete save; (b) says it keeps a local copy or RF good
+    copies whatever rotation, the policy and collection do."""
+    steps(world, lambda: world.set_keep_last(2), lambda: world.set_remote_keep_last("r0", 2))
+    for _ in range(3):
+        steps(world, lambda: world.save("r0", "st_step"))
+    steps(world, lambda: world.save("r0", "st_final"), world.settle, world.settle, world.tick, world.gc,
+          world.drain, world.settle)
