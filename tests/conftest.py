@@ -16,6 +16,9 @@ from pipeline.db.migrate import upgrade
 def pytest_addoption(parser):
     parser.addoption("--soak", type=int, default=1, metavar="N",
                      help="fault tests (tests/faults): trials per fault (default 1)")
+    parser.addoption("--model-soak", type=float, default=0, metavar="MINUTES",
+                     help="the model-based lifecycle test (tests/model): run fresh random histories for this many"
+                          " minutes instead of its bounded default")
     parser.addoption("--full-scale", action="store_true",
                      help="scale tests at full size (a worker with 200k shards) instead of a tenth of it")
 
@@ -23,7 +26,7 @@ def pytest_addoption(parser):
 #: Tests that start real processes (clusters, workers in network namespaces, a browser), in
 #: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
 LANES = {"tests/faults/": "cluster-a", "tests/multihost/": "cluster-a", "tests/browser/": "cluster-a",
-         "tests/integration/": "cluster-b"}
+         "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -51,10 +54,19 @@ def fault_table_path(config) -> Path:
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # this run's table only, not an earlier run's
         fault_table_path(session.config).unlink(missing_ok=True)
+        (session.config.rootpath / ".pytest_cache" / "model-lifecycle.json").unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The fault table, as saved by the process that ran the fault tests."""
+    """The fault table, as saved by the process that ran the fault tests; the model-based
+    lifecycle test's steps and longest history (tests/model)."""
+    model = config.rootpath / ".pytest_cache" / "model-lifecycle.json"
+    if model.exists():
+        import json
+
+        summary = json.loads(model.read_text())
+        terminalreporter.write_sep("=", "model-based lifecycle")
+        terminalreporter.write_line(", ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary.items()))
     out = fault_table_path(config)
     if not out.exists():
         return
