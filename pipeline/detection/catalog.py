@@ -104,7 +104,11 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
                     metrics=metrics.from_trainer_state(state) or None, writer_step=metrics.writer_step(state))
 
 
-def signature(entries: Iterable[completeness.FileEntry]) -> tuple[tuple[str, int, int], ...]:
+#: What the watcher compares to know a checkpoint did not change: (relpath, size, mtime_ns) per file.
+Signature = tuple[tuple[str, int, int], ...]
+
+
+def signature(entries: Iterable[completeness.FileEntry]) -> Signature:
     """What the watcher compares to know a checkpoint did not change: (relpath, size, mtime)."""
     return tuple((e.relpath, e.size, e.mtime_ns) for e in entries)
 

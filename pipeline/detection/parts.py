@@ -54,8 +54,36 @@ def announce(session: Session, d: Detected, host: str) -> CheckpointPart:
     elif part.version != version or not part.local_present:
         part.files, part.version, part.run = _file_rows(d), version, str(d.run)
         part.checkpoint_id, part.local_present, part.announced_at = None, True, now()
+    elif _times(part.files) != {e.relpath: e.mtime_ns for e in d.entries}:
+        # The same bytes written again (a re-save of the step): still this part, claim kept;
+        # its new times say it belongs to the new save too (for_new_save).
+        part.files, part.announced_at = _file_rows(d), now()
     session.flush()
     return part
+
+
+def _times(files: list[dict[str, Any]]) -> dict[str, int]:
+    return {f["relpath"]: f["mtime_ns"] for f in files}
+
+
+def for_new_save(session: Session, offered: list[CheckpointPart], local: Iterable[tuple[str, int, int]]
+                 ) -> list[CheckpointPart]:
+    """Of the ``offered`` parts, those that may belong to the save whose local files are
+    ``local`` (relpath, size, mtime_ns). A part claimed by a recorded version whose own files
+    are not these, and not announced again since (its file times are those that version
+    recorded), is the old save's: a step saved again at the same path waits for each host's
+    new part instead of mixing in a stale one."""
+    local = tuple(local)
+    out = []
+    for part in offered:
+        ckpt = session.get(Checkpoint, part.checkpoint_id) if part.checkpoint_id is not None else None
+        if ckpt is not None:
+            theirs = {f.relpath: f.mtime_ns for f in ckpt.files if f.host == part.host}
+            own = tuple(sorted((f.relpath, f.size, f.mtime_ns) for f in ckpt.files if f.host is None))
+            if _times(part.files) == theirs and own != tuple(sorted(local)):
+                continue
+        out.append(part)
+    return out
 
 
 def offered(session: Session, path: str, host: str) -> list[CheckpointPart]:

@@ -32,11 +32,11 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from pipeline import failpoints
-from pipeline.core.layouts import Entry, Verdict, judge
+from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, TrainingHost
 from pipeline.db.transitions import now
-from pipeline.detection import catalog, completeness, parts, problems, roots
+from pipeline.detection import catalog, completeness, ondisk, parts, problems, roots
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
@@ -85,6 +85,8 @@ class Watcher:
         self.settings, self.send, self.use_events = settings, send, use_events
         self._reported_at = float("-inf")
         self.known: dict[str, tuple[tuple[str, int, int], ...]] = {}  # path -> signature already recorded
+        #: paths whose files changed since their recorded version, the new content not recorded
+        self.changes = ondisk.DiskChanges(settings.db_url, settings.host_id)
         #: path -> (signature, when announced) of the parts this host announced (pipeline.detection.parts)
         self.parts: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = {}
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
@@ -125,10 +127,11 @@ class Watcher:
         host = self.settings.host_id
         with session_scope(self.settings.db_url) as s:
             problems.clear_all(s, host)
+            self.changes.load(s)
             # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
-                                  .with_for_update()):
+                                  .order_by(Checkpoint.current, Checkpoint.id).with_for_update()):
                 if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
@@ -229,6 +232,7 @@ class Watcher:
                     log.warning("this host's part of %s vanished", path)
             for path in gone:
                 self.known.pop(path, None)
+                self.changes.forget(path)
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
                                                                Checkpoint.local_present.is_(True),
                                                                catalog.on_host(self.settings.host_id))
@@ -251,18 +255,34 @@ class Watcher:
             return None  # looked at again when it changes (an event) or at the next full scan
         except OSError:
             return self.settings.settle_seconds  # vanished or changed while looking
+        entries = found.entries
+        sig = catalog.signature(entries)
+        recorded = self.known.get(key)
+        if recorded == sig:
+            self.changes.seen(key, None)  # the files on disk are the recorded version
+            return None
         verdict, remote = found.verdict, None
         if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
             rels = [e.relpath for e in found.entries]
             if parts.is_part(rels):
                 return self._part(run, path, found, options)
             if ".metadata" in rels:  # a collective save's .metadata naming other hosts' files
-                verdict, remote = self._with_parts(path, found, options)
+                verdict, remote = self._with_parts(path, found, options, sig)
+        if recorded is not None and verdict.kind != "malformed":
+            # Saved again over a recorded version: complete only once the writer's last file is new too.
+            facts = tuple(e.facts for e in entries if e.facts is not None)
+            again = resave_in_progress(Entry(path.name, path.is_dir(), facts, commit_marker=found.commit_marker),
+                                       {rel: (size, ns) for rel, size, ns in recorded})
+            if again:
+                verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
             self._problem(run, key, verdict.reason)
             return None
         age = time.time() - found.newest_ns / 1e9
         if verdict.kind == "incomplete" or (verdict.kind == "quiet" and age < options.quiet_seconds):
+            if recorded is not None:  # the path's recorded version is not what is on disk: say so
+                self.changes.seen(key, f"{', '.join(ondisk.changed_files(recorded, sig)[:3]) or 'its files'} "
+                                       f"changed; the new save is not complete: {verdict.reason}")
             # A writer still at work. One that makes no progress for a whole quiet period is reported.
             first = self.waiting.setdefault(key, (found.newest_ns, time.time()))
             if first[0] != found.newest_ns:
@@ -273,10 +293,6 @@ class Watcher:
             if verdict.kind == "quiet":
                 return max(0.05, options.quiet_seconds - age)
             return max(self.settings.settle_seconds, 0.05)
-        entries = found.entries
-        sig = catalog.signature(entries)
-        if self.known.get(key) == sig:
-            return None
         tree_ns = completeness.tree_mtime_ns(path)
         if not completeness.settled(entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
@@ -301,6 +317,7 @@ class Watcher:
             problems.clear(s, key, self.settings.host_id)
             job_id = job.id
         self.known[key] = sig
+        self.changes.forget(key)  # record() cleared the flag
         self.waiting.pop(key, None)
         self.reported.pop(key, None)
         if created:
@@ -309,13 +326,14 @@ class Watcher:
             self.send([Send("shard", (job_id, early.sent))])
         return None
 
-    def _with_parts(self, path: Path, found: completeness.Examined, options: RootOptions
+    def _with_parts(self, path: Path, found: completeness.Examined, options: RootOptions, sig: catalog.Signature
                     ) -> tuple[Verdict, tuple[list[catalog.PartFile], list[int]] | None]:
         """A DCP step whose ``.metadata`` names files this host does not hold: complete with the
-        parts other hosts announced at the same path, if together they hold them all."""
+        parts other hosts announced at the same path, if together they hold them all (never
+        with a part of the version this save replaces: parts.for_new_save)."""
         with session_scope(self.settings.db_url) as s:
-            facts, files, used = parts.covering(parts.offered(s, str(path), self.settings.host_id),
-                                                (e.relpath for e in found.entries))
+            offered = parts.for_new_save(s, parts.offered(s, str(path), self.settings.host_id), sig)
+            facts, files, used = parts.covering(offered, (e.relpath for e in found.entries))
         if not files:
             v = found.verdict
             return Verdict(v.kind, v.layout, v.reason + " (on this host; no other host announced it: a multi-host"

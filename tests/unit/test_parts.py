@@ -8,7 +8,9 @@ same story with real hosts, mount namespaces and ranks)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import shutil
+import time
 from datetime import timedelta
 
 import pytest
@@ -186,3 +188,58 @@ def test_a_watcher_clears_only_its_own_hosts_problems(db, tmp_path):
     _watcher(db, "node-a").reconcile()
     with session_scope(db.db_url) as s:
         assert [(p.host, p.reason) for p in s.scalars(select(DetectionProblem))] == [("node-b", "broken there")]
+
+
+def test_a_step_saved_again_waits_for_each_hosts_new_part_not_the_stale_one(db, tmp_path):
+    """Restarted after a crash, the job saves step 1 again at the same path: node-a's new
+    .metadata is there, node-b has not announced its new rank file yet. node-a must neither
+    record the new save with node-b's old part (a mix of two saves) nor release the protected
+    version; once node-b announces, the new save is recorded with the new part."""
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    step, b_dir = _split_step(db, tmp_path)
+    _announce_b(db, step, b_dir)
+    a = _watcher(db, "node-a")
+    assert a.consider(step.parent, step) is None
+    with session_scope(db.db_url) as s:
+        v1 = s.scalar(select(Checkpoint.id))
+
+    new = dcp_folder(tmp_path / "save-2" / "step_1", seed=9)  # the new save's bytes
+    shutil.copyfile(new / ".metadata", step / ".metadata")    # node-a: its .metadata (written last)
+    for restarted in (a, _watcher(db, "node-a")):
+        restarted.reconcile()
+        assert restarted.consider(step.parent, step) is not None  # waits
+        with session_scope(db.db_url) as s:
+            (only,) = s.scalars(select(Checkpoint)).all()
+            assert only.id == v1 and only.current and only.released_at is None
+            assert only.disk_changed and ".metadata" in only.disk_changed
+
+    shutil.copyfile(new / "__0_0.distcp", b_dir / "__0_0.distcp")  # node-b's new rank file, announced
+    _announce_b(db, step, b_dir)
+    assert a.consider(step.parent, step) is None
+    with session_scope(db.db_url) as s:
+        v2 = s.scalar(select(Checkpoint).where(Checkpoint.current.is_(True)))
+        assert v2.id != v1 and v2.disk_changed is None
+        b_file = next(f for f in v2.files if f.host == "node-b")
+        assert b_file.sha256 == hashlib.sha256((new / "__0_0.distcp").read_bytes()).hexdigest()
+        assert catalog.latest_store_job(s, v1).state == "superseded"
+
+
+def test_a_part_written_again_with_the_same_bytes_belongs_to_the_new_save(db, tmp_path):
+    """A re-save that writes node-b's rank file with the same bytes: its new times say it is
+    part of the new save (the claim is kept, the part is not stale)."""
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    step, b_dir = _split_step(db, tmp_path)
+    _announce_b(db, step, b_dir)
+    a = _watcher(db, "node-a")
+    assert a.consider(step.parent, step) is None
+    new = dcp_folder(tmp_path / "save-2" / "step_1", seed=9)
+    time.sleep(0.01)
+    shutil.copyfile(new / ".metadata", step / ".metadata")
+    shutil.copyfile(b_dir / "__0_0.distcp", tmp_path / "b-copy")
+    shutil.copyfile(tmp_path / "b-copy", b_dir / "__0_0.distcp")  # same bytes, new time
+    _announce_b(db, step, b_dir)
+    assert a.consider(step.parent, step) is None
+    with session_scope(db.db_url) as s:
+        v2 = s.scalar(select(Checkpoint).where(Checkpoint.current.is_(True)))
+        assert v2.id != 1 and {f.relpath: f.host for f in v2.files} == {".metadata": None, "__0_0.distcp": "node-b"}
+        assert s.scalar(select(CheckpointPart.checkpoint_id)) == v2.id

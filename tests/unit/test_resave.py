@@ -3,7 +3,28 @@ disk now"): a new save written over a recorded version is not taken for complete
 version's last file is still the old one, and the path says loudly that it changed."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
 from pipeline.core.layouts import Entry, FileFacts, FileFormat, resave_in_progress
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint
+from pipeline.db.transitions import transition
+from pipeline.detection import catalog, completeness
+from pipeline.detection.ondisk import differs
+from pipeline.detection.watcher import Watcher
+from pipeline.errors import RestoreError
+from pipeline.restore import job as restore_job
+from pipeline.status import checkpoint_rows, run_facts
+from tests.checkpoints import dcp_folder, hf_folder
+from tests.unit.test_layouts_resave import SHARDED, interrupted_save
+from tests.writers.write import tiny_qwen
 
 
 def facts(rel: str, size: int, ns: int, fmt: str = FileFormat.OTHER, names: tuple[str, ...] = ()) -> FileFacts:
@@ -54,3 +75,102 @@ def test_a_single_file_has_no_last_file_rule():
     old = Entry("step_1.safetensors", False, (facts("", 10, 1, FileFormat.SAFETENSORS),))
     assert resave_in_progress(Entry("step_1.safetensors", False, (facts("", 12, 2, FileFormat.SAFETENSORS),)),
                               recorded(old)) is None
+
+
+# -- the watcher, with real writers ----------------------------------------------------------
+
+def _protect(db, path: Path) -> Checkpoint:
+    """The current version at ``path``, its store job taken to verified (copies are not what
+    these tests are about)."""
+    with session_scope(db.db_url) as s:
+        ckpt = s.scalar(select(Checkpoint).where(Checkpoint.path == str(path), Checkpoint.current.is_(True)))
+        job = catalog.latest_store_job(s, ckpt.id)
+        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")]:
+            transition(s, job.id, "store", a, b)
+        s.expunge(ckpt)
+        return ckpt
+
+
+def _current(db, path: Path) -> Checkpoint:
+    with session_scope(db.db_url) as s:
+        c = s.scalar(select(Checkpoint).where(Checkpoint.path == str(path), Checkpoint.current.is_(True)))
+        s.expunge(c)
+        return c
+
+
+def test_a_resave_killed_halfway_is_flagged_and_a_restore_by_path_refuses(db, tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    out = run / "final"
+    tiny_qwen(1).save_pretrained(out, max_shard_size=SHARDED)
+    w = Watcher(db, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(db, out)
+    time.sleep(0.01)
+    # The trainer saves again into the same folder and is killed after its first shard: the
+    # old index and the other old shards make the folder look complete.
+    interrupted_save(tiny_qwen(2), out, monkeypatch, after=1, max_shard_size=SHARDED)
+    # By the layout table alone it would be taken once quiet (a shard is newer than the index).
+    assert completeness.examine(out).verdict.kind == "quiet"
+    quiet = dataclasses.replace(db, quiet_seconds=0.0)
+    for _restart in range(2):  # a watcher that starts now, and again after a restart
+        watcher = Watcher(quiet, [].extend, use_events=False)
+        watcher.reconcile()
+        watcher.scan()
+        now_ = _current(db, out)
+        assert now_.id == v1.id, "a half-written re-save was recorded as a version"
+        assert now_.disk_changed and "model.safetensors.index.json" in now_.disk_changed, now_.disk_changed
+    with session_scope(db.db_url) as s:
+        (row,) = checkpoint_rows(s, db, [s.get(Checkpoint, v1.id)])
+        assert row["disk_changed"] and row["disk_changed_at"] is not None
+        assert run_facts(s)[str(run)]["changed_on_disk"] == 1
+        with pytest.raises(RestoreError, match=f"changed on disk.*ckpt restore {v1.id} --to"):
+            restore_job.validate(s, db, str(out), str(run / "restored"))
+        assert restore_job.validate(s, db, str(v1.id), str(run / "restored"))[0].id == v1.id  # by id: as asked
+
+    time.sleep(0.01)
+    tiny_qwen(2).save_pretrained(out, max_shard_size=SHARDED)  # the save done again, to the end
+    w.scan()
+    v2 = _current(db, out)
+    assert v2.id != v1.id and v2.disk_changed is None
+    with session_scope(db.db_url) as s:
+        assert catalog.latest_store_job(s, v1.id).state == "superseded"
+        assert run_facts(s)[str(run)]["changed_on_disk"] == 0
+
+
+def test_dcp_rank_files_saved_again_under_the_old_metadata_wait(db, tmp_path):
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    step = dcp_folder(run / "step_2", seed=1)
+    w = Watcher(db, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(db, step)
+    # A restart saves step 2 again: the rank file first, .metadata last (not yet).
+    new = dcp_folder(tmp_path / "elsewhere" / "step_2", seed=2)
+    time.sleep(0.01)
+    shutil.copyfile(new / "__0_0.distcp", step / "__0_0.distcp")
+    assert completeness.examine(step).verdict.complete  # the old .metadata makes it look done
+    w.scan()
+    assert _current(db, step).id == v1.id and ".metadata" in _current(db, step).disk_changed
+    shutil.copyfile(new / ".metadata", step / ".metadata")
+    w.scan()
+    assert _current(db, step).id != v1.id and _current(db, step).disk_changed is None
+
+
+def test_files_touched_without_new_bytes_keep_their_version_and_do_not_block_rotation(db, tmp_path):
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    out = hf_folder(run / "checkpoint-5", seed=5)
+    w = Watcher(db, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(db, out)
+    time.sleep(0.05)
+    later = time.time()
+    for p in out.rglob("*"):
+        os.utime(p, (later, later))
+    w.scan()
+    c = _current(db, out)
+    assert c.id == v1.id and c.disk_changed is None and c.mtime >= later - 0.01  # completed again, now
+    with session_scope(db.db_url) as s:
+        ckpt = s.get(Checkpoint, v1.id)
+        assert differs(Path(ckpt.path), True, catalog.own_files(ckpt)) is None
