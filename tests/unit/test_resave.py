@@ -138,13 +138,18 @@ def test_a_resave_killed_halfway_is_flagged_and_a_restore_by_path_refuses(db, tm
         assert run_facts(s)[str(run)]["changed_on_disk"] == 0
 
 
-def test_dcp_rank_files_saved_again_under_the_old_metadata_wait(db, tmp_path):
+def _recorded(db, tmp_path, write) -> tuple[Path, Watcher, Checkpoint]:
+    """A checkpoint written by ``write(run)``, recorded by a watcher and protected."""
     run = tmp_path / "runs" / "r"
     run.mkdir()
-    step = dcp_folder(run / "step_2", seed=1)
+    path = write(run)
     w = Watcher(db, [].extend, use_events=False)
     w.scan()
-    v1 = _protect(db, step)
+    return path, w, _protect(db, path)
+
+
+def test_dcp_rank_files_saved_again_under_the_old_metadata_wait(db, tmp_path):
+    step, w, v1 = _recorded(db, tmp_path, lambda run: dcp_folder(run / "step_2", seed=1))
     # A restart saves step 2 again: the rank file first, .metadata last (not yet).
     new = dcp_folder(tmp_path / "elsewhere" / "step_2", seed=2)
     time.sleep(0.01)
@@ -158,12 +163,7 @@ def test_dcp_rank_files_saved_again_under_the_old_metadata_wait(db, tmp_path):
 
 
 def test_files_touched_without_new_bytes_keep_their_version_and_do_not_block_rotation(db, tmp_path):
-    run = tmp_path / "runs" / "r"
-    run.mkdir()
-    out = hf_folder(run / "checkpoint-5", seed=5)
-    w = Watcher(db, [].extend, use_events=False)
-    w.scan()
-    v1 = _protect(db, out)
+    out, w, v1 = _recorded(db, tmp_path, lambda run: hf_folder(run / "checkpoint-5", seed=5))
     time.sleep(0.05)
     later = time.time()
     for p in out.rglob("*"):
