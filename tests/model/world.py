@@ -64,7 +64,6 @@ from pipeline.detection.watcher import Watcher
 from pipeline.errors import AttemptsExhausted, CkptError
 from pipeline.service import scheduler
 from pipeline.steps import Send
-from pipeline.tasks.failures import record_failure
 from tests.model.writers import Written, build
 from tests.processes import KEY
 from tests.processes import StorageWorker as WorkerProcess
@@ -447,6 +446,8 @@ class World:
             getattr(self.actors, msg.actor).fn(*msg.args)
         except Exception as exc:  # what Dramatiq's Retries and our JobFailures middleware do
             final = isinstance(exc, AttemptsExhausted) or msg.retries >= self.settings.max_retries
+            from pipeline.tasks.failures import record_failure  # after the broker (conftest.process_broker)
+
             record_failure(self.settings, msg.actor, msg.args, exc, final=final)
             self.history.append(f"    {msg.actor} raised {type(exc).__name__}: {exc}"[:300])
             if not final:
