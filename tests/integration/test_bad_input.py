@@ -64,7 +64,8 @@ def test_store_of_an_incomplete_directory_says_what_is_missing(shared_cluster):
     os.unlink(d / ".metadata")
     r = shared_cluster.cli("store", str(d))
     assert r.returncode == 1
-    assert "step_9: checkpoint is not complete: torch DCP data files (*.distcp) without metadata: neither the .metadata" in r.stderr
+    assert ("step_9: checkpoint is not complete: torch DCP data files (*.distcp) without metadata: neither the "
+            ".metadata") in r.stderr
 
 
 def test_restore_never_writes_through_a_symlink_planted_at_its_staging_path(shared_cluster, tmp_path):
