@@ -83,3 +83,67 @@ def test_a_resave_of_an_unknown_layout_killed_between_files_does_not_release_the
         assert not v1_model & set(gc.garbage(s, settings)), "the protected version's weights became garbage"
         assert s.get(Checkpoint, v1).released_at is None
     assert _current(settings, step).id == v1, "a re-save killed between two files was recorded as a new version"
+
+
+def _trainer_checkpoint(folder: Path, step: int) -> Path:
+    """What the HF Trainer leaves in ``checkpoint-N/``: save_pretrained, then trainer_state.json
+    (written last) with its global_step."""
+    import json
+
+    from tests.writers.write import tiny_qwen
+
+    tiny_qwen(step).save_pretrained(folder)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    return folder
+
+
+def test_a_copy_of_an_old_checkpoint_in_the_run_never_costs_the_newest_save_its_protection(db, tmp_path):
+    """History: an HF run saves checkpoint-100, checkpoint-200, then ``trainer.save_model()``
+    writes the final model to ``final/`` (no step anywhere: the issue's first row). Every save
+    is protected. The user then brings checkpoint-200 back inside the run to look at it
+    (``ckpt restore <id> --to runs/r/inspect``, the restore roots being the watched roots, or
+    ``cp -r checkpoint-200 inspect``): a new checkpoint, same bytes as checkpoint-200, with
+    the newest file times and the highest id. ``newest_ids`` now names ``inspect`` twice
+    (completion time, detection order) and checkpoint-200 (step): ``final``, the newest save
+    any writer made, is newest by no measure. A remote ``keep_last 1`` forgets it, local
+    ``keep_last 1`` rotates it (verified), ``--latest``/``latest()`` answer the copy of
+    step 200; after the collection's grace the final model exists nowhere.
+
+    Safe: a checkpoint whose content is an older protected checkpoint's (same files, same
+    bytes) completed when that one did, not when it was copied: it never outranks a save made
+    since. The final model stays the run's newest: kept by the policy, not rotated, and what
+    ``latest()`` returns."""
+    import shutil
+
+    from pipeline import api
+    from pipeline.integrity import retention
+    from pipeline.store.rotation import rotation_candidates
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, remote_keep_last=1, keep_last=1)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    ids = {}
+    for name in ("checkpoint-100", "checkpoint-200", "final"):
+        folder = run / name
+        if name == "final":
+            tiny_qwen(7).save_pretrained(folder)
+        else:
+            _trainer_checkpoint(folder, int(name.split("-")[1]))
+        time.sleep(0.05)
+        w.scan()
+        ids[name] = _protect(settings, folder)
+    time.sleep(0.05)
+    # The user's copy (a restore writes new files the same way: new times, same bytes).
+    shutil.copytree(run / "checkpoint-200", run / "inspect", copy_function=shutil.copyfile)
+    time.sleep(0.05)
+    w.scan()
+    ids["inspect"] = _protect(settings, run / "inspect")
+
+    newest = api.latest(run, settings=settings)
+    assert newest is not None and newest.id == ids["final"], f"latest() answers {newest and newest.path}"
+    with session_scope(settings.db_url) as s:
+        verdicts = {v.checkpoint_id: v for v in retention.plan_run(s, settings, str(run))}
+        assert verdicts[ids["final"]].keep, f"the final model is dropped: {verdicts[ids['final']].why}"
+        assert ids["final"] not in rotation_candidates(s, str(run), settings.keep_last, settings.host_id)
