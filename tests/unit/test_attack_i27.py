@@ -147,3 +147,55 @@ def test_a_copy_of_an_old_checkpoint_in_the_run_never_costs_the_newest_save_its_
         verdicts = {v.checkpoint_id: v for v in retention.plan_run(s, settings, str(run))}
         assert verdicts[ids["final"]].keep, f"the final model is dropped: {verdicts[ids['final']].why}"
         assert ids["final"] not in rotation_candidates(s, str(run), settings.keep_last, settings.host_id)
+
+
+def test_overwrite_with_other_content_never_makes_the_replaced_protected_version_garbage(db, tmp_path):
+    """History: a run has checkpoint-300 and checkpoint-500 (its newest), both protected. The
+    user means to restore checkpoint-300 somewhere and types the newest folder as the target:
+    ``ckpt restore <id of 300> --to runs/r/checkpoint-500 --overwrite``. The request is
+    accepted (checkpoint-500 is "a protected checkpoint's restorable content: every byte in
+    it is kept by the workers, so replacing it loses nothing", pipeline/restore/destination.py),
+    the actor writes step 300's bytes there, and the watcher records them as the new version
+    of checkpoint-500: the real step 500 is superseded, released, and garbage once the
+    collection's grace passes. The newest save is then nowhere, and the path named
+    checkpoint-500 holds step 300 (the restore is emulated below by writing exactly the bytes
+    the actor would write: the decision that allows it and everything after it are real).
+
+    Safe: an overwrite replaces only content that stays restorable: either it is refused
+    when the target is a protected checkpoint's path and the restore would put other content
+    there (restoring a checkpoint over its own path stays allowed), or the version it replaces
+    keeps its content (not released by the supersede a restore causes) until a policy or
+    ``ckpt forget`` drops it, like any protected version."""
+    import shutil
+
+    from pipeline.restore import job as restore_job
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    ids = {}
+    for step in (300, 500):
+        _trainer_checkpoint(run / f"checkpoint-{step}", step)
+        time.sleep(0.05)
+        w.scan()
+        ids[step] = _protect(settings, run / f"checkpoint-{step}")
+    with session_scope(settings.db_url) as s:
+        v500 = {sh.sha256 for f in s.get(Checkpoint, ids[500]).files for sh in f.shards}
+        v300 = {sh.sha256 for f in s.get(Checkpoint, ids[300]).files for sh in f.shards}
+        only_500 = v500 - v300
+        assert only_500
+        try:
+            restore_job.validate(s, settings, str(ids[300]), str(run / "checkpoint-500"), overwrite=True)
+        except Exception:
+            return  # refused: safe
+    # What the actor does once allowed: step 300's bytes, in place of checkpoint-500.
+    target = run / "checkpoint-500"
+    shutil.rmtree(target)
+    shutil.copytree(run / "checkpoint-300", target, copy_function=shutil.copyfile)
+    time.sleep(0.05)
+    w.scan()
+    with session_scope(settings.db_url) as s:
+        lost = only_500 & set(gc.garbage(s, settings))
+        assert not lost, f"{len(lost)} contents only the replaced newest save held are garbage"
+        assert s.get(Checkpoint, ids[500]).released_at is None, "the real step 500 was released"
