@@ -5,6 +5,7 @@ and the safe behaviour expected. (Written by the attack session; no pipeline cod
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint
+from pipeline.db.models import Checkpoint, DetectionProblem
 from pipeline.db.transitions import transition
 from pipeline.detection import catalog
 from pipeline.detection.watcher import Watcher
@@ -199,3 +200,44 @@ def test_overwrite_with_other_content_never_makes_the_replaced_protected_version
         lost = only_500 & set(gc.garbage(s, settings))
         assert not lost, f"{len(lost)} contents only the replaced newest save held are garbage"
         assert s.get(Checkpoint, ids[500]).released_at is None, "the real step 500 was released"
+
+
+def test_a_file_linked_inside_a_checkpoint_is_protected_or_named_and_never_wedges_it(db, tmp_path):
+    """History: a run's checkpoint folder holds its weights and a tokenizer file that is a
+    symlink to the run's shared copy (``tokenizer.json -> ../tokenizer.json``, what a
+    ``cp -rs``/``ln -s`` of the base model's files or a hub snapshot leaves), the link staying
+    inside the root. Detection never follows a link inside an entry and says nothing: the
+    checkpoint is recorded and protected without the file (status shows no problem, nothing
+    lists it under "not protected"). Then ``ondisk.differs`` walks the folder, meets the link
+    and calls the unchanged folder "changed after it was stored": rotation is blocked for
+    ever ("tokenizer.json was added ... after it was stored"), so the training disk never
+    gets that space back, and ``ckpt restore PATH`` refuses with "changed on disk" although
+    nothing changed.
+
+    Safe: one rule for a link inside an entry, used by detection, rotation and restore by
+    path alike: either followed while it stays inside the root (its bytes recorded under the
+    name the user sees), or named (a detection problem listing it as not protected) and
+    ignored the same way by ``differs``. In no case does an unchanged folder count as changed
+    on disk."""
+    from pipeline.detection.ondisk import differs
+    from pipeline.restore import job as restore_job
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    (run / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')  # a run file
+    folder = run / "checkpoint-100"
+    _trainer_checkpoint(folder, 100)
+    os.symlink("../tokenizer.json", folder / "tokenizer.json")
+    time.sleep(0.05)
+    w = Watcher(db, [].extend, use_events=False)
+    w.scan()
+    cid = _protect(db, folder)
+    with session_scope(db.db_url) as s:
+        ckpt = s.get(Checkpoint, cid)
+        recorded = {f.relpath for f in ckpt.files}
+        named = s.scalars(select(DetectionProblem.path)).all()
+        assert "tokenizer.json" in recorded or any("tokenizer.json" in p for p in named), \
+            "a file of the checkpoint was silently left out: neither protected nor named"
+        assert differs(folder, True, catalog.own_files(ckpt)) is None, \
+            "the unchanged folder counts as changed on disk (rotation blocked for ever)"
+        restore_job.validate(s, db, str(folder), str(run / "restored"))
