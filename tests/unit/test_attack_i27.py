@@ -241,3 +241,53 @@ def test_a_file_linked_inside_a_checkpoint_is_protected_or_named_and_never_wedge
         assert differs(folder, True, catalog.own_files(ckpt)) is None, \
             "the unchanged folder counts as changed on disk (rotation blocked for ever)"
         restore_job.validate(s, db, str(folder), str(run / "restored"))
+
+
+def test_content_saved_again_after_its_version_was_forgotten_is_protected_again(db, tmp_path):
+    """History: an export script writes the final model to ``export/`` (save_pretrained of
+    checkpoint-100's weights); it is protected. Training goes on: checkpoint-200 is saved and
+    protected, and the remote policy ``keep_last 1`` forgets ``export/`` (not the newest then).
+    Later the user runs the export script again: the same weights, saved again to the same
+    folder, byte for byte the forgotten version. ``catalog.record`` finds that version and
+    returns it as it is ("a forgotten checkpoint stays forgotten"): the newest save of the run
+    is never stored again, ``ckpt restore export/`` refuses ("forgotten"), ``latest()`` does
+    not know it, and once newer saves push it beyond the local ``keep_last`` the rotation
+    (FORGOTTEN is rotatable) deletes it and the collection takes its content: the save the
+    user just made is nowhere.
+
+    Safe: a save completed after its version was forgotten is a new save: it gets a new store
+    job (its unchanged shards are not sent again), is protected like any other, and the
+    policy judges it afresh (it is the newest now)."""
+    from pipeline import api
+    from pipeline.integrity import retention
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, remote_keep_last=1)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    export = run / "export"
+    tiny_qwen(100).save_pretrained(export)
+    time.sleep(0.05)
+    w.scan()
+    first = _protect(settings, export)
+    _trainer_checkpoint(run / "checkpoint-200", 200)
+    time.sleep(0.05)
+    w.scan()
+    _protect(settings, run / "checkpoint-200")
+    with session_scope(settings.db_url) as s:
+        gone = retention.apply_policy(s, settings)
+        assert [v.checkpoint_id for v in gone] == [first]
+    time.sleep(0.05)
+    import shutil
+
+    shutil.rmtree(export)
+    tiny_qwen(100).save_pretrained(export)  # the export again: the same bytes
+    time.sleep(0.05)
+    w.scan()
+    now = _current(settings, export)
+    with session_scope(settings.db_url) as s:
+        assert now.id != first or catalog.latest_store_job(s, now.id).state != "forgotten", \
+            "the run's newest save is forgotten the moment it is made, and never stored"
+    newest = api.latest(run, settings=settings)
+    assert newest is not None and newest.path == str(export)
