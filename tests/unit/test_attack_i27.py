@@ -291,3 +291,68 @@ def test_content_saved_again_after_its_version_was_forgotten_is_protected_again(
             "the run's newest save is forgotten the moment it is made, and never stored"
     newest = api.latest(run, settings=settings)
     assert newest is not None and newest.path == str(export)
+
+
+def _dtensor_rank(rank: int, world: int, out: str, port: int, seed: int) -> None:
+    """One rank of an FSDP2-style save: every tensor a DTensor sharded by rows over the ranks,
+    saved without collectives (each rank writes ``__<rank>_0.distcp`` and ``__<rank>.metadata``)."""
+    import os as _os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    full = {f"layer{i}.weight": torch.randn(128, 64) for i in range(3)}
+    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=out,
+             use_collectives=False)
+    dist.destroy_process_group()
+
+
+def _sharded_dcp_without_collectives(out: Path, seed: int) -> None:
+    import torch.multiprocessing as mp
+
+    from pipeline.cluster.client import free_port
+
+    mp.spawn(_dtensor_rank, args=(2, str(out), free_port(), seed), nprocs=2)
+
+
+def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_files(db, tmp_path):
+    """History: two ranks save FSDP2-sharded weights with ``dcp.save(...,
+    use_collectives=False)`` (what ``async_save`` without collectives does on a job that avoids
+    a barrier). Ranks are not synchronised: rank 0 finishes ``__0_0.distcp`` and renames
+    ``__0.metadata`` into place while rank 1, a straggler (or a rank killed by a node failure),
+    has not created a file yet. The layout rule ("every rank whose data files are there has
+    its own metadata") is met by rank 0 alone, so the watcher records and protects a step
+    that holds the first half of every tensor: it is the run's newest, so a remote
+    ``keep_last 1`` forgets the previous complete step and the rotation deletes it locally;
+    after the collection, the newest save anyone can restore cannot be loaded. Yet rank 0's
+    own ``__0.metadata`` says so: each tensor's global size is 128 rows and its chunks cover
+    only rows 0-63.
+
+    Safe: a save without collectives is complete only when the chunks the present ranks'
+    metadata record cover every tensor's global size (a rank whose chunks are missing is
+    waited for, then reported as stuck, never recorded as a checkpoint)."""
+    import shutil
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    whole = tmp_path / "written" / "step_2"
+    whole.parent.mkdir()
+    _sharded_dcp_without_collectives(whole, seed=2)
+    assert sorted(p.name for p in whole.iterdir()) == ["__0.metadata", "__0_0.distcp", "__1.metadata",
+                                                        "__1_0.distcp"]
+    # What the run's folder holds while rank 1 has not written (yet, or ever).
+    step = run / "step_2"
+    step.mkdir()
+    for name in ("__0_0.distcp", "__0.metadata"):
+        shutil.copy2(whole / name, step / name)
+    w = Watcher(db, [].extend, use_events=False)  # the default quiet period: not what decides here
+    w.scan()
+    with session_scope(db.db_url) as s:
+        recorded = s.scalars(select(Checkpoint.path)).all()
+    assert str(step) not in recorded, "half of every tensor was recorded as a complete checkpoint"
