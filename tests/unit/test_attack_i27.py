@@ -356,3 +356,55 @@ def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_f
     with session_scope(db.db_url) as s:
         recorded = s.scalars(select(Checkpoint.path)).all()
     assert str(step) not in recorded, "half of every tensor was recorded as a complete checkpoint"
+
+
+def test_a_sharded_final_model_saved_into_the_run_is_one_save_not_one_per_file(db, tmp_path):
+    """History: the issue's first row, sharded. An HF run saves checkpoint-100 and
+    checkpoint-200, then ``trainer.save_model()`` (``save_pretrained`` into the output
+    directory, the run itself) writes the final model with ``max_shard_size``:
+    ``model-00001-of-00005.safetensors`` ... ``model-00005-of-00005.safetensors`` and
+    ``model.safetensors.index.json`` beside the checkpoints (its config.json and tokenizer files
+    are run files: never protected, never named). Each file is recorded as its own checkpoint
+    of the run, without a step; ``newest_ids`` keeps the one that completed last, the one
+    detected last and checkpoint-200 (highest step), so most shards of the final model are
+    newest by no measure: the remote policy ``keep_last 1`` forgets it and the local
+    ``keep_last 2`` rotates it; after the collection the run's newest save (the final model)
+    cannot be rebuilt from anything.
+
+    Safe: the files one save writes into a run are one save: a shard family and its index
+    (and the config beside them) are recorded, kept and rotated together, or at the least every
+    file of the newest save is kept by the newest-save rule; nothing of the final model is
+    forgotten or rotated while it is the run's newest."""
+    from pipeline.integrity import retention
+    from pipeline.store.rotation import rotation_candidates
+    from tests.unit.test_layouts_resave import SHARDED
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, remote_keep_last=1, keep_last=2)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    for step in (100, 200):
+        _trainer_checkpoint(run / f"checkpoint-{step}", step)
+        time.sleep(0.05)
+        w.scan()
+        _protect(settings, run / f"checkpoint-{step}")
+    time.sleep(0.05)
+    tiny_qwen(9).save_pretrained(run, max_shard_size=SHARDED)  # trainer.save_model(): into the run
+    final = sorted(p.name for p in run.iterdir() if p.name.startswith("model"))
+    assert "model.safetensors.index.json" in final and len(final) >= 3, final  # 5 shards and their index
+    time.sleep(0.05)
+    w.scan()
+    with session_scope(settings.db_url) as s:
+        rows = s.scalars(select(Checkpoint).where(Checkpoint.current.is_(True))).all()
+        of_final = {c.id: c.name for c in rows if c.name.startswith("model")}
+        paths = [Path(c.path) for c in rows if c.name.startswith("model")]
+    for path in paths:
+        _protect(settings, path)
+    with session_scope(settings.db_url) as s:
+        dropped = {of_final[v.checkpoint_id] for v in retention.plan_run(s, settings, str(run))
+                   if not v.keep and v.checkpoint_id in of_final}
+        rotated = {of_final[c] for c in rotation_candidates(s, str(run), settings.keep_last, settings.host_id)
+                   if c in of_final}
+    assert not dropped, f"files of the final model the remote policy forgets: {sorted(dropped)}"
+    assert not rotated, f"files of the final model the rotation deletes: {sorted(rotated)}"
