@@ -89,11 +89,15 @@ def test_a_resave_of_an_unknown_layout_killed_between_files_does_not_release_the
 def _trainer_checkpoint(folder: Path, step: int) -> Path:
     """What the HF Trainer leaves in ``checkpoint-N/``: save_pretrained, then trainer_state.json
     (written last) with its global_step."""
+    return _trainer_checkpoint_with(folder, step, seed=step)
+
+
+def _trainer_checkpoint_with(folder: Path, step: int, *, seed: int) -> Path:
     import json
 
     from tests.writers.write import tiny_qwen
 
-    tiny_qwen(step).save_pretrained(folder)
+    tiny_qwen(seed).save_pretrained(folder)
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     return folder
 
@@ -408,3 +412,61 @@ def test_a_sharded_final_model_saved_into_the_run_is_one_save_not_one_per_file(d
                    if c in of_final}
     assert not dropped, f"files of the final model the remote policy forgets: {sorted(dropped)}"
     assert not rotated, f"files of the final model the rotation deletes: {sorted(rotated)}"
+
+
+def test_a_committed_rotations_leftover_is_never_put_back_over_a_newer_version(db, tmp_path):
+    """History: checkpoint-200 (v1) is verified and rotated; the rotation commits and the
+    process dies before it deletes its trash entry (``.ckpt-trash-XXXXXXXX-checkpoint-200``,
+    what ``pipeline.store.trash`` leaves then; the next rotation planning of the run would
+    remove it). Before that planning runs, training restarted from checkpoint-100 redoes step
+    200 and saves checkpoint-200 again (v2, new weights): recorded, verified, the run's newest.
+    Then checkpoint-200 is deleted locally (the Trainer's ``save_total_limit``, or the user):
+    v2 is protected, so its remote copies must stay. The watcher sees the path gone and calls
+    ``trash.put_back``, which finds exactly one trash entry for that name and renames it back:
+    v1's files reappear at checkpoint-200. The next scan records them as the path's current
+    version (v1 again) and supersedes v2: released, garbage after the grace. The newest save,
+    protected and never chosen to be replaced by anyone, is collected; checkpoint-200 holds the
+    old weights again.
+
+    Safe: ``put_back`` restores only the entry of a rotation that did not commit (the trash
+    entry says which version or job it holds, and the caller's row must be that one); a
+    leftover of a committed rotation is only ever deleted. A protected version whose files go
+    is marked as gone locally, never superseded by files nobody wrote."""
+    import shutil
+
+    from pipeline.store import trash
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    path = run / "checkpoint-200"
+    _trainer_checkpoint(path, 200)
+    time.sleep(0.05)
+    w.scan()
+    v1 = _protect(settings, path)
+    # The rotation of v1 as a crash after its commit leaves it: renamed into the trash, the
+    # job rotated and the local copy recorded gone, the trash entry not deleted yet.
+    trash.move_to_trash(path, inside=run.parent)
+    with session_scope(settings.db_url) as s:
+        transition(s, catalog.latest_store_job(s, v1).id, "store", "verified", "rotated")
+        s.get(Checkpoint, v1).local_present = False
+    w.scan()
+    # Step 200 saved again (other weights), recorded and protected: the run's newest.
+    _trainer_checkpoint_with(path, 200, seed=2200)
+    time.sleep(0.05)
+    w.scan()
+    v2 = _current(settings, path).id
+    assert v2 != v1
+    _protect(settings, path)
+    with session_scope(settings.db_url) as s:
+        only_v2 = ({sh.sha256 for f in s.get(Checkpoint, v2).files for sh in f.shards}
+                   - {sh.sha256 for f in s.get(Checkpoint, v1).files for sh in f.shards})
+    shutil.rmtree(path)  # the trainer's own rotation deletes it
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.02)
+    with session_scope(settings.db_url) as s:
+        assert path.exists() is False or _current(settings, path).id == v2, "another version's files came back"
+        assert not only_v2 & set(gc.garbage(s, settings)), "the protected newest version's content is garbage"
+        assert s.get(Checkpoint, v2).released_at is None, "the protected newest version was released"
