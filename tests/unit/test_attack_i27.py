@@ -293,6 +293,7 @@ def test_content_saved_again_after_its_version_was_forgotten_is_protected_again(
     with session_scope(settings.db_url) as s:
         assert now.id != first or catalog.latest_store_job(s, now.id).state != "forgotten", \
             "the run's newest save is forgotten the moment it is made, and never stored"
+    _protect(settings, export)  # stored again (its shards are already on the workers)
     newest = api.latest(run, settings=settings)
     assert newest is not None and newest.path == str(export)
 
