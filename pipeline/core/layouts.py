@@ -71,6 +71,8 @@ class FileFacts:
     names: tuple[str, ...] = ()
     #: For DCP metadata: per named file, the bytes it must hold at least.
     needs_bytes: tuple[tuple[str, int], ...] = ()
+    #: For DCP metadata: per tensor (name, elements of the whole tensor, elements its chunks hold).
+    covers: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,20 @@ def _dcp_ranks(entry: Entry, sizes: dict[str, int]) -> str | None:
         missing = _named_present(meta, sizes)
         if missing:
             return missing
+    # A sharded tensor: each rank records only its own chunks; together they hold it whole (a
+    # replicated one is written whole by every rank).
+    whole: dict[str, int] = {}
+    held: dict[str, int] = {}
+    for meta in metas:
+        for name, elements, chunk in meta.covers:
+            whole[name] = elements
+            held[name] = held.get(name, 0) + chunk
+    short = sorted(n for n in whole if held[n] < whole[n])
+    if short:
+        n = short[0]
+        return (f"the ranks' metadata here ({', '.join(sorted(m.relpath for m in metas))}) hold {held[n]:,} of the "
+                f"{whole[n]:,} elements of {n}{' and more tensors' if len(short) > 1 else ''}: another rank's "
+                "__<rank>.metadata and data are not here yet")
     return None
 
 
@@ -438,7 +454,8 @@ _LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
 }
 
 
-def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]]) -> str | None:
+def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *, by_quiet: bool = False
+                       ) -> str | None:
     """Why ``entry``, a folder whose recorded version had the files ``recorded`` (relative
     path -> size, modification time), is a new save still being written over it, or None.
 
@@ -446,6 +463,10 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]]) ->
     ``.metadata``, ``trainer_state.json``, marker, index) in place until it writes its own: the
     folder then looks complete while it mixes two saves. So once any file differs from the
     recorded version, every layout the folder shows must have a last file that differs too.
+    ``by_quiet``: the folder would be complete only because it stopped changing (no layout
+    knows its last file): then a folder keeping some recorded files unchanged while others
+    changed is taken for a save killed between two files (a mix of two saves), never for a
+    new version; ``ckpt store PATH`` records it as it is if it is one.
     """
     if not entry.is_dir or not recorded:
         return None
@@ -459,4 +480,9 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]]) ->
             listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
             return (f"saved again over its recorded version ({listed} changed) but not yet "
                     f"{' or '.join(last)}, which its writer ({lay.writer}) writes last")
+    kept = sorted(r for r in recorded if now.get(r) == recorded[r])
+    if by_quiet and kept:
+        listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
+        return (f"saved again over its recorded version: {listed} changed but {', '.join(kept[:3])} did not "
+                "(a save stopped between two files?); `ckpt store PATH` records it as it is")
     return None

@@ -90,7 +90,7 @@ class Checkpoint(Base):
     name: Mapped[str] = mapped_column(String(1024))
     is_dir: Mapped[bool] = mapped_column(Boolean)
     #: SHA-256 over the sorted (relative path, size, file SHA-256) of every file.
-    version: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64), index=True)
     step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: When its content was complete: its newest file's modification time, refreshed when the
     #: same content is saved again. What "newest" reads first (pipeline.core.retention.recency).

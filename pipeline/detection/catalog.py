@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_, select, true
+from sqlalchemy import ColumnElement, and_, func, or_, select, true
 from sqlalchemy.orm import Session
 
 from pipeline import states
@@ -108,6 +108,11 @@ def hash_checkpoint(run: Path, path: Path, entries: list[completeness.FileEntry]
 Signature = tuple[tuple[str, int, int], ...]
 
 
+def file_sig(ckpt: Checkpoint) -> Signature:
+    """The signature of a recorded version's own files (those on its host)."""
+    return tuple((f.relpath, f.size, f.mtime_ns) for f in own_files(ckpt))
+
+
 def signature(entries: Iterable[completeness.FileEntry]) -> Signature:
     """What the watcher compares to know a checkpoint did not change: (relpath, size, mtime)."""
     return tuple((e.relpath, e.size, e.mtime_ns) for e in entries)
@@ -139,6 +144,15 @@ def owner_elsewhere(session: Session, checkpoint_id: int | None, host: str) -> s
     step that touches them must not run here (a message from before hosts were routed)."""
     owner = session.scalar(select(Checkpoint.host).where(Checkpoint.id == checkpoint_id))
     return owner if owner is not None and owner != host else None
+
+
+def _completed_at(session: Session, d: Detected, version: str) -> float:
+    """When ``d``'s content was complete: its newest file's time, or, for a copy of content
+    already recorded (``cp -r`` of an old checkpoint, a restore next to the run), when that
+    content first was, so a copy never looks newer than a later save (pipeline.core.retention)."""
+    first = session.scalar(select(func.min(Checkpoint.mtime)).where(Checkpoint.version == version))
+    written = max(e.mtime_ns for e in d.entries) / 1e9
+    return min(written, first) if first is not None else written
 
 
 def _completed_again(ckpt: Checkpoint, d: Detected) -> None:
@@ -177,8 +191,10 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
         existing.local_present = True
         _completed_again(existing, d)
         job = latest_store_job(session, existing.id)
-        if job is None or job.state in (S.SUPERSEDED, S.VANISHED):
-            existing.released_at = None  # (a forgotten checkpoint stays forgotten)
+        # Saved again with the same bytes after it was superseded, vanished or forgotten: a new
+        # save the user made (the newest of its run, by completion), protected again.
+        if job is None or job.state in (S.SUPERSEDED, S.VANISHED, S.FORGOTTEN):
+            existing.released_at = None
             job = create_job(session, JobKind.STORE, checkpoint_id=existing.id, lease_seconds=lease_seconds,
                              bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path",
                              started_at=started_at)
@@ -188,7 +204,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
     ckpt = Checkpoint(
         path=str(d.path), run=str(d.run), name=d.path.name, is_dir=d.path.is_dir(), version=version,
         step=d.writer_step if d.writer_step is not None else roots.step_of(d.path.name),
-        mtime=max(e.mtime_ns for e in d.entries) / 1e9,
+        mtime=_completed_at(session, d, version),
         total_bytes=d.total_bytes, local_present=True, current=True, layout=d.layout or None,
         completed_by=d.completed_by, metrics=d.metrics, host=host,
     )

@@ -57,10 +57,12 @@ def check_name(path: str) -> None:
         raise UnreadableEntry(path[:200] + "...", f"its path is longer than {MAX_PATH} characters")
 
 
-def _walk(path: Path) -> tuple[list[tuple[str, str]], int]:
-    """``([(relpath, abspath)], newest directory mtime)`` of a folder: regular files only, no
-    symlinks followed, iteratively (a deep tree cannot exhaust the stack), within the bounds."""
+def _walk(path: Path) -> tuple[list[tuple[str, str]], int, list[str]]:
+    """``([(relpath, abspath)], newest directory mtime, [relpath of each symlink])`` of a
+    folder: regular files only, no symlinks followed, iteratively (a deep tree cannot exhaust
+    the stack), within the bounds."""
     out: list[tuple[str, str]] = []
+    links: list[str] = []
     newest = 0
     stack: list[tuple[str, int]] = [(str(path), 0)]
     while stack:
@@ -77,6 +79,7 @@ def _walk(path: Path) -> tuple[list[tuple[str, str]], int]:
         for e in items:
             check_name(e.path)
             if e.is_symlink():
+                links.append(os.path.relpath(e.path, path))
                 continue  # never followed: a link may point anywhere
             if e.is_dir(follow_symlinks=False):
                 subdirs.append((e.path, depth + 1))
@@ -86,7 +89,7 @@ def _walk(path: Path) -> tuple[list[tuple[str, str]], int]:
                     raise UnreadableEntry(str(path), f"it holds more than {MAX_FILES:,} files")
         stack.extend(reversed(subdirs))
     out.sort()
-    return out, newest
+    return out, newest, sorted(links)
 
 
 def list_files(path: Path) -> list[tuple[str, str]]:
@@ -110,6 +113,8 @@ class Examined:
     #: Newest change of any file or directory in it (ns): what the settle and quiet windows measure.
     newest_ns: int
     commit_marker: str = ""
+    #: Symlinks inside the folder: never followed, so not part of the checkpoint (reported).
+    links: tuple[str, ...] = ()
 
 
 def examine(path: Path, *, commit_marker: str = "", follow_link: bool = False) -> Examined:
@@ -123,8 +128,9 @@ def examine(path: Path, *, commit_marker: str = "", follow_link: bool = False) -
     check_name(str(path))
     st = os.stat(path) if follow_link else os.lstat(path)
     is_dir = stat.S_ISDIR(st.st_mode)
+    links: list[str] = []
     if is_dir:
-        files, newest = _walk(path)
+        files, newest, links = _walk(path)
     elif stat.S_ISREG(st.st_mode):
         files, newest = [("", str(path))], 0
     else:
@@ -137,7 +143,7 @@ def examine(path: Path, *, commit_marker: str = "", follow_link: bool = False) -
         newest = max(newest, fst.st_mtime_ns)
     verdict = judge(Entry(path.name, is_dir, tuple(e.facts for e in entries if e.facts is not None),
                           commit_marker=commit_marker if is_dir else ""))
-    return Examined(path, tuple(entries), verdict, newest, commit_marker if is_dir else "")
+    return Examined(path, tuple(entries), verdict, newest, commit_marker if is_dir else "", tuple(links))
 
 
 def inspect(path: Path, *, commit_marker: str = "", quiet_seconds: float | None = None, declared: bool = False,

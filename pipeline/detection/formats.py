@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import posixpath
@@ -43,7 +44,7 @@ def file_facts(relpath: str, abspath: str, size: int, mtime_ns: int) -> tuple[Fi
         if name == ".metadata" or rank_metadata([name]):  # renamed into place whole: any problem is for good
             problem, names, needs = dcp_metadata(f, size)
             return FileFacts(relpath, size, mtime_ns, FileFormat.DCP_METADATA, problem, bool(problem), names,
-                             needs), None
+                             needs, covers=dcp_coverage(f, size) if not problem else ()), None
         if name.endswith(".json"):
             problem, permanent, names = json_facts(f, size, index=name.endswith(".index.json"))
             return FileFacts(relpath, size, mtime_ns, FileFormat.JSON, problem, permanent, names), None
@@ -224,6 +225,42 @@ class _DcpUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")
+
+
+def _dims(size: Any) -> tuple[int, ...] | None:
+    """The dimensions of an inert ``torch.Size`` stand-in (its constructor argument)."""
+    args = getattr(size, "args", None)
+    dims = args[0] if isinstance(args, tuple) and len(args) == 1 else None
+    if isinstance(dims, tuple) and all(isinstance(d, int) and d >= 0 for d in dims):
+        return dims
+    return None
+
+
+def dcp_coverage(f: BinaryIO, size: int) -> tuple[tuple[str, int, int], ...]:
+    """Per tensor a DCP metadata file records: (name, elements of the whole tensor, elements its
+    chunks hold). A rank of a save without collectives records only its own chunks of a
+    sharded tensor: the ranks' files together must cover each tensor whole."""
+    f.seek(0)
+    try:
+        md = _DcpUnpickler(io.BytesIO(f.read(size))).load()
+    except Exception:
+        return ()
+    meta = getattr(md, "state_dict_metadata", None)
+    items = meta if isinstance(meta, dict) else getattr(meta, "items", None)
+    if not isinstance(items, dict):
+        return ()
+    out = []
+    for name, info in items.items():
+        whole = _dims(getattr(info, "size", None))
+        chunks = getattr(info, "chunks", None)
+        if whole is None or not isinstance(chunks, list):
+            continue  # not a tensor (bytes): written whole by a rank
+        held = 0
+        for c in chunks:
+            dims = _dims(getattr(c, "sizes", None))
+            held += math.prod(dims) if dims is not None else 0
+        out.append((str(name), math.prod(whole), held))
+    return tuple(sorted(out))
 
 
 def dcp_metadata(f: BinaryIO, size: int) -> tuple[str | None, tuple[str, ...], tuple[tuple[str, int], ...]]:

@@ -37,8 +37,9 @@ def differs(root: Path, is_dir: bool, files: list[CheckpointFile], *, by_content
     if is_dir and root.is_dir():
         for dirpath, _dirs, names in os.walk(root):
             for name in names:
-                rel = os.path.relpath(os.path.join(dirpath, name), root)
-                if rel not in recorded:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, root)
+                if rel not in recorded and not os.path.islink(full):  # a link is never part of it (detection)
                     return f"{rel} was added to {root} after it was stored"
     for rel, f in recorded.items():
         path = root / rel if rel else root

@@ -62,6 +62,11 @@ def announce(session: Session, d: Detected, host: str) -> CheckpointPart:
     return part
 
 
+def file_sig(part: CheckpointPart) -> tuple[tuple[str, int, int], ...]:
+    """The signature of a part's files as announced: (relpath, size, mtime_ns)."""
+    return tuple((f["relpath"], f["size"], f["mtime_ns"]) for f in part.files)
+
+
 def _times(files: list[dict[str, Any]]) -> dict[str, int]:
     return {f["relpath"]: f["mtime_ns"] for f in files}
 

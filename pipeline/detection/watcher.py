@@ -132,13 +132,13 @@ class Watcher:
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
                                   .order_by(Checkpoint.current, Checkpoint.id).with_for_update()):
-                if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path):
+                if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path, catalog.file_sig(ckpt)):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
                     continue
-                self.known[ckpt.path] = tuple((f.relpath, f.size, f.mtime_ns) for f in catalog.own_files(ckpt))
+                self.known[ckpt.path] = catalog.file_sig(ckpt)
             for part in parts.held(s, host):  # and the parts it holds of other hosts' checkpoints
-                if not os.path.lexists(part.path) and not trash.put_back(part.path):
+                if not os.path.lexists(part.path) and not trash.put_back(part.path, parts.file_sig(part)):
                     parts.vanished(s, part)
                     log.warning("this host's part of %s vanished", part.path)
                     continue
@@ -225,7 +225,7 @@ class Watcher:
             for path in parts_gone:
                 self.parts.pop(path, None)
                 for part in parts.held(s, self.settings.host_id, path=path):
-                    if trash.put_back(path):  # a part's rotation crashed before it committed
+                    if trash.put_back(path, parts.file_sig(part)):  # a part's rotation crashed before it committed
                         log.warning("%s was in the trash of a rotation that did not commit; put back", path)
                         continue
                     parts.vanished(s, part)
@@ -237,7 +237,7 @@ class Watcher:
                                                                Checkpoint.local_present.is_(True),
                                                                catalog.on_host(self.settings.host_id))
                                       .with_for_update()):
-                    if trash.put_back(path):  # a rotation crashed before it committed
+                    if trash.put_back(path, catalog.file_sig(ckpt)):  # a rotation crashed before it committed
                         log.warning("%s was in the trash of a rotation that did not commit; put back", path)
                         continue
                     catalog.mark_vanished(s, ckpt)
@@ -272,7 +272,8 @@ class Watcher:
             # Saved again over a recorded version: complete only once the writer's last file is new too.
             facts = tuple(e.facts for e in entries if e.facts is not None)
             again = resave_in_progress(Entry(path.name, path.is_dir(), facts, commit_marker=found.commit_marker),
-                                       {rel: (size, ns) for rel, size, ns in recorded})
+                                       {rel: (size, ns) for rel, size, ns in recorded},
+                                       by_quiet=verdict.kind == "quiet")
             if again:
                 verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
@@ -318,6 +319,10 @@ class Watcher:
             job_id = job.id
         self.known[key] = sig
         self.changes.forget(key)  # record() cleared the flag
+        for rel in found.links:  # recorded without them: say so, once
+            self._problem(run, f"{key}/{rel}", "a symlink inside a checkpoint is never followed: its target is not "
+                                               "part of the protected checkpoint (replace the link by the file to "
+                                               "protect it)")
         self.waiting.pop(key, None)
         self.reported.pop(key, None)
         if created:

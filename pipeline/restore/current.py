@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from pipeline.db.models import Checkpoint
-from pipeline.detection.catalog import own_files
+from pipeline.detection.catalog import on_host, own_files
 from pipeline.detection.ondisk import differs
-from pipeline.errors import RestoreError
+from pipeline.errors import RestoreError, UnsafeDestination
 from pipeline.settings import Settings
 
 
@@ -33,3 +36,18 @@ def check(settings: Settings, ckpt: Checkpoint, dest: Path) -> None:
         f"{ckpt.path} changed on disk since its protected version (checkpoint {ckpt.id}) was recorded, and the "
         f"new content is not protected: {why}. Restoring by path would give back the older version; "
         f"to get that version anyway, name it by id: `ckpt restore {ckpt.id} --to {dest}`")
+
+
+def check_target(session: Session, settings: Settings, ckpt: Checkpoint, target: Path) -> None:
+    """Refuse to restore ``ckpt`` to the path of another kept version (current, not released)
+    whose content differs, whether its files are there or were deleted: the watcher would
+    record the restored bytes as that path's new version and release the one it replaces,
+    whose content the collection would then delete."""
+    other = session.scalar(select(Checkpoint).where(
+        Checkpoint.path == str(target), Checkpoint.current.is_(True), Checkpoint.released_at.is_(None),
+        Checkpoint.version != ckpt.version, on_host(settings.host_id)).limit(1))
+    if other is not None:
+        raise UnsafeDestination(
+            f"{target} is the path of checkpoint {other.id}, whose content differs from checkpoint {ckpt.id}'s: "
+            f"restored there, checkpoint {ckpt.id}'s files would become that path's new version and checkpoint "
+            f"{other.id} would be released (and its content collected); restore to a new path instead")

@@ -83,6 +83,7 @@ def validate(session: Session, settings: Settings, ref: str | int, dest: str, *,
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
     if not str(ref).isdigit():  # by path: the version on disk there, or a refusal that says why
         current.check(settings, ckpt, target)
+    current.check_target(session, settings, ckpt, target)
     return ckpt, target
 
 
@@ -106,6 +107,7 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
         if not resumed:  # refused before anything is fetched; checked again before writing
             try:
                 destination.check(s, settings, dest, extra)
+                current.check_target(s, settings, ckpt, dest)
                 destination.existing(s, settings, dest, overwrite=overwrite, extra_roots=extra)
                 if "seen" in job.params and destination.seen(dest) != job.params["seen"]:
                     raise UnsafeDestination(f"{dest} changed since the restore was asked (saved again there?): "

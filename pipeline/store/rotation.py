@@ -28,8 +28,8 @@ from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointPart, Job, StorageWorker
 from pipeline.db.transitions import note, transition
-from pipeline.detection import roots
-from pipeline.detection.catalog import latest_store_job, on_host, own_files, owner_elsewhere
+from pipeline.detection import parts, roots
+from pipeline.detection.catalog import file_sig, latest_store_job, on_host, own_files, owner_elsewhere
 from pipeline.detection.ondisk import differs as changed_since_detection
 from pipeline.errors import OutsideRoots, WorkerError
 from pipeline.settings import Settings
@@ -172,7 +172,7 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
             if job.state not in ROTATABLE or not ckpt.local_present:
                 return []
             forgotten = job.state == S.FORGOTTEN
-            if put_back(path):  # a rotation crashed after its rename, before its commit
+            if put_back(path, file_sig(ckpt)):  # a rotation crashed after its rename, before its commit
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
@@ -237,7 +237,7 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
             base = roots.base_for(Path(os.path.dirname(path)), settings.roots)
             if base is None:  # never delete through a path that no longer leads inside a watched root
                 raise OutsideRoots(path, [str(r) for r in settings.roots])
-            if put_back(path):
+            if put_back(path, parts.file_sig(part)):
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             ckpt = one(s, Checkpoint, job.checkpoint_id)
             mine = [f for f in ckpt.files if f.host == host]

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from pipeline.durable import fsync_dir
@@ -78,17 +79,35 @@ def remove(entry: Path, inside: Path | None = None) -> None:
         os.close(fd)
 
 
-def put_back(path: str | Path) -> bool:
+def _files(entry: Path) -> list[tuple[str, int, int]]:
+    """(relpath, size, mtime_ns) of every regular file of a trash entry ("" for a file)."""
+    st = os.lstat(entry)
+    if stat.S_ISREG(st.st_mode):
+        return [("", st.st_size, st.st_mtime_ns)]
+    out = []
+    for dirpath, _dirs, names in os.walk(entry):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            fst = os.lstat(full)
+            if stat.S_ISREG(fst.st_mode):
+                out.append((os.path.relpath(full, entry), fst.st_size, fst.st_mtime_ns))
+    return sorted(out)
+
+
+def put_back(path: str | Path, files: Iterable[tuple[str, int, int]]) -> bool:
     """Undo the trash rename of a rotation that crashed before it committed.
 
     Only the caller knows that no rotation of ``path`` committed (the checkpoint is still
-    recorded as present). True if ``path`` was missing and came back from the trash.
+    recorded as present), and which version that is: ``files``, its (relpath, size, mtime_ns).
+    The entry comes back only if it holds exactly those files (a rename keeps them): the
+    leftover of an older version's rotation that did commit is never put back over a newer
+    one. True if ``path`` was missing and came back from the trash.
     """
     path = Path(path)
     if os.path.lexists(path):
         return False
     mine = [entry for entry, was in entries(path.parent) if was == path]
-    if len(mine) != 1:
+    if len(mine) != 1 or _files(mine[0]) != sorted(files):
         return False
     os.rename(mine[0], path)
     fsync_dir(path.parent)
