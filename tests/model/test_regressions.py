@@ -103,3 +103,14 @@ def test_restore_by_path_of_a_protected_folder_with_a_resave_killed_halfway_refu
     assert world.restore(s, "fresh", overwrite=False) == "refused", world.history
     steps(world, world.scan)
     assert world.restore(s, "fresh", overwrite=False) == "refused", world.history
+
+
+def test_restore_to_a_deleted_runs_path_is_no_run_replaced(world):
+    """Found by ``--model-soak 6`` (not shrunk: flaky on replay; this is its end): the user
+    deletes run r1, then restores a protected checkpoint of r1 to where the run was. The
+    destination does not exist, so nothing is replaced; (d) flagged every successful restore
+    to a run's path, whether the run was still there or not (a checker bug, not the system's)."""
+    s = world.save("r1", "st_step")
+    steps(world, world.settle, lambda: world.user_delete_run("r1"))
+    world.restore(s, "run", overwrite=False)
+    world.check()

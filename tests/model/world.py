@@ -664,6 +664,7 @@ class World:
             dest.mkdir(exist_ok=True)
             (dest / "old.txt").write_text("an older restore\n")
         there = _tree(s.path) if os.path.lexists(s.path) else {}  # the files at the path when asked
+        run_there = os.path.lexists(s.path.parent)  # a run the user deleted is no run to replace
         try:
             r = operations.restore_to(self.settings, str(s.path), str(dest), overwrite=overwrite)
         except CkptError as exc:
@@ -686,7 +687,7 @@ class World:
             self._cleanup_existing(where)
             return str(state)
         got = _tree(Path(r.detail))
-        if where == "run":
+        if where == "run" and run_there:
             self._violate(f"(d) restore --overwrite replaced the run directory {dest}")
         self._check_restored(s.path, got)
         newer = sorted(r for r, x in there.items() if got.get(r) != x)
