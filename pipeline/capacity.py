@@ -147,15 +147,17 @@ def per_run(session: Session, runs: list[str] | None = None) -> dict[str, dict[s
             .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
             .join(Shard, Shard.file_id == CheckpointFile.id)
             .where(Checkpoint.released_at.is_(None)).distinct()).subquery()
-    runs_per_content = (select(refs.c.sha, func.count(refs.c.run).label("runs"))
+    # Whether a content is shared is a column of its own: PostgreSQL does not match ``runs > 1``
+    # in the select list to the same expression in GROUP BY (each ``1`` is a bound parameter).
+    runs_per_content = (select(refs.c.sha, (func.count(refs.c.run) > 1).label("shared"))
                         .group_by(refs.c.sha)).subquery()
     copies = (select(ContentCopy.sha256.label("sha"), func.count(ContentCopy.id).label("n"))
               .where(ContentCopy.state.in_(sorted(states.SENT))).group_by(ContentCopy.sha256)).subquery()
-    q = (select(refs.c.run, runs_per_content.c.runs > 1, func.sum(Content.size * func.coalesce(copies.c.n, 0)))
+    q = (select(refs.c.run, runs_per_content.c.shared, func.sum(Content.size * func.coalesce(copies.c.n, 0)))
          .join(runs_per_content, runs_per_content.c.sha == refs.c.sha)
          .join(Content, Content.sha256 == refs.c.sha)
          .outerjoin(copies, copies.c.sha == refs.c.sha)
-         .group_by(refs.c.run, runs_per_content.c.runs > 1))
+         .group_by(refs.c.run, runs_per_content.c.shared))
     if runs is not None:  # whether content is shared is still decided over every run
         q = q.where(refs.c.run.in_(runs))
     rows = session.execute(q).all()

@@ -109,6 +109,28 @@ class Lifecycle(RuleBasedStateMachine):
         c = self._complete()
         self.world.resave(c[i % len(c)], slow=slow, sharded=sharded)
 
+    @rule(run=runs, improved=st.booleans())
+    def lightning_epoch(self, run: str, improved: bool) -> None:
+        self.world.lightning_epoch(run, improved)
+
+    @precondition(lambda self: [s for s in self._complete() if s.written.is_dir])
+    @rule(i=index, written=st.integers(0, 3), scan=st.booleans())
+    def resave_killed_then_restore(self, i: int, written: int, scan: bool) -> None:
+        """A restart saves again into a protected folder and dies halfway; the user restores
+        the path: (c) says it refuses or gives back the files on disk."""
+        c = [s for s in self._complete() if s.written.is_dir and self.world.protected(s)]
+        if not c:
+            return
+        s = c[i % len(c)]
+        again = self.world.resave(s, slow=True)
+        for _ in range(written):
+            self.world.progress(again)
+        if again.complete_at is None:
+            self.world.kill(again)
+        if scan:
+            self.world.scan()
+        self.world.restore(s, "fresh", overwrite=False)
+
     @precondition(lambda self: self._old())
     @rule(i=index)
     def trainer_delete(self, i: int) -> None:

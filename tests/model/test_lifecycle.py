@@ -21,7 +21,7 @@ from tests.model.world import WorldStats
 
 #: The default run: a fixed set of histories (derandomized), reported as found (not shrunk: a
 #: shrink can take minutes; ``--model-soak`` shrinks).
-BOUNDED = dict(max_examples=40, stateful_step_count=50,
+BOUNDED = dict(max_examples=40, stateful_step_count=36,
                phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
 SOAK = dict(max_examples=20, stateful_step_count=60)
 

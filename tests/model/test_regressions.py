@@ -78,3 +78,39 @@ def test_final_model_without_a_step_is_never_lost(world):
         steps(world, lambda: world.save("r0", "st_step"))
     steps(world, lambda: world.save("r0", "st_final"), world.settle, world.settle, world.tick, world.gc,
           world.drain, world.settle)
+
+
+# -- what --latest means; a re-save killed over a protected folder -----------------------------
+
+def test_latest_is_lightning_last_ckpt_when_the_metric_stops_improving(world):
+    """Issue 27's Lightning row with the machine's rules: ``save_top_k`` files stop improving,
+    ``last.ckpt`` is rewritten each epoch. (f): latest() and the status summary give
+    ``last.ckpt``, the newest complete save, not the top-k file with its step in its name."""
+    steps(world, lambda: world.lightning_epoch("r0", True), lambda: world.lightning_epoch("r0", True),
+          world.settle, lambda: world.lightning_epoch("r0", False), world.settle,
+          lambda: world.lightning_epoch("r0", False), world.settle)
+
+
+def test_restore_by_path_of_a_protected_folder_with_a_resave_killed_halfway_refuses(world):
+    """A restart saves ``checkpoint-N`` again into its protected folder and dies after one
+    file; ``ckpt restore PATH``. (c): refused (the files at the path are not the protected
+    version), never the older version given back silently."""
+    s = world.save("r0", "hf_checkpoint", sharded=True)
+    steps(world, world.settle)
+    assert world.protected(s), world.history
+    again = world.resave(s, slow=True)
+    steps(world, lambda: world.progress(again), lambda: world.kill(again))
+    assert world.restore(s, "fresh", overwrite=False) == "refused", world.history
+    steps(world, world.scan)
+    assert world.restore(s, "fresh", overwrite=False) == "refused", world.history
+
+
+def test_restore_to_a_deleted_runs_path_is_no_run_replaced(world):
+    """Found by ``--model-soak 6`` (not shrunk: flaky on replay; this is its end): the user
+    deletes run r1, then restores a protected checkpoint of r1 to where the run was. The
+    destination does not exist, so nothing is replaced; (d) flagged every successful restore
+    to a run's path, whether the run was still there or not (a checker bug, not the system's)."""
+    s = world.save("r1", "st_step")
+    steps(world, world.settle, lambda: world.user_delete_run("r1"))
+    world.restore(s, "run", overwrite=False)
+    world.check()

@@ -18,13 +18,20 @@ guarantee). Each method is one thing that happens, and appends a readable line t
 (b) the newest complete save of every run has its local copy or RF good copies (copies the
     test itself damaged are not held against the system, as long as one good copy is left);
 (c) a restore of a path gives back exactly a complete version that was there, and the one on
-    disk now when that one is complete and was looked at, or refuses with an error
-    (checked by :meth:`World.restore`);
+    disk now when that one is complete and was looked at, or refuses with an error; and never
+    a file that differs from the one at the path when it was asked for (a re-save killed
+    halfway over a protected folder: refused, not the older version; a file gone from the path
+    is not held against it) (checked by :meth:`World.restore`);
 (d) nothing outside the restore roots is written or removed, and a restore never replaces a
     run or a root;
 (e) at the end of an example, once the system is quiet, every complete save still on disk as
     written is protected in that version, or named in a detection problem
-    (:meth:`World.finish`).
+    (:meth:`World.finish`);
+(f) ``pipeline.api.latest(run)`` (what ``ckpt restore --latest`` gives) and the status run
+    summary's newest protected checkpoint are the same: a current protected checkpoint, the
+    newest protected by ``pipeline.core.retention.recency``; and when the run's newest complete
+    save (by the model's clock) is protected, it is that save, not an older one with a higher
+    step (unless their recorded completion times are equal: then the writer's step decides).
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ from sqlalchemy import select, update
 
 from pipeline import operations, states
 from pipeline import settings as settings_mod
+from pipeline.api import latest
 from pipeline.cluster.membership import probe_all
+from pipeline.core.retention import recency
 from pipeline.db.copies import good_copy
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
@@ -63,6 +72,7 @@ from pipeline.detection.catalog import latest_store_job
 from pipeline.detection.watcher import Watcher
 from pipeline.errors import AttemptsExhausted, CkptError
 from pipeline.service import scheduler
+from pipeline.status import run_facts
 from pipeline.steps import Send
 from tests.model.writers import Written, build
 from tests.processes import KEY
@@ -313,6 +323,26 @@ class World:
             s.done += 1
         if not s.actions:
             self._completed(s)
+
+    def lightning_epoch(self, run: str, improved: bool) -> Save:
+        """Lightning's ``ModelCheckpoint(save_top_k=k, save_last=True)`` at the end of an epoch:
+        ``epoch=..-step=N.ckpt`` when the metric improved, then ``last.ckpt`` (no step in its
+        name) rewritten in place with the same step."""
+        self.steps[run] += 1
+        step = self.steps[run]
+        if improved:
+            self.save(run, "lightning", step=step)
+        return self.save(run, "lightning_last", step=step)
+
+    def protected(self, s: Save) -> bool:
+        """Whether the version ``s`` wrote is recorded and protected."""
+        with session_scope(self.settings.db_url, readonly=True) as session:
+            for c in session.scalars(select(Checkpoint).where(Checkpoint.path == str(s.path))):
+                job = latest_store_job(session, c.id)
+                if job is not None and job.state in states.PROTECTED and \
+                        {f.relpath: f.sha256 for f in c.files} == s.version:
+                    return True
+        return False
 
     def kill(self, s: Save) -> None:
         """The trainer dies in the middle of a slow save: what it wrote stays."""
@@ -634,6 +664,8 @@ class World:
         if where == "existing":
             dest.mkdir(exist_ok=True)
             (dest / "old.txt").write_text("an older restore\n")
+        there = _tree(s.path) if os.path.lexists(s.path) else {}  # the files at the path when asked
+        run_there = os.path.lexists(s.path.parent)  # a run the user deleted is no run to replace
         try:
             r = operations.restore_to(self.settings, str(s.path), str(dest), overwrite=overwrite)
         except CkptError as exc:
@@ -656,9 +688,14 @@ class World:
             self._cleanup_existing(where)
             return str(state)
         got = _tree(Path(r.detail))
-        if where == "run":
+        if where == "run" and run_there:
             self._violate(f"(d) restore --overwrite replaced the run directory {dest}")
         self._check_restored(s.path, got)
+        newer = sorted(r for r, x in there.items() if got.get(r) != x)
+        if newer:
+            self._violate(f"(c) restore of {s.path} gave back {_short(got)}, but the files at the path when it was "
+                          f"asked were {_short(there)} ({', '.join(r or '<file>' for r in newer)} differ): it "
+                          f"should have refused")
         if where in ("fresh", "existing", "through_link"):
             _remove(Path(r.detail))
         self._cleanup_existing(where)
@@ -693,6 +730,7 @@ class World:
         if deletions_only:
             return
         self._check_newest()
+        self._check_latest()
         self._check_outside()
         self.stats.longest = max(self.stats.longest, len(self.history))
 
@@ -756,6 +794,39 @@ class World:
             # (d) a run is never replaced by the system
             if run in self.run_inodes and not self._same_run_dir(run):
                 self._violate(f"(d) the run directory {self.run_dir(run)} was removed or replaced")
+
+    def _check_latest(self) -> None:
+        """(f): latest(), the status summary and the newest complete save agree."""
+        paths = {run: str(self.run_dir(run).resolve()) for run in RUNS}
+        with session_scope(self.settings.db_url, readonly=True) as s:
+            state: dict[int, tuple[Checkpoint, str]] = {}  # the last store job of each decides its state
+            for c, job_state in s.execute(select(Checkpoint, Job.state).join(Job, Job.checkpoint_id == Checkpoint.id)
+                                          .where(Checkpoint.current.is_(True), Job.kind == "store",
+                                                 Checkpoint.run.in_(list(paths.values()))).order_by(Job.id)):
+                state[c.id] = (c, job_state)
+            facts = run_facts(s, list(paths.values()))
+            for run, run_path in paths.items():
+                protected = [c for c, st_ in state.values() if c.run == run_path and st_ in states.PROTECTED]
+                summary = facts.get(run_path, {}).get("protected")
+                summary_id = summary.id if summary is not None else None
+                best = max(protected, key=lambda c: recency(c.mtime, c.step, c.id)) if protected else None
+                best_id = best.id if best is not None else None
+                got = latest(run_path, settings=self.settings) if best_id != summary_id or best_id else None
+                got_id = got.id if got is not None else None
+                if got_id != best_id or summary_id != best_id:
+                    self._violate(f"(f) the newest protected checkpoint of {run} is {best_id}, but latest() gives "
+                                  f"{got_id} and the status summary {summary_id}")
+                done = [v for v in self.saves if v.run == run and v.version is not None
+                        and (v.complete_at or 0) > self.run_deleted_at.get(run, -1)]
+                if best is None or not done:
+                    continue
+                newest = max(done, key=lambda v: v.complete_at or 0)
+                mine = [c for c in protected if c.path == str(newest.path)
+                        and {f.relpath: f.sha256 for f in c.files} == newest.version]
+                if mine and best.id != mine[0].id and best.mtime != mine[0].mtime:
+                    self._violate(f"(f) the newest complete save of {run}, {newest.label}, is protected (checkpoint "
+                                  f"{mine[0].id}, step {mine[0].step}), but latest() gives checkpoint {best.id} "
+                                  f"({best.name}, step {best.step})")
 
     def _same_run_dir(self, run: str) -> bool:
         try:
