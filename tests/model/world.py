@@ -143,6 +143,10 @@ def _file_sha(path: Path) -> str | None:
         return None
 
 
+#: At most this many rounds of leaving the system alone at the end of an example (finish()).
+QUIET_ROUNDS = 12
+
+
 class World:
     def __init__(self, base: Path, workers: list[WorkerProcess], *, keep_last: int = 2) -> None:
         self.base, self.workers = base, workers
@@ -554,7 +558,11 @@ class World:
         """The end of an example: the system is left alone until it is quiet (leases end, the
         scheduler re-drives), then (e) every complete save that is on disk as it was saved is
         protected in its current version, or named in a detection problem."""
-        for _ in range(3):
+        # Until nothing moves any more (each round ends leases, so the scheduler re-drives what
+        # a dropped message or a damaged copy left behind), two rounds in a row; a system that
+        # is still moving after QUIET_ROUNDS is reported below like a wedged one.
+        still, before = 0, None
+        for _ in range(QUIET_ROUNDS):
             self.scan()
             self.drain()
             self.expire_leases()
@@ -562,6 +570,12 @@ class World:
             self.tick()
             self.drain()
             self.check()
+            with session_scope(self.settings.db_url, readonly=True) as s:
+                now_ = sorted(tuple(r) for r in s.execute(select(Job.id, Job.state, Job.attempts)))
+            still = still + 1 if now_ == before else 0
+            before = now_
+            if still >= 2:
+                break
         with session_scope(self.settings.db_url, readonly=True) as s:
             problems = {p.path: p.reason for p in s.scalars(select(DetectionProblem))}
             for save in self.saves:
