@@ -486,3 +486,19 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
         return (f"saved again over its recorded version: {listed} changed but {', '.join(kept[:3])} did not "
                 "(a save stopped between two files?); `ckpt store PATH` records it as it is")
     return None
+
+
+# -- one save, several checkpoints ------------------------------------------------------------
+
+_INDEX_NAME = re.compile(r"^(?P<base>.+)\.index\.json$")
+
+
+def save_group(name: str) -> str:
+    """For a file directly in a run, the save it is one file of, when a writer saves several
+    side by side (``save_pretrained(run, max_shard_size=...)``: ``model-00001-of-00005.safetensors``
+    ... and ``model.safetensors.index.json``): ``"model.safetensors"``; else ``""``."""
+    m = _SHARD_NAME.match(name)
+    if m:
+        return f"{m['stem']}{m['ext']}"
+    m = _INDEX_NAME.match(name)
+    return m["base"] if m else ""

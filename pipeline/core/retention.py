@@ -31,6 +31,8 @@ class LocalCheckpoint:
     step: int | None
     #: When its content was complete: its newest file's modification time (seconds).
     mtime: float
+    #: Checkpoints one save wrote side by side share a group (pipeline.core.layouts.save_group).
+    group: str = ""
 
 
 class _Saved(Protocol):
@@ -38,6 +40,8 @@ class _Saved(Protocol):
     def id(self) -> int: ...
     @property
     def step(self) -> int | None: ...
+    @property
+    def group(self) -> str: ...
 
 
 def recency(completed: float, step: int | None, id: int) -> tuple[float, int, int]:
@@ -55,7 +59,10 @@ def newest_ids(items: Iterable[_Saved], completed: Callable[[Any], float]) -> se
     stepped = [c for c in items if c.step is not None]
     if stepped:
         out.add(max(stepped, key=lambda c: (c.step, c.id)).id)
-    return out
+    # A save written as several files side by side (a sharded model saved into the run itself:
+    # its shards and index) is one save: the newest keeps every file of it.
+    groups = {c.group for c in items if c.id in out and c.group}
+    return out | {c.id for c in items if c.group in groups}
 
 
 def newest_first(items: list[LocalCheckpoint]) -> list[LocalCheckpoint]:
@@ -119,6 +126,7 @@ class Protected:
     saved_at: datetime
     pinned: bool = False
     metrics: Mapping[str, float] = field(default_factory=dict)
+    group: str = ""
 
 
 def _completed(c: Protected) -> float:

@@ -19,6 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
+from pipeline.core.layouts import save_group
 from pipeline.core.retention import Protected, kept, newest_ids, recency
 from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.db.transitions import latest_store_ids, now, transition
@@ -48,7 +49,8 @@ def protected(session: Session, run: str) -> list[tuple[Checkpoint, Protected]]:
     q = (select(Checkpoint).join(Job, Job.checkpoint_id == Checkpoint.id)
          .where(Checkpoint.run == run, Checkpoint.current.is_(True), Checkpoint.released_at.is_(None),
                 Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.PROTECTED))))
-    return [(c, Protected(c.id, c.step, datetime.fromtimestamp(c.mtime, UTC), c.pinned, c.metrics or {}))
+    return [(c, Protected(c.id, c.step, datetime.fromtimestamp(c.mtime, UTC), c.pinned, c.metrics or {},
+                          "" if c.is_dir else save_group(c.name)))
             for c in session.scalars(q)]
 
 

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.core import copies
+from pipeline.core.layouts import save_group
 from pipeline.core.retention import LocalCheckpoint, to_rotate
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
@@ -58,7 +59,8 @@ def rotation_candidates(session: Session, run: str, keep_last: int, host: str | 
     host keeps its own newest ``keep_last``)."""
     local = session.scalars(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.local_present.is_(True),
                                                      on_host(host)))
-    return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime) for c in local], keep_last)
+    return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime, "" if c.is_dir else save_group(c.name)) for c in local],
+                     keep_last)
 
 
 def plan_run(settings: Settings, run: str) -> list[Send]:

@@ -75,3 +75,16 @@ def test_temporary_names_are_not_checkpoints():
         assert is_temporary(name)
     for name in ("checkpoint-5", "model.safetensors", "step_1"):
         assert not is_temporary(name)
+
+
+def test_the_files_of_one_save_side_by_side_are_kept_together():
+    """save_pretrained(run, max_shard_size=...) into the run: five shards and an index, each its
+    own checkpoint; the newest save keeps all of them, not only the file that completed last."""
+    from pipeline.core.layouts import save_group
+
+    names = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)] + ["model.safetensors.index.json"]
+    assert {save_group(n) for n in names} == {"model.safetensors"}
+    assert save_group("checkpoint-5") == save_group("step_1.safetensors") == ""
+    final = [C(10 + i, None, 3.0 + i / 10, save_group(n)) for i, n in enumerate(names)]
+    items = [C(1, 100, 1.0), C(2, 200, 2.0), *final]
+    assert to_rotate(items, 1) == [1]  # 2: highest step; 10..13: the newest save, whole
