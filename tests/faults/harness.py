@@ -38,6 +38,7 @@ from pipeline.integrity.scrub import request_scrub
 from pipeline.restore.job import request as restore_request
 from pipeline.service.supervisor import STABLE_SECONDS
 from pipeline.states import JobKind
+from pipeline.store.rotation import rotation_candidates
 from tests.checkpoints import atomic_save, state_dict
 from tests.faults.proxy import Proxy
 from tests.processes import Cluster, StorageWorker, base_env, wait_for
@@ -255,7 +256,7 @@ class FaultCluster(Cluster):
 
     def quiet(self, timeout: float = 90) -> None:
         """Wait until every storage worker is up, no job is active, every store job is verified
-        or final, and rotation has run (every checkpoint but the newest of a run is rotated,
+        or final, and rotation has run (every checkpoint the local policy wants gone is rotated,
         or blocked)."""
         def settled() -> bool:
             with session_scope(self.settings.db_url) as s:
@@ -272,7 +273,10 @@ class FaultCluster(Cluster):
                 if active:
                     return False
                 ckpts = s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True))).all()
-                newest = max((c.step or 0 for c in ckpts), default=0)
+                # What the local policy wants gone (the newest save of a run by any measure stays:
+                # pipeline.core.retention.newest_ids).
+                wanted_gone = {cid for run in {c.run for c in ckpts}
+                               for cid in rotation_candidates(s, run, self.settings.keep_last, self.settings.host_id)}
                 latest = {}
                 for j in jobs:
                     if j.kind == "store" and j.id > latest.get(j.checkpoint_id, (0, None))[0]:
@@ -281,7 +285,7 @@ class FaultCluster(Cluster):
                     job = latest.get(c.id, (0, None))[1]
                     if job is None:
                         return False
-                    if job.state == S.VERIFIED and (c.step or 0) < newest and not job.blocked_reason:
+                    if job.state == S.VERIFIED and c.id in wanted_gone and not job.blocked_reason:
                         return False  # rotation not done yet
                 return True
 
