@@ -9,6 +9,7 @@ import shutil
 import time
 
 from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint
 from pipeline.detection.watcher import Watcher
 from tests.unit.test_attack_i27 import _protect, _trainer_checkpoint
 
@@ -66,3 +67,53 @@ def test_a_copy_copied_again_never_outranks_the_newest_save(db, tmp_path):
         if ids["final"] in rotation_candidates(s, str(run), settings.keep_last, settings.host_id):
             wrong.append("the local policy rotates the final model")
     assert not wrong, wrong
+
+
+def test_a_resave_of_an_unknown_layout_that_cleared_the_folder_first_and_was_killed_does_not_release_the_protected_version(  # noqa: E501
+        db, tmp_path):
+    """History: a DeepSpeed-style folder ``global_step300/`` (two torch.save files, a layout
+    the table does not know: complete once quiet) is saved, recorded and protected (v1). The
+    job restarts, redoes step 300 and saves again into the same folder, clearing it first
+    (``shutil.rmtree`` then ``makedirs``, as many save functions do); it is killed after the
+    model states, before the optimizer states, between two scans of the watcher. No recorded
+    file is left unchanged (the folder holds only the new model states), so the first round's
+    rule (``resave_in_progress(by_quiet=True)``: some recorded files kept, others changed)
+    does not fire: once quiet, the half save is recorded as v2, v1 is superseded and
+    released, and after the collection's grace v1's content is garbage. v1 was the newest
+    complete save; its local files are gone (the writer removed them), so it then exists
+    nowhere.
+
+    Safe: over a protected version, a folder that is complete only by the quiet rule and lost
+    recorded files (a strict part of the recorded names) is not a new version by the quiet
+    period alone (flagged "changed on disk, not protected"), or the version it replaces is
+    not released until the new one is protected: v1's content is never garbage while nothing
+    complete replaced it."""
+    import torch
+
+    from pipeline.integrity import gc
+    from tests.checkpoints import state_dict
+    from tests.unit.test_attack_i27 import DS_FILES, _deepspeed_like
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    step = run / "global_step300"
+    _deepspeed_like(step, seed=1, files=DS_FILES)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, step)
+    with session_scope(settings.db_url) as s:
+        v1_shas = {sh.sha256 for f in s.get(Checkpoint, v1).files for sh in f.shards}
+    time.sleep(0.02)
+    # The restart's save: the folder cleared, then killed after its first file.
+    shutil.rmtree(step)
+    step.mkdir()
+    torch.save(state_dict(seed=99, layers=2, width=32), step / DS_FILES[0])
+    for _ in range(3):
+        w.scan()
+    with session_scope(settings.db_url) as s:
+        lost = v1_shas & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+    assert not lost and released is None, (
+        f"the protected version (the newest complete save) is released ({released}) and {len(lost)} of its "
+        f"contents are garbage, replaced by a half save")
