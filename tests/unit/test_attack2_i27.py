@@ -117,3 +117,50 @@ def test_a_resave_of_an_unknown_layout_that_cleared_the_folder_first_and_was_kil
     assert not lost and released is None, (
         f"the protected version (the newest complete save) is released ({released}) and {len(lost)} of its "
         f"contents are garbage, replaced by a half save")
+
+
+def test_a_checkpoint_restored_to_its_own_path_is_not_the_newest_save(db, tmp_path):
+    """History: an HF run saves checkpoint-100, checkpoint-200, then the stepless final model
+    ``final/``; all are protected. The Trainer's ``save_total_limit`` (or the user) deletes
+    checkpoint-100: the watcher marks its local copy gone, it stays protected. The user brings
+    it back where it was, to look at it or resume from it: ``ckpt restore <id> --to
+    runs/r/checkpoint-100`` (restoring a checkpoint to its own path is allowed; emulated
+    below by writing exactly its bytes there, with new file times as the actor's are). The
+    watcher finds the same version at the same path, and ``catalog.record`` /
+    ``_completed_again`` says it "completed now": ``latest()`` (and ``ckpt restore --latest``,
+    the recovery point, the UI) now answer step 100, and a resume "from the latest" silently
+    goes back past step 200 and the final model. A restore is not a save.
+
+    Safe: the same bytes coming back at their own path while that version is still current
+    (never superseded by other content there) keep their completion time; only content back
+    after *another* version was at the path is a new save. ``latest()`` stays ``final``."""
+    from pipeline import api
+
+    settings = db
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    ids = {}
+    from tests.writers.write import tiny_qwen
+
+    for name in ("checkpoint-100", "checkpoint-200", "final"):
+        folder = run / name
+        if name == "final":
+            tiny_qwen(7).save_pretrained(folder)
+        else:
+            _trainer_checkpoint(folder, int(name.split("-")[1]))
+        time.sleep(0.05)
+        w.scan()
+        ids[name] = _protect(settings, folder)
+    assert api.latest(run, settings=settings).id == ids["final"]
+    kept = tmp_path / "bytes-of-100"
+    shutil.copytree(run / "checkpoint-100", kept)
+    shutil.rmtree(run / "checkpoint-100")  # the trainer's save_total_limit
+    w.scan()
+    time.sleep(0.05)
+    shutil.copytree(kept, run / "checkpoint-100", copy_function=shutil.copyfile)  # the restore
+    time.sleep(0.05)
+    w.scan()
+    newest = api.latest(run, settings=settings)
+    assert newest is not None and newest.id == ids["final"], (
+        f"latest() answers {newest and newest.path} (step {newest and newest.step}) after it was restored")
