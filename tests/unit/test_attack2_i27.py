@@ -8,6 +8,8 @@ import dataclasses
 import shutil
 import time
 
+from sqlalchemy import select
+
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.detection.watcher import Watcher
@@ -164,3 +166,60 @@ def test_a_checkpoint_restored_to_its_own_path_is_not_the_newest_save(db, tmp_pa
     newest = api.latest(run, settings=settings)
     assert newest is not None and newest.id == ids["final"], (
         f"latest() answers {newest and newest.path} (step {newest and newest.step}) after it was restored")
+
+
+def test_a_dcp_resave_without_collectives_with_one_rank_done_is_not_a_new_version(db, tmp_path):
+    """History: two ranks save FSDP2-sharded weights with ``dcp.save(...,
+    use_collectives=False)`` into ``step_2/`` (each rank writes ``__<rank>_0.distcp`` then
+    ``__<rank>.metadata``); it is recorded and protected (v1). The job restarts from an
+    earlier step, redoes step 2 and saves again into the same folder: rank 0 rewrites its data
+    and its ``__0.metadata``; rank 1 is killed (a node failure) before it writes anything.
+    The folder is complete by the layout rule (every rank's metadata names files that are
+    there; rank 1's old metadata covers the other half of every tensor), and the re-save rule
+    (``layouts.resave_in_progress``) asks only that *one* of the files the writer writes last
+    is new: ``__0.metadata`` is. So the mix (new rows 0-63, old rows 64-127 of every tensor)
+    is recorded as v2, a checkpoint no writer made; v1 is superseded and released, and after
+    the collection's grace its rank-0 half is garbage: the newest complete save is nowhere,
+    and what a restore of step_2 gives loads without error but is half one step, half another.
+
+    Safe: over a recorded version, a save without collectives is complete only once every
+    rank's ``__<rank>.metadata`` is new (each rank writes its own last file); until then the
+    folder is "changed on disk, not protected" and v1 stays current, kept and restorable."""
+    from pipeline.integrity import gc
+    from tests.unit.test_attack_i27 import _sharded_dcp_without_collectives
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    written = tmp_path / "written"
+    written.mkdir()
+    for seed in (1, 2):
+        _sharded_dcp_without_collectives(written / f"seed{seed}", seed=seed)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    step = run / "step_2"
+    shutil.copytree(written / "seed1", step)
+    w = Watcher(settings, [].extend, use_events=False)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        w.scan()
+        with session_scope(settings.db_url) as s:
+            if s.scalar(select(Checkpoint.id).where(Checkpoint.path == str(step))) is not None:
+                break
+        time.sleep(0.1)
+    v1 = _protect(settings, step)
+    with session_scope(settings.db_url) as s:
+        v1_shas = {sh.sha256 for f in s.get(Checkpoint, v1).files for sh in f.shards}
+    time.sleep(0.05)
+    # The restart's save: rank 0 done (data, then its metadata), rank 1 killed before writing.
+    for name in ("__0_0.distcp", "__0.metadata"):
+        shutil.copyfile(written / "seed2" / name, step / name)
+    deadline = time.time() + max(3 * settings.settle_seconds, 1.0)
+    while time.time() < deadline:
+        w.scan()
+        time.sleep(0.1)
+    with session_scope(settings.db_url) as s:
+        current = s.scalar(select(Checkpoint).where(Checkpoint.path == str(step), Checkpoint.current.is_(True)))
+        lost = v1_shas & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+        assert current.id == v1 and released is None and not lost, (
+            f"a re-save with one rank of two done was recorded as checkpoint {current.id}; the protected "
+            f"version is released ({released}), {len(lost)} of its contents garbage")
