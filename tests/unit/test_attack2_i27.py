@@ -223,3 +223,61 @@ def test_a_dcp_resave_without_collectives_with_one_rank_done_is_not_a_new_versio
         assert current.id == v1 and released is None and not lost, (
             f"a re-save with one rank of two done was recorded as checkpoint {current.id}; the protected "
             f"version is released ({released}), {len(lost)} of its contents garbage")
+
+
+def test_overwrite_through_a_symlinked_checkpoint_never_replaces_a_kept_version_with_other_content(db, tmp_path):
+    """History: a run's newest save ``checkpoint-500`` is a symlinked folder that stays inside
+    its root (``runs/r/checkpoint-500 -> runs/r/.saved/checkpoint-500``: a launcher that
+    writes elsewhere and links; issue 27 says to follow it and record it under the path the
+    user sees). checkpoint-300 and checkpoint-500 are protected. The user restores
+    checkpoint-300 by id and types the newest folder as the target: ``ckpt restore <300>
+    --to runs/r/checkpoint-500 --overwrite``. The first round's fix (``current.check_target``:
+    never restore onto another kept version's path) compares the *resolved* target
+    (``.saved/checkpoint-500``) with the recorded path (the link's), finds nothing, and the
+    overwrite rules accept it (the files there are a protected checkpoint's). The actor writes
+    step 300's bytes into the link's target; the watcher records them as checkpoint-500's
+    new version: the real step 500 is superseded, released, and garbage once the
+    collection's grace passes (the restore's write is emulated below exactly as the actor
+    does it, into the resolved target; the decision that allows it and all after are real).
+
+    Safe: the target is compared with recorded paths as the user sees them and resolved
+    alike (a link's target is the link's checkpoint): the request is refused, as for a
+    checkpoint that is not a link."""
+    import os
+
+    from pipeline.integrity import gc
+    from pipeline.restore import job as restore_job
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    (run / ".saved").mkdir(parents=True)
+    w = Watcher(settings, [].extend, use_events=False)
+    _trainer_checkpoint(run / "checkpoint-300", 300)
+    time.sleep(0.05)
+    w.scan()
+    v300 = _protect(settings, run / "checkpoint-300")
+    _trainer_checkpoint(run / ".saved" / "checkpoint-500", 500)
+    os.symlink(run / ".saved" / "checkpoint-500", run / "checkpoint-500")
+    time.sleep(0.05)
+    w.scan()
+    v500 = _protect(settings, run / "checkpoint-500")
+    with session_scope(settings.db_url) as s:
+        only_500 = ({sh.sha256 for f in s.get(Checkpoint, v500).files for sh in f.shards}
+                    - {sh.sha256 for f in s.get(Checkpoint, v300).files for sh in f.shards})
+        assert only_500
+        try:
+            _ckpt, target = restore_job.validate(s, settings, str(v300), str(run / "checkpoint-500"), overwrite=True)
+        except Exception:
+            return  # refused: safe
+    # What the actor does once allowed: step 300's bytes in place of the resolved target.
+    shutil.rmtree(target)
+    shutil.copytree(run / "checkpoint-300", target, copy_function=shutil.copyfile)
+    time.sleep(0.05)
+    for _ in range(3):
+        w.scan()
+    with session_scope(settings.db_url) as s:
+        lost = only_500 & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v500).released_at
+    assert not lost and released is None, (
+        f"restore of step 300 accepted over the symlinked newest save ({target}); checkpoint-500 released "
+        f"({released}), {len(lost)} of its contents garbage")
