@@ -281,3 +281,53 @@ def test_overwrite_through_a_symlinked_checkpoint_never_replaces_a_kept_version_
     assert not lost and released is None, (
         f"restore of step 300 accepted over the symlinked newest save ({target}); checkpoint-500 released "
         f"({released}), {len(lost)} of its contents garbage")
+
+
+def test_a_forgotten_multihost_step_keeps_another_hosts_parts_content_while_that_part_is_on_disk(db, tmp_path):
+    """History: a DCP step saved from two hosts (node-a holds ``.metadata``, node-b holds
+    ``__0_0.distcp``: one checkpoint, node-b's files a part) is protected. The remote policy
+    forgets it; node-a's local policy then rotates its files (a forgotten checkpoint's local
+    copy rotates like any other: pipeline/store/rotation.py), so the checkpoint's
+    ``local_present`` is False. ``gc.kept_reference`` holds a forgotten checkpoint's content
+    only while *the checkpoint's* local copy is there: node-b's part (still on node-b's disk,
+    ``CheckpointPart.local_present``) no longer holds anything, so node-b's shards are
+    garbage and the next collection deletes them from the workers. (node-a sends node-b its
+    ``rotate_part`` right after; it is lost to this whenever node-b does not remove its part
+    within the collection's grace: node-b away or rebooting, its part blocked as changed.) node-b's ``rotate_part``
+    then asks the workers, finds fewer than RF copies, and is blocked for ever: node-b's part
+    is never removed (the training disk fills, issue 27's "forgotten checkpoints are never
+    rotated locally" back for multi-host steps), and the docstring's rule ("its content stays
+    on the workers until it has [been rotated]") does not hold for a part.
+
+    Safe: a forgotten checkpoint's content is held while *any* host still holds its local
+    files (the checkpoint's own, or a part with ``local_present``), so each host's rotation
+    finds RF copies, removes its files, and only then the collection takes the content."""
+    from pipeline.db.models import CheckpointPart
+    from pipeline.db.transitions import transition
+    from pipeline.detection import catalog
+    from pipeline.integrity import gc
+    from tests.unit.test_parts import _announce_b, _split_step, _watcher
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    step, b_dir = _split_step(settings, tmp_path)
+    _announce_b(settings, step, b_dir)
+    assert _watcher(settings, "node-a").consider(step.parent, step) is None
+    with session_scope(settings.db_url) as s:
+        ckpt = s.scalar(select(Checkpoint))
+        b_shas = {sh.sha256 for f in ckpt.files if f.host == "node-b" for sh in f.shards}
+        assert b_shas
+        job = catalog.latest_store_job(s, ckpt.id)
+        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified"),
+                     ("verified", "forgotten")]:
+            transition(s, job.id, "store", a, b)
+    shutil.rmtree(step)  # node-a's local policy rotated its files of the forgotten step
+    shutil.copytree(b_dir, step, copy_function=shutil.copy2)  # node-b's view of the path: its part
+    with session_scope(settings.db_url) as s:
+        s.scalar(select(Checkpoint)).local_present = False  # what rotate() writes for a forgotten one
+    with session_scope(settings.db_url) as s:
+        part = s.scalar(select(CheckpointPart).where(CheckpointPart.host == "node-b"))
+        assert part is not None and part.local_present
+        doomed = b_shas & set(gc.garbage(s, settings))
+    assert not doomed, (f"{len(doomed)} of node-b's shards are garbage while node-b's part is still on its disk: "
+                        "its rotate_part can never find RF copies again")
