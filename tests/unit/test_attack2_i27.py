@@ -331,3 +331,62 @@ def test_a_forgotten_multihost_step_keeps_another_hosts_parts_content_while_that
         doomed = b_shas & set(gc.garbage(s, settings))
     assert not doomed, (f"{len(doomed)} of node-b's shards are garbage while node-b's part is still on its disk: "
                         "its rotate_part can never find RF copies again")
+
+
+def test_after_ckpt_store_of_a_flagged_folder_a_new_change_is_flagged_again(db, tmp_path, monkeypatch):
+    """History: a DeepSpeed-style folder ``global_step300/`` (a layout the table does not know)
+    is recorded and protected (v1). A re-save rewrites the optimizer states and stops before
+    the model states: the watcher flags the path, as the first round's rule says: "changed on
+    disk, not protected ... `ckpt store PATH` records it as it is". The user judges the folder
+    good and runs ``ckpt store PATH``: v2 is recorded, v1 superseded, the flag cleared in the
+    database. The running watcher does not know: it still holds v1's signature
+    (``Watcher.known``) and its own memory that the path is flagged with that reason
+    (``DiskChanges.flagged``). The next re-save is killed the same way (the optimizer states
+    rewritten again): the watcher computes the same reason text, finds it "already flagged"
+    in memory and writes nothing. v2, the current version, is not flagged: ``ckpt status``,
+    the UI and ``/metrics`` show a protected, unchanged checkpoint while its files on disk
+    are bytes no replica has, until the watcher restarts. (A fresh watcher flags it: the
+    control below.)
+
+    Safe: a version recorded elsewhere (``ckpt store``) refreshes what the watcher compares
+    with and what it believes it flagged (or the watcher reads the flag from the database):
+    a change after ``ckpt store`` is flagged like any other."""
+    import torch
+
+    from pipeline import operations
+    from tests.checkpoints import state_dict
+    from tests.unit.test_attack_i27 import DS_FILES, _deepspeed_like
+
+    monkeypatch.setattr(operations, "_send", lambda sends: None)
+    settings = dataclasses.replace(db, quiet_seconds=0.0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    step = run / "global_step300"
+    _deepspeed_like(step, seed=1, files=DS_FILES)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, step)
+
+    def killed_resave(seed: int) -> None:
+        time.sleep(0.02)
+        torch.save(state_dict(seed=seed, layers=2, width=32), step / DS_FILES[1])
+        deadline = time.time() + max(settings.settle_seconds, 0.2) + 0.5
+        while time.time() < deadline:
+            w.scan()
+            time.sleep(0.1)
+
+    killed_resave(98)
+    with session_scope(settings.db_url) as s:
+        assert s.get(Checkpoint, v1).disk_changed, "the changed folder is flagged (the first round's rule)"
+    done = operations.store(settings, str(step))
+    v2 = _protect(settings, step)
+    assert v2 == done.checkpoint_id != v1
+    killed_resave(99)  # the same kind of change again, over v2
+    with session_scope(settings.db_url) as s:
+        flagged = s.get(Checkpoint, v2).disk_changed
+    fresh = Watcher(settings, [].extend, use_events=False)
+    fresh.reconcile()
+    fresh.consider(run, step)
+    with session_scope(settings.db_url) as s:
+        assert s.get(Checkpoint, v2).disk_changed, "control: a fresh watcher flags it"
+    assert flagged, "the running watcher left the changed current version unflagged (status: protected, unchanged)"
