@@ -390,3 +390,59 @@ def test_after_ckpt_store_of_a_flagged_folder_a_new_change_is_flagged_again(db, 
     with session_scope(settings.db_url) as s:
         assert s.get(Checkpoint, v2).disk_changed, "control: a fresh watcher flags it"
     assert flagged, "the running watcher left the changed current version unflagged (status: protected, unchanged)"
+
+
+def test_a_rotated_checkpoint_restored_to_its_own_path_is_rotated_again_or_says_why(db, tmp_path):
+    """History: ``keep_last 1``. checkpoint-100 is protected and rotated (verified copies on the
+    workers, the local copy removed: store job ``rotated``). The user restores it where it was
+    (``ckpt restore <id> --to runs/r/checkpoint-100``, allowed: its own path) to look at it;
+    the watcher finds the same version back at its path: ``catalog.record`` sets
+    ``local_present`` again but keeps the ``rotated`` job (only superseded, vanished and
+    forgotten ones are stored again). Training goes on: checkpoint-200 and checkpoint-300. The
+    local policy now wants checkpoint-100 gone, but ``rotation.plan_run`` sends nothing for it
+    (``rotated`` is neither rotatable nor unfinished): the restored copy stays on the training
+    disk for ever, counted by nothing, with no reason shown (the disk fills, silently).
+
+    Safe: a local copy that is back is rotated again by the local policy (its copies are still
+    verified on the workers), or the job says why it is not."""
+    from pipeline.db.transitions import transition
+    from pipeline.detection import catalog
+    from pipeline.steps import Send
+    from pipeline.store import rotation
+
+    settings = dataclasses.replace(db, keep_last=1)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    w = Watcher(settings, [].extend, use_events=False)
+    _trainer_checkpoint(run / "checkpoint-100", 100)
+    time.sleep(0.05)
+    w.scan()
+    v100 = _protect(settings, run / "checkpoint-100")
+    kept = tmp_path / "bytes-of-100"
+    shutil.copytree(run / "checkpoint-100", kept)
+    # What rotate() leaves: the local copy gone, the job rotated.
+    shutil.rmtree(run / "checkpoint-100")
+    with session_scope(settings.db_url) as s:
+        job = catalog.latest_store_job(s, v100)
+        transition(s, job.id, "store", "verified", "rotated")
+        s.get(Checkpoint, v100).local_present = False
+    w.scan()
+    time.sleep(0.05)
+    shutil.copytree(kept, run / "checkpoint-100", copy_function=shutil.copyfile)  # the restore
+    time.sleep(0.05)
+    w.scan()
+    for step in (200, 300):
+        _trainer_checkpoint(run / f"checkpoint-{step}", step)
+        time.sleep(0.05)
+        w.scan()
+        _protect(settings, run / f"checkpoint-{step}")
+    with session_scope(settings.db_url) as s:
+        assert s.get(Checkpoint, v100).local_present, "the restored copy is recorded as back"
+        wanted = rotation.rotation_candidates(s, str(run), settings.keep_last, settings.host_id)
+    assert v100 in wanted, "the local policy wants it gone"
+    sends = rotation.plan_run(settings, str(run))
+    with session_scope(settings.db_url) as s:
+        job = catalog.latest_store_job(s, v100)
+        state, reason = job.state, job.blocked_reason
+    assert Send("rotate", (job.id,)) in sends or reason, (
+        f"checkpoint-100's restored copy is never rotated and nothing says why (its job is {state})")
