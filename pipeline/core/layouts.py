@@ -476,14 +476,19 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
         return None
     for lay in LAYOUTS:
         last = _LAST_WRITTEN.get(lay.name, lambda e: [])(entry) if lay.recognize(entry) else []
-        if last and all(now[r] == recorded.get(r) for r in last):
+        # A save without collectives: each rank writes its own last file, and every rank must
+        # have saved again; otherwise any new last file will do.
+        every = lay.name == "torch-dcp" and ".metadata" not in entry.relpaths
+        if last and (any if every else all)(now[r] == recorded.get(r) for r in last):
             listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
             return (f"saved again over its recorded version ({listed} changed) but not yet "
                     f"{' or '.join(last)}, which its writer ({lay.writer}) writes last")
     kept = sorted(r for r in recorded if now.get(r) == recorded[r])
-    if by_quiet and kept:
+    gone = sorted(r for r in recorded if r not in now)
+    if by_quiet and (kept or gone):
         listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
-        return (f"saved again over its recorded version: {listed} changed but {', '.join(kept[:3])} did not "
+        what = f"{', '.join(kept[:3])} did not" if kept else f"{', '.join(gone[:3])} is gone"
+        return (f"saved again over its recorded version: {listed} changed but {what} "
                 "(a save stopped between two files?); `ckpt store PATH` records it as it is")
     return None
 

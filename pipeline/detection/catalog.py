@@ -156,9 +156,10 @@ def _completed_at(session: Session, d: Detected, version: str) -> float:
 
 
 def _completed_again(ckpt: Checkpoint, d: Detected) -> None:
-    """The same content saved again at its path: it completed now (what "newest" reads:
-    pipeline.core.retention.recency), and its files' times are the ones on disk."""
-    ckpt.mtime = max(ckpt.mtime, max(e.mtime_ns for e in d.entries) / 1e9)
+    """The same content found again at its path (touched, copied or restored back): its files'
+    times are the ones on disk now (rotation compares them), but its completion time stays
+    when that content first was complete: a copy or a restore is not a new save
+    (pipeline.core.retention.recency)."""
     times = {e.relpath: e.mtime_ns for e in d.entries}
     for f in ckpt.files:
         if f.relpath in times and f.host is None:
@@ -195,6 +196,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
         # save the user made (the newest of its run, by completion), protected again.
         if job is None or job.state in (S.SUPERSEDED, S.VANISHED, S.FORGOTTEN):
             existing.released_at = None
+            existing.mtime = max(existing.mtime, max(e.mtime_ns for e in d.entries) / 1e9)  # completed now
             job = create_job(session, JobKind.STORE, checkpoint_id=existing.id, lease_seconds=lease_seconds,
                              bytes_total=existing.total_bytes, detail=f"{detail}: this content is back at its path",
                              started_at=started_at)

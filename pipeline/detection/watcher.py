@@ -258,6 +258,8 @@ class Watcher:
         entries = found.entries
         sig = catalog.signature(entries)
         recorded = self.known.get(key)
+        if recorded is not None and recorded != sig:
+            recorded = self._recorded(key)  # `ckpt store` may have recorded a version since
         if recorded == sig:
             self.changes.seen(key, None)  # the files on disk are the recorded version
             return None
@@ -330,6 +332,24 @@ class Watcher:
             failpoints.hit("watch.recorded")  # committed, not yet enqueued
             self.send([Send("shard", (job_id, early.sent))])
         return None
+
+    def _recorded(self, key: str) -> catalog.Signature | None:
+        """The signature of the current version at ``key`` on this host, from the database
+        (another process, `ckpt store`, may have recorded one since this watcher did); a new
+        one resets what this watcher flagged there."""
+        with session_scope(self.settings.db_url, readonly=True) as s:
+            ckpt = s.scalar(select(Checkpoint).where(Checkpoint.path == key, Checkpoint.current.is_(True),
+                                                     Checkpoint.local_present.is_(True),
+                                                     catalog.on_host(self.settings.host_id))
+                            .order_by(Checkpoint.id.desc()).limit(1))
+            sig = catalog.file_sig(ckpt) if ckpt is not None else None
+            flagged = ckpt is not None and ckpt.disk_changed_at is not None
+        if sig is None:
+            return self.known.get(key)
+        if sig != self.known.get(key) or not flagged:
+            self.changes.forget(key)  # what the database says now, not what this watcher wrote
+        self.known[key] = sig
+        return sig
 
     def _with_parts(self, path: Path, found: completeness.Examined, options: RootOptions, sig: catalog.Signature
                     ) -> tuple[Verdict, tuple[list[catalog.PartFile], list[int]] | None]:

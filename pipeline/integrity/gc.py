@@ -33,7 +33,16 @@ from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.db.copies import move, on
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    CheckpointPart,
+    Content,
+    ContentCopy,
+    Job,
+    Shard,
+    StorageWorker,
+)
 from pipeline.db.transitions import create_worker_jobs, now, renew_lease, transition
 from pipeline.errors import CkptError, WorkerError
 from pipeline.leases import leased
@@ -49,11 +58,13 @@ MARK_BATCH = 5000
 
 def kept_reference() -> Exists:
     """SQL: some checkpoint that still holds its content references ``Content``: one not
-    released, or one forgotten whose local copy is still on the training disk (the local
+    released, or one forgotten whose local copy (or another host's part of it) is still on disk (the local
     policy deletes that copy only while RF good copies exist elsewhere: invariant 1; its
     content goes once it has)."""
-    holds = Checkpoint.released_at.is_(None) | (
-        Checkpoint.local_present.is_(True) & (Checkpoint.store_state == states.StoreState.FORGOTTEN.value))
+    forgotten = Checkpoint.store_state == states.StoreState.FORGOTTEN.value
+    part_left = select(CheckpointPart.id).where(CheckpointPart.checkpoint_id == Checkpoint.id,
+                                                CheckpointPart.local_present.is_(True)).exists()
+    holds = Checkpoint.released_at.is_(None) | (forgotten & (Checkpoint.local_present.is_(True) | part_left))
     return (select(Shard.id).join(CheckpointFile, CheckpointFile.id == Shard.file_id)
             .join(Checkpoint, Checkpoint.id == CheckpointFile.checkpoint_id)
             .where(Shard.sha256 == Content.sha256, holds).exists())

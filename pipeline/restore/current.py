@@ -38,14 +38,19 @@ def check(settings: Settings, ckpt: Checkpoint, dest: Path) -> None:
         f"to get that version anyway, name it by id: `ckpt restore {ckpt.id} --to {dest}`")
 
 
-def check_target(session: Session, settings: Settings, ckpt: Checkpoint, target: Path) -> None:
+def check_target(session: Session, settings: Settings, ckpt: Checkpoint, target: Path,
+                 asked: Path | None = None) -> None:
     """Refuse to restore ``ckpt`` to the path of another kept version (current, not released)
     whose content differs, whether its files are there or were deleted: the watcher would
     record the restored bytes as that path's new version and release the one it replaces,
-    whose content the collection would then delete."""
-    other = session.scalar(select(Checkpoint).where(
-        Checkpoint.path == str(target), Checkpoint.current.is_(True), Checkpoint.released_at.is_(None),
-        Checkpoint.version != ckpt.version, on_host(settings.host_id)).limit(1))
+    whose content the collection would then delete. ``target`` is resolved; ``asked`` is the
+    path as given: a checkpoint recorded under a link that leads to ``target`` counts too."""
+    paths = {str(target)} | ({str(asked)} if asked is not None else set())
+    near = session.scalars(select(Checkpoint).where(
+        Checkpoint.run.in_(sorted({os.path.dirname(p) for p in paths})) | Checkpoint.path.in_(sorted(paths)),
+        Checkpoint.current.is_(True), Checkpoint.released_at.is_(None), Checkpoint.version != ckpt.version,
+        on_host(settings.host_id)))
+    other = next((c for c in near if c.path in paths or os.path.realpath(c.path) == str(target)), None)
     if other is not None:
         raise UnsafeDestination(
             f"{target} is the path of checkpoint {other.id}, whose content differs from checkpoint {ckpt.id}'s: "

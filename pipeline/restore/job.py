@@ -83,7 +83,7 @@ def validate(session: Session, settings: Settings, ref: str | int, dest: str, *,
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
     if not str(ref).isdigit():  # by path: the version on disk there, or a refusal that says why
         current.check(settings, ckpt, target)
-    current.check_target(session, settings, ckpt, target)
+    current.check_target(session, settings, ckpt, target, Path(dest).expanduser().absolute())
     return ckpt, target
 
 

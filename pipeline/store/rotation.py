@@ -41,9 +41,10 @@ from pipeline.store.trash import move_to_trash, put_back
 
 log = logging.getLogger("ckpt.rotate")
 S = states.StoreState
-#: Store states whose local copy the local policy may remove: verified, and forgotten (the
-#: remote policy dropped it; its content waits on the workers until the local copy is gone).
-ROTATABLE = frozenset({S.VERIFIED, S.FORGOTTEN})
+#: Store states whose local copy the local policy may remove: verified; forgotten (the remote
+#: policy dropped it; its content waits on the workers until the local copy is gone); rotated
+#: (its files came back: restored to its own path).
+ROTATABLE = frozenset({S.VERIFIED, S.FORGOTTEN, S.ROTATED})
 
 
 def _coordinator_rotated(session: Session, job: Job) -> bool:
@@ -173,17 +174,19 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
             ckpt = s.scalars(select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()).one()
             if job.state not in ROTATABLE or not ckpt.local_present:
                 return []
-            forgotten = job.state == S.FORGOTTEN
+            state = job.state
             if put_back(path, file_sig(ckpt)):  # a rotation crashed after its rename, before its commit
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
                 trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
                 ckpt.local_present = False
-                if forgotten:  # it stays forgotten: its content goes with the next collection
+                if state != S.VERIFIED:  # forgotten, or rotated before: it stays as it is
                     job.blocked_reason = None
+                    why = ("collected with the next garbage collection: it was forgotten" if state == S.FORGOTTEN
+                           else "it had come back after its rotation")
                     note(s, job_id, f"local copy removed by the local policy; {settings.rf}+ verified replicas "
-                                    "remained, collected with the next garbage collection (it was forgotten)")
+                                    f"remained ({why})")
                 else:
                     transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
                                detail=f"local copy removed; {settings.rf}+ verified replicas remain")
