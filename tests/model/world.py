@@ -563,6 +563,7 @@ class World:
         # is still moving after QUIET_ROUNDS is reported below like a wedged one.
         still, before = 0, None
         for _ in range(QUIET_ROUNDS):
+            self.probe()  # the membership probes a real cluster runs: a worker taken for down comes back
             self.scan()
             self.drain()
             self.expire_leases()
