@@ -42,9 +42,9 @@ def file_facts(relpath: str, abspath: str, size: int, mtime_ns: int) -> tuple[Fi
         if name.endswith(".distcp"):  # DCP data: items back to back; .metadata says how long each file is
             return FileFacts(relpath, size, mtime_ns, FileFormat.OTHER), None
         if name == ".metadata" or rank_metadata([name]):  # renamed into place whole: any problem is for good
-            problem, names, needs = dcp_metadata(f, size)
+            problem, names, needs, covers = dcp_metadata(f, size)
             return FileFacts(relpath, size, mtime_ns, FileFormat.DCP_METADATA, problem, bool(problem), names,
-                             needs, covers=dcp_coverage(f, size) if not problem else ()), None
+                             needs, covers=covers), None
         if name.endswith(".json"):
             problem, permanent, names = json_facts(f, size, index=name.endswith(".index.json"))
             return FileFacts(relpath, size, mtime_ns, FileFormat.JSON, problem, permanent, names), None
@@ -236,15 +236,10 @@ def _dims(size: Any) -> tuple[int, ...] | None:
     return None
 
 
-def dcp_coverage(f: BinaryIO, size: int) -> tuple[tuple[str, int, int], ...]:
-    """Per tensor a DCP metadata file records: (name, elements of the whole tensor, elements its
+def _coverage(md: Any) -> tuple[tuple[str, int, int], ...]:
+    """Per tensor a DCP metadata records: (name, elements of the whole tensor, elements its
     chunks hold). A rank of a save without collectives records only its own chunks of a
     sharded tensor: the ranks' files together must cover each tensor whole."""
-    f.seek(0)
-    try:
-        md = _DcpUnpickler(io.BytesIO(f.read(size))).load()
-    except Exception:
-        return ()
     meta = getattr(md, "state_dict_metadata", None)
     items = meta if isinstance(meta, dict) else getattr(meta, "items", None)
     if not isinstance(items, dict):
@@ -263,29 +258,33 @@ def dcp_coverage(f: BinaryIO, size: int) -> tuple[tuple[str, int, int], ...]:
     return tuple(sorted(out))
 
 
-def dcp_metadata(f: BinaryIO, size: int) -> tuple[str | None, tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """``(problem, files, needs)`` of a DCP ``.metadata``: the data files it names, and per
-    file the bytes it must hold at least (the furthest ``offset + length`` it records)."""
+DcpFacts = tuple[str | None, tuple[str, ...], tuple[tuple[str, int], ...], tuple[tuple[str, int, int], ...]]
+
+
+def dcp_metadata(f: BinaryIO, size: int) -> DcpFacts:
+    """``(problem, files, needs, covers)`` of a DCP ``.metadata`` (or a rank's): the data files
+    it names, per file the bytes it must hold at least (the furthest ``offset + length`` it
+    records), and per tensor how much of it its chunks hold (:func:`_coverage`); read once."""
     if size > MAX_DCP_METADATA_BYTES:
-        return f".metadata of {size:,} bytes is larger than {MAX_DCP_METADATA_BYTES:,}", (), ()
+        return f".metadata of {size:,} bytes is larger than {MAX_DCP_METADATA_BYTES:,}", (), (), ()
     f.seek(0)
     try:
         md = _DcpUnpickler(io.BytesIO(f.read(size))).load()
     except RecursionError:
-        return ".metadata is nested too deeply", (), ()
+        return ".metadata is nested too deeply", (), (), ()
     except Exception as exc:  # any failure to read is a problem of the file, reported as such
-        return f".metadata is not torch DCP metadata ({type(exc).__name__}: {str(exc)[:120]})", (), ()
+        return f".metadata is not torch DCP metadata ({type(exc).__name__}: {str(exc)[:120]})", (), (), ()
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
-        return ".metadata has no storage_data map", (), ()
+        return ".metadata has no storage_data map", (), (), ()
     needs: dict[str, int] = {}
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
         if not isinstance(rel, str) or not safe_relpath(rel):
-            return f".metadata names {str(rel)[:80]!r}, which is not a file inside the checkpoint", (), ()
+            return f".metadata names {str(rel)[:80]!r}, which is not a file inside the checkpoint", (), (), ()
         if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-            return f".metadata gives {rel} an invalid range", (), ()
+            return f".metadata gives {rel} an invalid range", (), (), ()
         rel = posixpath.normpath(rel)
         needs[rel] = max(needs.get(rel, 0), offset + length)
-    return None, tuple(sorted(needs)), tuple(sorted(needs.items()))
+    return None, tuple(sorted(needs)), tuple(sorted(needs.items())), _coverage(md)
