@@ -13,7 +13,7 @@ from sqlalchemy import select
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.detection.watcher import Watcher
-from tests.unit.test_attack_i27 import _protect, _trainer_checkpoint
+from tests.unit.test_attack_i27 import _protect, _run_with_final, _trainer_checkpoint
 
 
 def test_a_copy_copied_again_never_outranks_the_newest_save(db, tmp_path):
@@ -34,22 +34,11 @@ def test_a_copy_copied_again_never_outranks_the_newest_save(db, tmp_path):
     from pipeline import api
     from pipeline.integrity import retention
     from pipeline.store.rotation import rotation_candidates
-    from tests.writers.write import tiny_qwen
 
     settings = dataclasses.replace(db, remote_keep_last=1, keep_last=1)
     run = tmp_path / "runs" / "r"
     run.mkdir()
-    w = Watcher(settings, [].extend, use_events=False)
-    ids = {}
-    for name in ("checkpoint-100", "checkpoint-200", "final"):
-        folder = run / name
-        if name == "final":
-            tiny_qwen(7).save_pretrained(folder)
-        else:
-            _trainer_checkpoint(folder, int(name.split("-")[1]))
-        time.sleep(0.05)
-        w.scan()
-        ids[name] = _protect(settings, folder)
+    w, ids = _run_with_final(settings, run)
     for again in (False, True):  # copied (and protected), then copied again over itself
         time.sleep(0.05)
         shutil.rmtree(run / "inspect", ignore_errors=True)
@@ -141,19 +130,7 @@ def test_a_checkpoint_restored_to_its_own_path_is_not_the_newest_save(db, tmp_pa
     settings = db
     run = tmp_path / "runs" / "r"
     run.mkdir()
-    w = Watcher(settings, [].extend, use_events=False)
-    ids = {}
-    from tests.writers.write import tiny_qwen
-
-    for name in ("checkpoint-100", "checkpoint-200", "final"):
-        folder = run / name
-        if name == "final":
-            tiny_qwen(7).save_pretrained(folder)
-        else:
-            _trainer_checkpoint(folder, int(name.split("-")[1]))
-        time.sleep(0.05)
-        w.scan()
-        ids[name] = _protect(settings, folder)
+    w, ids = _run_with_final(settings, run)
     assert api.latest(run, settings=settings).id == ids["final"]
     kept = tmp_path / "bytes-of-100"
     shutil.copytree(run / "checkpoint-100", kept)

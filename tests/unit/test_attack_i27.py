@@ -102,6 +102,25 @@ def _trainer_checkpoint_with(folder: Path, step: int, *, seed: int) -> Path:
     return folder
 
 
+def _run_with_final(settings, run: Path) -> tuple[Watcher, dict[str, int]]:
+    """checkpoint-100, checkpoint-200 and a stepless ``final/`` (save_pretrained) in ``run``,
+    each detected by a watcher and protected, in that order: name -> checkpoint id."""
+    from tests.writers.write import tiny_qwen
+
+    w = Watcher(settings, [].extend, use_events=False)
+    ids = {}
+    for name in ("checkpoint-100", "checkpoint-200", "final"):
+        folder = run / name
+        if name == "final":
+            tiny_qwen(7).save_pretrained(folder)
+        else:
+            _trainer_checkpoint(folder, int(name.split("-")[1]))
+        time.sleep(0.05)
+        w.scan()
+        ids[name] = _protect(settings, folder)
+    return w, ids
+
+
 def test_a_copy_of_an_old_checkpoint_in_the_run_never_costs_the_newest_save_its_protection(db, tmp_path):
     """History: an HF run saves checkpoint-100, checkpoint-200, then ``trainer.save_model()``
     writes the final model to ``final/`` (no step anywhere: the issue's first row). Every save
@@ -123,22 +142,11 @@ def test_a_copy_of_an_old_checkpoint_in_the_run_never_costs_the_newest_save_its_
     from pipeline import api
     from pipeline.integrity import retention
     from pipeline.store.rotation import rotation_candidates
-    from tests.writers.write import tiny_qwen
 
     settings = dataclasses.replace(db, remote_keep_last=1, keep_last=1)
     run = tmp_path / "runs" / "r"
     run.mkdir()
-    w = Watcher(settings, [].extend, use_events=False)
-    ids = {}
-    for name in ("checkpoint-100", "checkpoint-200", "final"):
-        folder = run / name
-        if name == "final":
-            tiny_qwen(7).save_pretrained(folder)
-        else:
-            _trainer_checkpoint(folder, int(name.split("-")[1]))
-        time.sleep(0.05)
-        w.scan()
-        ids[name] = _protect(settings, folder)
+    w, ids = _run_with_final(settings, run)
     time.sleep(0.05)
     # The user's copy (a restore writes new files the same way: new times, same bytes).
     shutil.copytree(run / "checkpoint-200", run / "inspect", copy_function=shutil.copyfile)
