@@ -28,7 +28,7 @@ from pipeline.db.models import (
 )
 from pipeline.db.transitions import now
 from pipeline.settings import Settings
-from pipeline.states import COUNTING_WORKERS, PLACED, ContentState
+from pipeline.states import COUNTING_WORKERS, DAMAGED, PLACED, ContentState
 
 SAMPLE_SECONDS = 600.0
 RATE_WINDOW = timedelta(days=3)
@@ -180,6 +180,13 @@ def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> 
     total = s.scalar(select(func.count(StorageWorker.id)).where(
         StorageWorker.state.in_(sorted(COUNTING_WORKERS)))) or 0
     only = "only " if placeable < workers else ""
+    damaged = sorted({cp.worker_id for c in contents for cp in c.copies
+                      if cp.state in DAMAGED and cp.worker_id in counting})
+    if damaged:  # one copy per worker: those workers take none until theirs is rebuilt in place
+        return (f"waiting for repair: {len(damaged)} of {total} workers ({', '.join(damaged[:5])}) hold a "
+                f"damaged copy of its content, and a worker holds one copy of a content; it goes on once "
+                f"the repair has rebuilt them (needs {human_bytes(need)} more on {workers} distinct workers, "
+                f"{placeable} take new copies)")
     return (f"cluster full: needs {human_bytes(need)} more on {workers} distinct workers, and {only}"
             f"{placeable} of {total} workers take new copies (high watermark {settings.high_watermark:.0%}); "
             "it goes on when a worker has room (after `ckpt gc`, or a new worker)")

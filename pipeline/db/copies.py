@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Subquery, and_, case, func, select, update
+from sqlalchemy import ColumnElement, Select, Subquery, and_, case, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
@@ -91,10 +91,20 @@ def shard_copies(session: Session, checkpoint_id: int) -> list[ShardCopies]:
             for rel, seq, sha, size in shards]
 
 
+def shas_of(checkpoint_id: int) -> Select[str]:
+    """SQL: the contents a checkpoint's shards reference (with repeats)."""
+    return select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
+
+
+def just(sha: str) -> Select[str]:
+    """SQL: one content, where a selection of contents is asked for."""
+    return select(Content.sha256).where(Content.sha256 == sha)
+
+
 def contents_of(session: Session, checkpoint_id: int) -> list[Content]:
     """The distinct contents a checkpoint's shards reference."""
-    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
-    return list(session.scalars(select(Content).where(Content.sha256.in_(shas)).order_by(Content.sha256)))
+    return list(session.scalars(select(Content).where(Content.sha256.in_(shas_of(checkpoint_id)))
+                                .order_by(Content.sha256)))
 
 
 def on(worker_id: str, *shas: str) -> ColumnElement[bool]:

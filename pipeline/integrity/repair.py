@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,8 +26,9 @@ from pipeline.db.transitions import create_job, now, renew_lease, transition
 from pipeline.errors import CkptError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
-from pipeline.states import ContentState, CopyState, JobKind
+from pipeline.states import ContentState, CopyState, JobKind, StoreState
 from pipeline.steps import Send, start_job
+from pipeline.store.replication import fan_in_job, waiting_jobs
 from pipeline.store.source import Source, local_source, shard_prefix, source_matches
 
 log = logging.getLogger("ckpt.repair")
@@ -57,6 +58,29 @@ def request_repair(session: Session, settings: Settings, sha: str, reason: str) 
                               detail=f"content {sha[:12]}: {reason}")
     except IntegrityError:  # another process asked for it at the same moment
         return None
+
+
+def repair_damaged(session: Session, settings: Settings, shas: Select[str], reason: str) -> list[Send]:
+    """Repair jobs for the contents ``shas`` selects that have a damaged (corrupt or missing) copy on a
+    counting worker; the messages that run them.
+
+    Placement puts at most one copy of a content on a worker and never reuses a damaged row
+    (its bad file is still there: only a repair quarantines it first), so a store whose content
+    is damaged on too many workers cannot be placed until those copies are rebuilt in place,
+    from its local file or a good copy. Its shard step, its re-drive and the scheduler's sweep
+    ask for that here (docs/design.md, section 5), instead of waiting for room that is there.
+    """
+    sends = []
+    for sha in session.scalars(
+            select(ContentCopy.sha256).distinct()
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(states.DAMAGED)),
+                   StorageWorker.state.in_(sorted(states.COUNTING_WORKERS)), Content.state == ContentState.LIVE)):
+        job = request_repair(session, settings, sha, reason)
+        if job is not None:
+            sends.append(Send("repair", (job.id,)))
+    return sends
 
 
 def plan(s: Session, settings: Settings, sha: str) -> ContentWork | None:
@@ -118,11 +142,26 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
             log.error(detail)
             return []
         transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.DONE, detail=f"{fixed} copies rebuilt and verified")
+        sends = _wake_stores(s, settings, sha)
         runs = list(s.scalars(
             select(Checkpoint.run).join(CheckpointFile).join(Shard)
             .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True)).distinct().limit(20)))
     log.info("content %s repaired: %d copies rebuilt", sha[:12], fixed)
-    return [Send("rotate_run", (run,)) for run in runs]
+    return sends + [Send("rotate_run", (run,)) for run in runs]
+
+
+def _wake_stores(s: Session, settings: Settings, sha: str) -> list[Send]:
+    """Stores held by this content's damaged copies go on now, not at their next re-drive: a
+    sharded one fans in (its copies may all be there now), a waiting one is placed again."""
+    sends = []
+    for job in waiting_jobs(s, sha):
+        sends += fan_in_job(s, settings, job.id)
+    for job in waiting_jobs(s, sha, StoreState.WAITING):
+        if transition(s, job.id, JobKind.STORE, StoreState.WAITING, StoreState.DETECTED,
+                      lease_seconds=settings.lease_seconds,
+                      detail=f"trying placement again: content {sha[:12]} was repaired"):
+            sends.append(Send("shard", (job.id,)))
+    return sends
 
 
 def _users(s: Session, sha: str) -> str:

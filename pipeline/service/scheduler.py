@@ -26,7 +26,7 @@ from pipeline import capacity, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.db import workers
-from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, move, place
+from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, just, move, place, shas_of
 from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
@@ -43,7 +43,7 @@ from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.errors import PlacementError
 from pipeline.integrity.gc import mark, request_gc, send_for
 from pipeline.integrity.reconcile import request_reconcile
-from pipeline.integrity.repair import request_repair
+from pipeline.integrity.repair import repair_damaged, request_repair
 from pipeline.integrity.retention import apply_policy, compact_history
 from pipeline.integrity.scrub import request_scrub
 from pipeline.service.readiness import mark_ready
@@ -140,6 +140,7 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
     if job.state == S.REPLICATED:
         return [Send("verify", (job.id,))]
     if job.state == S.SHARDED:
+        sends: list[Send] = []
         # Copies placed on a worker that went down meanwhile no longer count: place others.
         for content in contents_of(session, job.checkpoint_id or 0):
             for cp in content.copies:
@@ -150,15 +151,17 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
                     place(session, content, settings.rf)
                 except PlacementError as exc:
                     log.warning("job %d: content %s cannot be placed again yet: %s", job.id, content.sha256[:12], exc)
-        shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == job.checkpoint_id)
+                    sends += repair_damaged(session, settings, just(content.sha256),
+                                            f"store {job.id} cannot place its copies while this copy is damaged")
+        shas = shas_of(job.checkpoint_id or 0)
         pending = session.scalars(select(ContentCopy.id).where(ContentCopy.sha256.in_(shas),
                                                                ContentCopy.state == CopyState.PENDING)).all()
         if pending:
-            return [Send("replicate", (cid,)) for cid in pending]
+            return sends + [Send("replicate", (cid,)) for cid in pending]
         # Nothing left to send (a crash came between the last upload and its fan-in): a
         # replicate message of any sent copy runs the fan-in again.
         any_copy = session.scalar(select(ContentCopy.id).where(ContentCopy.sha256.in_(shas)).limit(1))
-        return [Send("replicate", (any_copy,))] if any_copy is not None else []
+        return sends + ([Send("replicate", (any_copy,))] if any_copy is not None else [])
     return []
 
 
@@ -261,13 +264,19 @@ def retention_sweep(settings: Settings) -> None:
 
 
 def under_replicated(settings: Settings) -> list[Send]:
-    """Repair jobs for the contents of protected checkpoints that are short of RF good copies."""
+    """Repair jobs for the contents of protected checkpoints that are short of RF good copies,
+    and for the damaged copies of stores still on their way (they hold its placement back)."""
     sends = []
     with session_scope(settings.db_url) as s:
         for sha in short_contents(s, settings.rf):
             job = request_repair(s, settings, sha, "under-replicated: a worker is down, draining or lost its copy")
             if job is not None:
                 sends.append(Send("repair", (job.id,)))
+        in_flight = select(Job.checkpoint_id).where(
+            Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.ACTIVE[JobKind.STORE] | {S.WAITING})))
+        shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id.in_(in_flight))
+        sends += repair_damaged(s, settings, shas,
+                                "a store on its way cannot place a copy where this one is damaged")
     return sends
 
 

@@ -21,7 +21,7 @@ from pipeline import states
 from pipeline.capacity import capacity_reason
 from pipeline.core.placement import chain_orders
 from pipeline.core.planner import plan
-from pipeline.db.copies import contents_of, place
+from pipeline.db.copies import contents_of, place, shas_of
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Content, ContentCopy, Job
 from pipeline.db.transitions import transition
@@ -30,6 +30,7 @@ from pipeline.detection.catalog import file_path, own_files, owner_elsewhere
 from pipeline.detection.completeness import read_header
 from pipeline.errors import PlacementError
 from pipeline.hashing import scan
+from pipeline.integrity.repair import repair_damaged
 from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind
@@ -82,7 +83,10 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
                     place(s, c, settings.rf)
         except PlacementError:
             s.expire_all()
-            return _wait(s, settings, job_id, capacity_reason(s, settings, contents_of(s, ckpt_id)))
+            blocked = contents_of(s, ckpt_id)
+            repairs = repair_damaged(s, settings, shas_of(ckpt_id),
+                                     f"checkpoint {ckpt_id} cannot be placed while this copy is damaged")
+            return _wait(s, settings, job_id, capacity_reason(s, settings, blocked)) + repairs
         # Copies sent while hashing may be stored by now: read them as their last commit left
         # them, locked, so that an upload committing after this either sees this job sharded
         # (and fans it in) or was seen stored here (PostgreSQL; SQLite writes one at a time).

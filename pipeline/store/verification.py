@@ -24,11 +24,12 @@ from sqlalchemy.orm import Session
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
-from pipeline.db.copies import move, on, place
+from pipeline.db.copies import just, move, on, place, shas_of
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import Checkpoint, ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import now, transition
 from pipeline.errors import PlacementError, WorkerError
+from pipeline.integrity.repair import repair_damaged
 from pipeline.settings import Settings
 from pipeline.states import CopyState, JobKind, WorkerState
 from pipeline.steps import Send, begin_step
@@ -40,9 +41,8 @@ S = states.StoreState
 
 def copies_of(session: Session, checkpoint_id: int, wanted: Iterable[str]) -> list[ContentCopy]:
     """The copies in ``wanted`` states of every content a checkpoint references."""
-    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
     return list(session.scalars(
-        select(ContentCopy).where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(wanted)))
+        select(ContentCopy).where(ContentCopy.sha256.in_(shas_of(checkpoint_id)), ContentCopy.state.in_(sorted(wanted)))
         .order_by(ContentCopy.id)
     ))
 
@@ -96,7 +96,8 @@ def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: s
             fresh = place(session, cp.content, settings.rf)
     except PlacementError as exc:
         log.warning("content %s: no worker for a replacement copy yet: %s", cp.sha256[:12], exc)
-        return []
+        # A worker that holds a damaged copy takes no new one: rebuild those in place.
+        return repair_damaged(session, settings, just(cp.sha256), f"no worker for a replacement copy: {error}")
     return [Send("replicate", (c.id,)) for c in fresh]
 
 
