@@ -19,6 +19,7 @@ hosts were (no host) is any host's, as before.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -43,6 +44,20 @@ SHARED = "ckpt"
 def host_queue(host: str) -> str:
     """The queue of the steps that must run on ``host``."""
     return "ckpt.host." + re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:100]
+
+
+def depths(client: Any, namespace: str = "dramatiq") -> dict[str, int]:
+    """Messages per queue in the broker's Redis (``client``): waiting, being worked on, or
+    waiting out a retry's delay; dead letters are not counted (docs/design.md, "Deliveries")."""
+    out: dict[str, int] = {}
+    prefix = f"{namespace}:"
+    for raw in client.scan_iter(match=f"{prefix}*.msgs", count=1000):
+        name = (raw.decode() if isinstance(raw, bytes) else str(raw))[len(prefix):-len(".msgs")]
+        if name.endswith(".XQ") or name.startswith("__"):
+            continue
+        queue = name.removesuffix(".DQ")
+        out[queue] = out.get(queue, 0) + int(client.hlen(raw))
+    return out
 
 
 def queues_for(session: Session, send: Send) -> list[str]:

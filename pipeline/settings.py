@@ -96,7 +96,10 @@ class Settings:
     scan_interval: float = 5.0
     #: A job whose lease is older than this is re-driven by the scheduler.
     lease_seconds: float = 60.0
-    #: Executions of one step before its job is marked failed (crash redeliveries included).
+    #: Each Dramatiq worker process says this often which queues it consumes; a queue silent
+    #: for three beats has no live consumer: its host is down (pipeline/consumers.py).
+    consumer_beat_seconds: float = 5.0
+    #: Executions of one step before its job is marked failed (stale deliveries not included).
     max_attempts: int = 5
     #: A replica verification older than this no longer allows rotation.
     freshness_seconds: float = 48 * 3600.0

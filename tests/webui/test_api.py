@@ -202,6 +202,23 @@ def test_metrics_are_prometheus_text_from_real_rows(client, web_settings):
     assert "ckpt_transfer_seconds_bucket" in text and "ckpt_bytes_stored" in text
 
 
+def test_metrics_show_each_queues_depth_and_whether_a_live_consumer_serves_it(client, web_settings):
+    from pipeline import consumers
+    from pipeline.db.engine import session_scope
+    from pipeline.db.transitions import create_job
+    from pipeline.steps import Send
+    from pipeline.tasks.sending import send_all
+
+    with session_scope(web_settings.db_url) as s:
+        job_id = create_job(s, "scrub", checkpoint_id=None, params={"worker_id": "w-0"}).id
+        consumers.beat(s, "h1", ["ckpt.host.h1"])
+    send_all([Send("scrub", (job_id,))])
+    send_all([Send("scrub", (job_id,))])  # a re-drive while it is queued adds nothing
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'ckpt_queue_depth{queue="ckpt"} 1.0' in text
+    assert 'ckpt_queue_consumer_up{host="h1",queue="ckpt.host.h1"} 1.0' in text
+
+
 @pytest.mark.parametrize("endpoint", ["/api/store", "/api/restore", "/api/scrub"])
 def test_hostile_json_is_a_400_not_a_crash(client, token, endpoint):
     nested = "[" * 100_000 + "]" * 100_000
