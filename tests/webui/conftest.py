@@ -10,6 +10,7 @@ from sqlalchemy import select
 
 from pipeline import settings as settings_mod
 from pipeline.core import placement
+from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
@@ -68,6 +69,7 @@ def seed(s: settings_mod.Settings, step: int = 1) -> dict:
         session.flush()
         for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
             transition(session, job.id, "store", a, b, detail=f"seeded {b}")
+        hosts.report_in(session, s.host_id, s.host_label, consumer=True)  # this host's Dramatiq runs restores
         restore = create_job(session, "restore", checkpoint_id=ckpt.id, params={"dest": "/tmp/x"})
         for a, b in (("queued", "gathering"), ("gathering", "verified"), ("verified", "done")):
             transition(session, restore.id, "restore", a, b)
