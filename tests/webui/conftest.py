@@ -3,6 +3,7 @@ tests/conftest.py, with the session's embedded Redis) and rows to show."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from pipeline import settings as settings_mod
 from pipeline.core import placement
 from pipeline.db import hosts
 from pipeline.db.engine import session_scope
-from pipeline.db.models import ContentCopy, Job, StorageWorker
+from pipeline.db.models import ContentCopy, Job, StorageWorker, TrainingHost
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
 from tests.checkpoints import atomic_save, state_dict
@@ -80,4 +81,13 @@ def seed(s: settings_mod.Settings, step: int = 1) -> dict:
 def one_job(s, kind: str) -> Job:
     with session_scope(s.db_url) as session:
         return session.scalars(select(Job).where(Job.kind == kind).order_by(Job.id.desc())).first()
+
+
+
+def consumer(s, host: str, *, seconds_ago: float = 0.0) -> None:
+    """Host ``host`` as its Dramatiq worker processes report it (pipeline/tasks/middleware.py)."""
+    with session_scope(s.db_url) as session:
+        hosts.report_in(session, host, f"{host}.example", consumer=True)
+        session.flush()
+        session.get(TrainingHost, host).consumer_seen = now() - timedelta(seconds=seconds_ago)
 
