@@ -27,6 +27,7 @@ MAX_LEN = 255
 
 log = logging.getLogger("ckpt.hostid")
 _read: dict[tuple[str, int, int, int], str] = {}
+_unwritable: set[str] = set()  # homes whose host-id could not be written: said once per process
 
 
 def label() -> str:
@@ -48,7 +49,10 @@ def host_id(home: Path, configured: str = "") -> str:
         try:
             write_once(path, label() + "\n")
         except OSError as exc:  # a read-only home: the hostname, as before ids were kept
-            log.warning("could not write %s (%s): this host is %s by its hostname", path, exc, label())
+            if str(path) not in _unwritable:
+                _unwritable.add(str(path))
+                log.warning("could not write %s (%s): this host goes by its hostname %s; set CKPT_HOST to keep "
+                            "it when the hostname changes", path, exc, label())
             return label()
         st = path.stat()
     key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)

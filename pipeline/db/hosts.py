@@ -7,6 +7,7 @@ to a host with a live consumer: one seen within :data:`CONSUMER_LIVE_SECONDS`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -16,6 +17,8 @@ from sqlalchemy.orm import Session
 from pipeline.db.models import TrainingHost
 from pipeline.db.transitions import now
 from pipeline.errors import NoConsumer
+
+log = logging.getLogger("ckpt.hosts")
 
 #: How often a Dramatiq worker process says that it consumes its host's queue.
 CONSUMER_BEAT_SECONDS = 10.0
@@ -42,6 +45,10 @@ def report_in(session: Session, host: str, label: str, *, consumer: bool = False
     if row is None:
         row = TrainingHost(name=host, last_seen=t)
         session.add(row)
+    elif row.label not in (None, label) and t - row.last_seen < timedelta(seconds=CONSUMER_LIVE_SECONDS):
+        log.warning("host %s reports from hostname %s seconds after %s did: if both machines run, they share one "
+                    "host id (a copied home); give each its own (remove the copy's host-id file, or set CKPT_HOST)",
+                    host, label, row.label)
     row.last_seen, row.label = t, label
     if consumer:
         row.consumer_seen = t

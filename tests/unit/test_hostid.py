@@ -88,3 +88,18 @@ def test_a_broken_host_id_file_says_what_to_do(tmp_path, text):
     (home / hostid.FILE).write_text(text)
     with pytest.raises(ConfigError, match="host-id must hold this host's id on one line"):
         hostid.host_id(home)
+
+
+def test_two_machines_reporting_under_one_id_are_named_in_the_log(db, caplog):
+    """A home copied to make a second host carries its host-id: both then act as one host.
+    The control plane cannot tell which is right, but says so when it sees it."""
+    from pipeline.db import hosts
+
+    with session_scope(db.db_url) as s:
+        hosts.report_in(s, "h1", "box-a", consumer=True)
+    with session_scope(db.db_url) as s:
+        hosts.report_in(s, "h1", "box-a")  # the same machine again: nothing to say
+    assert "share one host id" not in caplog.text
+    with session_scope(db.db_url) as s:
+        hosts.report_in(s, "h1", "box-b")
+    assert "host h1 reports from hostname box-b seconds after box-a did" in caplog.text
