@@ -56,12 +56,17 @@ def beat(session: Session, host: str, queues: Iterable[str]) -> None:
             session.add(QueueConsumer(queue=queue, host=host, seen_at=t))
 
 
+def live_since(settings: Settings) -> datetime:
+    """A queue whose consumer beat before this has none alive now."""
+    return now() - timedelta(seconds=SILENT_BEATS * settings.consumer_beat_seconds)
+
+
 def silent(session: Session, settings: Settings, queues: Iterable[str]) -> dict[str, Silent]:
     """Of ``queues``, those that had a consumer and have none alive now."""
     wanted = sorted(set(queues))
     if not wanted:
         return {}
-    cutoff = now() - timedelta(seconds=SILENT_BEATS * settings.consumer_beat_seconds)
+    cutoff = live_since(settings)
     rows = session.execute(select(QueueConsumer.queue, QueueConsumer.host, QueueConsumer.seen_at)
                            .where(QueueConsumer.queue.in_(wanted), QueueConsumer.seen_at < cutoff)).all()
     return {q: Silent(q, host, seen) for q, host, seen in rows}
@@ -69,6 +74,6 @@ def silent(session: Session, settings: Settings, queues: Iterable[str]) -> dict[
 
 def live(session: Session, settings: Settings) -> list[str]:
     """The queues a live consumer serves now."""
-    cutoff = now() - timedelta(seconds=SILENT_BEATS * settings.consumer_beat_seconds)
+    cutoff = live_since(settings)
     return list(session.scalars(select(QueueConsumer.queue).where(QueueConsumer.seen_at >= cutoff)
                                 .order_by(QueueConsumer.queue)))

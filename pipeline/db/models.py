@@ -361,13 +361,17 @@ class DetectionProblem(Base):
 
 
 class TrainingHost(Base):
-    """A training host, as its watcher last reported in: a checkpoint whose local steps wait
-    for a host that has gone silent says so (docs/design.md, "Hosts")."""
+    """A training host, as its watcher and its Dramatiq workers last reported in: a checkpoint
+    whose local steps wait for a host that has gone silent says so, and a restore goes only to a
+    host whose queue something consumes (docs/design.md, "Hosts"; pipeline/db/hosts.py)."""
 
     __tablename__ = "hosts"
 
+    #: The host id (pipeline/hostid.py): what checkpoints.host and the queue ckpt.host.<id> name.
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: Its hostname when it last reported in: shown beside the id, never a key.
+    label: Mapped[str | None] = mapped_column(String(255))
 
 
 class QueueConsumer(Base):

@@ -74,10 +74,10 @@ def build_broker(settings: Settings) -> dramatiq.Broker:
     # the message after Retries decided whether it failed for good.
     broker.add_middleware(JobFailures(), before=Retries)
     broker.add_middleware(Deliveries())
-    if not isinstance(broker, StubBroker):
-        broker.add_middleware(ConsumerBeat())
     if settings.ready_dir:
         broker.add_middleware(Ready())
+    if not isinstance(broker, StubBroker):  # unit tests' in-process workers have no host to speak for
+        broker.add_middleware(ConsumerBeat())
     if failpoints.ENABLED:
         broker.add_middleware(Failpoints())
     return broker

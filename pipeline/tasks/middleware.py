@@ -91,7 +91,10 @@ class Deliveries(Middleware):
 
 class ConsumerBeat(Middleware):
     """Says, every ``consumer_beat_seconds``, which queues this worker process consumes
-    (pipeline/consumers.py): a host whose queue has no beat is down, and nothing is sent to it."""
+    (pipeline/consumers.py): a host whose queue has no beat is down, nothing is sent to it, and
+    a restore is not routed there. The first beat is written before the process counts as
+    booted (added after :class:`Ready`: ``after_worker_boot`` runs the middleware in reverse).
+    A process serving its host's queue also reports the host in, with its hostname as label."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
@@ -102,24 +105,29 @@ class ConsumerBeat(Middleware):
 
         settings = settings_mod.current()
 
-        def consumed() -> list[str]:
-            return [q for q in list(worker.consumers) if not q.endswith(".DQ")]
-
         def run() -> None:
-            from pipeline import consumers
-            from pipeline.db.engine import session_scope
+            while not self.stop.wait(settings.consumer_beat_seconds):
+                self.beat(settings, worker)
 
-            while True:
-                try:
-                    with session_scope(settings.db_url) as s:
-                        consumers.beat(s, settings.host_id, consumed())
-                except Exception as exc:  # the control plane is away: the next beat tries again
-                    log.warning("could not say which queues this worker consumes: %s", exc)
-                if self.stop.wait(settings.consumer_beat_seconds):
-                    return
-
+        self.beat(settings, worker)
         self.thread = threading.Thread(target=run, name="ckpt-consumer-beat", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def beat(settings: Any, worker: Any) -> None:
+        from pipeline import consumers
+        from pipeline.db import hosts
+        from pipeline.db.engine import session_scope
+        from pipeline.queues import host_queue
+
+        queues = [q for q in list(worker.consumers) if not q.endswith(".DQ")]
+        try:
+            with session_scope(settings.db_url) as s:
+                consumers.beat(s, settings.host_id, queues)
+                if host_queue(settings.host_id) in queues:
+                    hosts.report_in(s, settings.host_id, settings.host_label)
+        except Exception as exc:  # the control plane is away: the next beat tries again
+            log.warning("could not say which queues this worker consumes: %s", exc)
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         self.stop.set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dramatiq
 import pytest
 
-from tests.webui.conftest import one_job, seed
+from tests.webui.conftest import consumer, one_job, seed
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -272,3 +272,44 @@ def test_reads_never_take_the_write_lock(client, web_settings):
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+def test_a_restore_to_a_host_without_a_running_consumer_is_refused_at_once(client, web_settings, token, tmp_path):
+    """The web host of a multi-host deployment runs no Dramatiq: a restore routed to its queue
+    waited for ever. A host whose consumer is gone (or never was) is refused with the reason."""
+    ids = seed(web_settings)
+    consumer(web_settings, "h-stale", seconds_ago=120)
+    jobs_before = one_job(web_settings, "restore").id
+    for host in ("h-ghost", "h-stale"):
+        r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "runs" / "n"),
+                                              "host": host}, headers=bearer(token))
+        assert r.status_code == 409, r.get_json()
+        error = r.get_json()["error"]
+        assert f"no Dramatiq worker consumes host {host}'s queue" in error and web_settings.host_id in error
+    assert one_job(web_settings, "restore").id == jobs_before  # nothing recorded
+    listed = {h["id"]: h for h in client.get("/api/hosts").get_json()["hosts"]}
+    assert listed[web_settings.host_id]["consumer_live"] and not listed["h-stale"]["consumer_live"]
+    assert listed["h-stale"]["label"] == "h-stale.example"
+
+
+def test_a_restore_goes_to_the_queue_of_the_host_picked(client, web_settings, token, tmp_path):
+    from pipeline.queues import host_queue
+
+    ids = seed(web_settings)
+    consumer(web_settings, "h2")
+    dest = "/data/on-h2/restored"  # a path on h2's disk: checked there, not on the web host
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": dest, "host": "h2"},
+                    headers=bearer(token))
+    assert r.status_code == 202, r.get_json()
+    assert r.get_json()["host"] == "h2"
+    job = one_job(web_settings, "restore")
+    assert job.params["host"] == "h2" and job.params["dest"] == dest and "extra_roots" not in job.params
+    redis = dramatiq.get_broker().client
+    assert redis.llen(f"dramatiq:{host_queue('h2')}") == 1
+    assert redis.llen(f"dramatiq:{host_queue(web_settings.host_id)}") == 0 and redis.llen("dramatiq:ckpt") == 0
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": "relative/x", "host": "h2"},
+                    headers=bearer(token))
+    assert r.status_code == 400 and "not an absolute path" in r.get_json()["error"]
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": dest, "host": 7},
+                    headers=bearer(token))
+    assert r.status_code == 400 and '"host"' in r.get_json()["error"]
