@@ -176,6 +176,24 @@ def redis_server(tmp_path_factory):
     server.shutdown()
 
 
+@pytest.fixture(scope="module")
+def process_broker(redis_server, tmp_path_factory):
+    """The process-wide Dramatiq broker is installed by the first import of pipeline.tasks,
+    from the settings of that moment. A test that only calls the actors' functions, or puts a
+    Stub broker in place for itself, must not make it a Stub: the web tests that may run in this
+    process later need the shared embedded Redis. If nothing imported pipeline.tasks yet, it is
+    imported here with settings that name that Redis."""
+    import sys
+
+    if "pipeline.tasks" not in sys.modules:
+        from pipeline import settings as settings_mod
+
+        home = tmp_path_factory.mktemp("broker-home")
+        settings_mod.configure(settings_mod.load({"home": home, "redis_url": f"unix://{redis_server.socket_file}"},
+                                                 environ={}))
+        import pipeline.tasks  # noqa: F401
+
+
 @pytest.fixture
 def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
     redis_server.flushall()

@@ -14,24 +14,6 @@ def model_workers(tmp_path_factory, process_broker):
         yield ws
 
 
-@pytest.fixture(scope="module")
-def process_broker(redis_server, tmp_path_factory):
-    """The process-wide Dramatiq broker is installed by the first import of pipeline.tasks,
-    from the settings of that moment. The machine only calls the actors' functions (its
-    messages never reach a broker), but the web tests that may run in this process later need
-    the shared embedded Redis: if nothing imported pipeline.tasks yet, it is imported here
-    with settings that name that Redis."""
-    import sys
-
-    if "pipeline.tasks" not in sys.modules:
-        from pipeline import settings as settings_mod
-
-        home = tmp_path_factory.mktemp("broker-home")
-        settings_mod.configure(settings_mod.load({"home": home, "redis_url": f"unix://{redis_server.socket_file}"},
-                                                 environ={}))
-        import pipeline.tasks  # noqa: F401
-
-
 @pytest.fixture
 def model_soak(request) -> float:
     """Minutes the lifecycle machine runs for (``--model-soak``); 0: the bounded default."""

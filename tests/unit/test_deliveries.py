@@ -6,12 +6,14 @@ without a live consumer gets nothing while its jobs show they wait for its host.
 """
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import dramatiq
 import pytest
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
+from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import SkipMessage
 from sqlalchemy import update
 
@@ -24,15 +26,26 @@ from pipeline.steps import Send
 
 
 @pytest.fixture
-def broker(db):
-    import pipeline.tasks  # noqa: F401  (installs the Stub broker of the settings, declares the actors)
+def broker(db, process_broker):
+    """A Stub broker with the actors declared, in place of the process's (the shared embedded
+    Redis, which later web tests in this process need) for this test."""
+    from pipeline.tasks.broker import build_broker  # not at collection: importing pipeline.tasks installs a broker
 
-    b = dramatiq.get_broker()
-    for name in list(getattr(b, "queues", {})):
+    installed = dramatiq.get_broker()
+    b = installed
+    if not isinstance(installed, StubBroker):
+        b = build_broker(dataclasses.replace(db, redis_url="stub://"))
+        for name in installed.get_declared_actors():
+            b.declare_actor(installed.get_actor(name))
+        dramatiq.set_broker(b)
+    for name in list(b.queues):
         b.flush(name)
-    yield b
-    for name in list(getattr(b, "queues", {})):
-        b.flush(name)
+    try:
+        yield b
+    finally:
+        for name in list(b.queues):
+            b.flush(name)
+        dramatiq.set_broker(installed)
 
 
 def _scrub_job(db) -> int:
