@@ -125,7 +125,8 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
                 return _abandon(settings, copy_id, "no local file and no good copy holds its bytes") + alone
         # Re-hashed from the worker's disk now, while other copies are still uploading,
         # rather than all together in the verify step once the last upload is done.
-        rehashed = client.verify([sha])[0]["sha256"]
+        # No byte moves while the worker hashes: the wait is for work, not a stalled transfer.
+        rehashed = WorkerClient(url, settings.key(), worker_id).verify([sha])[0]["sha256"]
     except WorkerError as exc:
         if exc.status == 422 and src is not None:
             # What the worker received does not hash to the content. Either the source changed
@@ -151,8 +152,7 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
             failed.append((h, reached.get(h.worker_id, {})))
             continue
         try:
-            hop = WorkerClient(h.url, settings.key(), h.worker_id, timeout=settings.stall_seconds)
-            results.append((h.copy_id, hop.verify([sha])[0]["sha256"]))
+            results.append((h.copy_id, WorkerClient(h.url, settings.key(), h.worker_id).verify([sha])[0]["sha256"]))
         except WorkerError as exc:
             log.warning("copy %d of %s on %s: stored through the chain, re-hash failed (%s); sending it again",
                         h.copy_id, sha[:12], h.worker_id, exc)
