@@ -110,6 +110,14 @@ class Settings:
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
     tick_seconds: float = 2.0
+    #: A status probe that gets no byte of an answer for this long is that worker's failure
+    #: (a peer that accepts and never answers costs each tick at most this).
+    probe_seconds: float = 10.0
+    #: A transfer (an upload, a chain hop, a copy between workers) fails once no byte moved
+    #: for this long, never after a fixed total: a slow link that keeps moving is never cut.
+    #: Through a chain each hop waits this long per worker after it, so the hop before a
+    #: stalled one gives up first and names it (docs/design.md, "Deadlines by progress").
+    stall_seconds: float = 60.0
     #: This machine's id among the training hosts: checkpoints it detects are its own, and the
     #: steps that touch their local files run here only (docs/design.md, "Hosts"). Empty: the id
     #: kept in ``<home>/host-id``, written with the hostname the first time (pipeline/hostid.py),

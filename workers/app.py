@@ -237,8 +237,9 @@ class WorkerApp:
         if hops:
             if any(node == self.node_id for node, _url in hops):
                 raise ShardRefused(400, f"next: names this worker ({self.node_id}) again")
-            result, reached, wire = chain.put_and_forward(self.store, self.key, name, environ["wsgi.input"],
-                                                          int(raw_len), hops, zstd=bool(zstd))
+            result, reached, wire = chain.put_and_forward(
+                self.store, self.key, name, environ["wsgi.input"], int(raw_len), hops, zstd=bool(zstd),
+                stall=chain.parse_stall(environ.get("QUERY_STRING", "")))
             if zstd:
                 self.count_wire("received", int(raw_len), wire)
         elif zstd:

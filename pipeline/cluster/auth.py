@@ -190,7 +190,7 @@ def read_clock_hint(key: bytes, header: Callable[[str], str | None]) -> float | 
     if not ts or not sig:
         return None
     good = hmac.new(key, f"time\n{ts}".encode(), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(good, sig):
+    if not hmac.compare_digest(good.encode(), sig.encode(errors="replace")):  # a non-ASCII str would raise
         return None
     try:
         return float(ts)

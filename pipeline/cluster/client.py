@@ -16,11 +16,16 @@ from urllib.parse import quote, urlsplit
 
 from pipeline.cluster import auth
 from pipeline.cluster import wire as wire_mod
+from pipeline.cluster.faults import PEER_FAULTS, describe, send_all
 from pipeline.cluster.wire import METER, Decompressing
-from pipeline.errors import AuthError, UntrustedAnswer, WorkerError
+from pipeline.errors import AuthError, MalformedStream, UntrustedAnswer, WorkerError
 
 CONNECT_TIMEOUT = 5.0
+#: How long a request waits for an answer with no byte moving, where the worker works before
+#: it answers (a re-hash of a batch of shards); transfers pass their own (``CKPT_STALL_SECONDS``).
 IO_TIMEOUT = 600.0
+#: A chain hop not told how long a hop may stall (an older sender) uses this.
+STALL_SECONDS = 60.0
 #: Clock differences up to this are left to the worker's skew bound.
 CLOCK_TOLERANCE = 30.0
 #: Per worker URL: what to add to this process's clock to sign (learned from 401s).
@@ -31,7 +36,10 @@ log = logging.getLogger("ckpt.client")
 class WorkerClient:
     """Signed requests to the storage worker ``node`` at ``url``, whose answers must be signed
     by that node with the cluster key (``node`` :data:`~pipeline.cluster.auth.ANY_NODE`: a
-    status probe of a worker not known yet)."""
+    status probe of a worker not known yet). ``timeout``: how long an exchange may go with no
+    byte moving (an upload through a chain waits that long per worker it reaches: :class:`Upload`).
+    Whatever goes wrong below (the peer's answer is not HTTP, is cut short, is not the JSON
+    asked for; the link breaks or stalls) is raised as :class:`WorkerError` for this worker."""
 
     def __init__(self, url: str, key: bytes, node: str, *, timeout: float = IO_TIMEOUT) -> None:
         parts = urlsplit(url)
@@ -46,10 +54,15 @@ class WorkerClient:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=CONNECT_TIMEOUT, blocksize=1 << 20)
         try:
             conn.connect()
-        except OSError as exc:
-            raise WorkerError(self.url, f"cannot connect ({exc})") from None
+        except PEER_FAULTS as exc:
+            conn.close()
+            raise WorkerError(self.url, f"cannot connect ({describe(exc, CONNECT_TIMEOUT)})") from None
         conn.sock.settimeout(self.timeout)
         return conn
+
+    def _failed(self, what: str, exc: BaseException) -> WorkerError:
+        """The error of this worker for ``exc``, raised below while doing ``what``."""
+        return WorkerError(self.url, f"{what} failed ({describe(exc, self.timeout)})")
 
     def _headers(self, method: str, path: str, extra: dict[str, str] | None = None,
                  body: bytes | None = None) -> dict[str, str]:
@@ -72,7 +85,7 @@ class WorkerClient:
             said = ""
             try:  # what it says, untrusted: often why (a worker with another key refuses us)
                 said = str(json.loads(body or b"{}").get("error") or "")[:200]
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 pass
             raise UntrustedAnswer(self.url, f"{what} answered {resp.status}, an answer refused: {exc}"
                                             + (f"; it says (unverified): {said}" if said else "")) from None
@@ -110,8 +123,8 @@ class WorkerClient:
                 conn.request(method, path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
-            except OSError as exc:
-                raise WorkerError(self.url, f"{method} {path} failed ({exc})") from None
+            except PEER_FAULTS as exc:
+                raise self._failed(f"{method} {path}", exc) from None
             finally:
                 conn.close()
             self._authentic(headers, resp, None if method == "HEAD" else data, f"{method} {path}")
@@ -119,11 +132,18 @@ class WorkerClient:
                 break
         return resp, data
 
-    def _request_json(self, method: str, path: str, doc: Any = None, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
+    def _request_json(self, method: str, path: str, doc: Any, field: str, kind: type) -> Any:
+        """The ``field`` of the worker's JSON answer, which must be a ``kind``: any other
+        answer is this worker's :class:`WorkerError`, never a KeyError of the caller's."""
         body = json.dumps(doc).encode() if doc is not None else None
         extra = {"Content-Type": "application/json"} if body is not None else {}
         resp, data = self._exchange(method, path, body, extra)
-        return _decode(self.url, method, path, resp.status, data, ok)
+        answer = _decode(self.url, method, path, resp.status, data, (200,))[1]
+        value = answer.get(field) if isinstance(answer, dict) else None
+        if not isinstance(value, kind):
+            raise WorkerError(self.url, f"{method} {path} answered {resp.status} without {field!r} "
+                                        f"(a {kind.__name__}): {data[:120]!r}", resp.status)
+        return value
 
     # -- API ---------------------------------------------------------------------------
 
@@ -144,7 +164,10 @@ class WorkerClient:
             return None
         if resp.status != 200:
             raise WorkerError(self.url, f"HEAD {path} answered {resp.status}", resp.status)
-        return int(resp.getheader("Content-Length", "0"))
+        length = resp.getheader("Content-Length", "0")
+        if not length.isdigit() or len(length) > 18:
+            raise WorkerError(self.url, f"HEAD {path} answered a length that is no byte count: {length[:40]!r}", 200)
+        return int(length)
 
     def put_range(self, name: str, header: bytes, path: str, offset: int, length: int,
                   chain: Sequence[tuple[str, str]] = (), *, wire: str = "off") -> dict[str, Any]:
@@ -210,14 +233,14 @@ class WorkerClient:
         try:
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
-        except OSError as exc:
+        except PEER_FAULTS as exc:
             conn.close()
-            raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
+            raise self._failed(f"GET {path}", exc) from None
         if resp.status != 200:
             try:
                 data = resp.read()
-            except OSError as exc:
-                raise WorkerError(self.url, f"GET {path} failed ({exc})") from None
+            except PEER_FAULTS as exc:
+                raise self._failed(f"GET {path}", exc) from None
             finally:
                 conn.close()
             self._authentic(headers, resp, data, f"GET {path}")
@@ -233,20 +256,29 @@ class WorkerClient:
                       else resp)
 
     def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
-        """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled)."""
-        return self._request_json("POST", "/v1/verify", {"shards": names, "rate": rate})[1]["results"]
+        """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled):
+        per name, in order, ``{"name", "sha256" (None: not held), "size"}``."""
+        results = self._request_json("POST", "/v1/verify", {"shards": names, "rate": rate}, "results", list)
+        if len(results) != len(names) or any(
+                not isinstance(r, dict) or r.get("name") != n or not isinstance(r.get("sha256"), (str, type(None)))
+                for r, n in zip(results, names, strict=True)):
+            raise WorkerError(self.url, f"POST /v1/verify answered re-hashes that are not those of the "
+                                        f"{len(names)} shards asked", 200)
+        return results
 
     def quarantine(self, names: list[str]) -> dict[str, bool]:
-        return self._request_json("POST", "/v1/quarantine", {"shards": names})[1]["moved"]
+        return self._request_json("POST", "/v1/quarantine", {"shards": names}, "moved", dict)
 
     def purge_quarantined(self, names: list[str]) -> dict[str, int]:
-        return self._request_json("POST", "/v1/quarantine/purge", {"shards": names})[1]["purged"]
+        return self._request_json("POST", "/v1/quarantine/purge", {"shards": names}, "purged", dict)
 
     def delete(self, name: str) -> bool:
-        return self._request_json("DELETE", f"/v1/shards/{name}")[1]["deleted"]
+        return self._request_json("DELETE", f"/v1/shards/{name}", None, "deleted", bool)
 
     def copy_from(self, source: WorkerClient, name: str, size: int) -> dict[str, Any]:
-        """Stream shard ``name`` from ``source`` into this worker, which checks its hash."""
+        """Stream shard ``name`` from ``source`` into this worker, which checks its hash. A
+        failure reading from ``source`` is the source's :class:`WorkerError` (try another
+        copy); one sending is this worker's."""
         src_conn, src = source.open_shard(name)
         try:
             up = Upload(self, name, size)
@@ -256,45 +288,49 @@ class WorkerClient:
                 while sent < size and up.broken is None:
                     n = src.readinto(buf)
                     if not n:
-                        break
+                        raise http.client.IncompleteRead(b"", size - sent)  # ended early: the source's fault
                     up.send(buf[:n])
                     sent += n
-            except OSError as exc:
+            except (OSError, http.client.HTTPException, MalformedStream) as exc:  # PEER_FAULTS, or a bad stream
                 up.close()
-                raise WorkerError(self.url, f"copy of {name[:12]} from {source.url} failed ({exc})") from None
+                raise source._failed(f"GET of {name[:12]} to copy it to {self.url}", exc) from None
             return up.finish()
         finally:
             src_conn.close()
 
-    def inventory_full(self) -> dict[str, Any]:
-        return self._request_json("GET", "/v1/inventory")[1]
-
     def stat(self, names: list[str]) -> dict[str, int | None]:
-        return self._request_json("POST", "/v1/stat", {"shards": names})[1]["sizes"]
+        return self._request_json("POST", "/v1/stat", {"shards": names}, "sizes", dict)
 
     def delete_many(self, names: list[str]) -> dict[str, bool]:
         """Delete shards (garbage collection); name -> whether it was there."""
-        return self._request_json("POST", "/v1/delete", {"shards": names})[1]["deleted"]
+        return self._request_json("POST", "/v1/delete", {"shards": names}, "deleted", dict)
 
     def inventory_page(self, after: str = "", limit: int = 1000) -> list[tuple[str, int]]:
         """Up to ``limit`` held shards named after ``after``, in name order (empty: the end)."""
-        path = f"/v1/inventory?after={after}&limit={limit}"
-        resp, data = self._exchange("GET", path)
-        doc = _decode(self.url, "GET", path, resp.status, data, (200,))[1]
-        return [(str(n), int(s)) for n, s in doc["shards"]]
+        return self._shards(f"/v1/inventory?after={after}&limit={limit}")
 
     def inventory(self) -> list[tuple[str, int]]:
-        return [(n, s) for n, s in self._request_json("GET", "/v1/inventory")[1]["shards"]]
+        return self._shards("/v1/inventory")
+
+    def _shards(self, path: str) -> list[tuple[str, int]]:
+        try:
+            return [(str(n), int(size)) for n, size in self._request_json("GET", path, None, "shards", list)]
+        except (TypeError, ValueError):
+            raise WorkerError(self.url, f"GET {path} answered a list that is not of (name, size) pairs", 200) from None
 
 
-def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, zstd: int | None = None) -> str:
-    """The path of an upload, with the workers it is forwarded to and, if its body is zstd
-    frames, its raw length (both signed with the request)."""
+def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, zstd: int | None = None,
+               stall: float | None = None) -> str:
+    """The path of an upload, with the workers it is forwarded to and how long each hop may
+    stall before the one before it gives up on it, and, if its body is zstd frames, its raw
+    length (all signed with the request)."""
     query = []
     if zstd is not None:
         query.append(f"zstd={zstd}")
     if chain:
         query.append("next=" + ",".join(f"{node}@{quote(url, safe='')}" for node, url in chain))
+        if stall is not None:
+            query.append(f"stall={stall:g}")
     return f"/v1/shards/{name}" + ("?" + "&".join(query) if query else "")
 
 
@@ -304,19 +340,29 @@ class Upload:
     or died) marks the upload ``broken``; :meth:`finish` then reports its answer, if any.
 
     ``compress`` (True, or asked with the connected socket): the bytes sent are zstd frames
-    of ``length`` raw bytes, in a chunked body (pipeline/cluster/wire.py)."""
+    of ``length`` raw bytes, in a chunked body (pipeline/cluster/wire.py).
+
+    Deadlines are by progress, and blame by evidence: the client's timeout is how long one
+    worker may leave the transfer with no byte moving. Through a chain of ``n`` workers this
+    upload waits ``n`` times that, and tells each hop to wait that long per worker after it
+    (``?stall=``): when a hop stalls, the worker before it gives up first, and its answer
+    names the stalled hop while the ones before it are still waiting, and are not blamed."""
 
     def __init__(self, client: WorkerClient, name: str, length: int, chain: Sequence[tuple[str, str]] = (),
                  *, compress: bool | Callable[[socket.socket], bool] = False) -> None:
         self.client = client
         self.broken: str | None = None
+        #: The worker took no byte for the stall timeout: no answer is coming either.
+        self.stalled = False
+        self.timeout = client.timeout * (1 + len(chain))
         self.conn = client._connect()
         try:
+            self.conn.sock.settimeout(self.timeout)
             self.zstd = compress(self.conn.sock) if callable(compress) else compress
         except BaseException:
             self.conn.close()
             raise
-        self.path = shard_path(name, chain, zstd=length if self.zstd else None)
+        self.path = shard_path(name, chain, zstd=length if self.zstd else None, stall=client.timeout)
         framing = {"Transfer-Encoding": "chunked"} if self.zstd else {"Content-Length": str(length)}
         try:
             self.conn.putrequest("PUT", self.path, skip_accept_encoding=True)
@@ -324,48 +370,61 @@ class Upload:
             for k, v in self.signed.items():
                 self.conn.putheader(k, v)
             self.conn.endheaders()
-        except OSError as exc:
+        except PEER_FAULTS as exc:
             self.conn.close()
-            raise WorkerError(client.url, f"PUT {self.path} failed ({exc})") from None
+            raise client._failed(f"PUT {self.path}", exc) from None
+
+    def _broke(self, exc: BaseException) -> None:
+        self.broken = describe(exc, self.timeout)
+        self.stalled = isinstance(exc, TimeoutError)
 
     def send(self, data: bytes | memoryview) -> None:
         if self.broken is None and len(data):
             try:
                 if self.zstd:
-                    self.conn.sock.sendall(b"%x\r\n" % len(data))
-                self.conn.sock.sendall(data)
+                    send_all(self.conn.sock, b"%x\r\n" % len(data))
+                send_all(self.conn.sock, data)
                 if self.zstd:
-                    self.conn.sock.sendall(b"\r\n")
+                    send_all(self.conn.sock, b"\r\n")
             except OSError as exc:
-                self.broken = str(exc)
+                self._broke(exc)
 
     def sendfile(self, f: Any, offset: int, length: int) -> int:
-        """Send a file's range (zero copy); an error reading the file is raised as it is."""
+        """Send a file's range (zero copy; each wait for the worker bounded by the stall
+        timeout); an error reading the file is raised as it is."""
         try:
             return self.conn.sock.sendfile(f, offset, length)
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
-            self.broken = str(exc)
+            self._broke(exc)
             return 0
 
     def finish(self) -> dict[str, Any]:
-        """The worker's answer, authenticated; raises :class:`WorkerError` unless it stored the shard."""
+        """The worker's answer, authenticated; raises :class:`WorkerError` unless it stored the
+        shard (at once if it stalled: a worker that took no byte for the stall timeout is not
+        waited for again)."""
         c = self.client
         if self.zstd and self.broken is None:
             try:
-                self.conn.sock.sendall(b"0\r\n\r\n")  # the chunked body's end
+                send_all(self.conn.sock, b"0\r\n\r\n")  # the chunked body's end
             except OSError as exc:
-                self.broken = str(exc)
+                self._broke(exc)
+        if self.stalled:
+            self.conn.close()
+            raise WorkerError(c.url, f"PUT {self.path} stalled: {self.broken}")
         try:
             resp = self.conn.getresponse()
             data = resp.read()
-        except OSError as exc:
-            why = f"connection closed while sending ({self.broken})" if self.broken else str(exc)
+        except PEER_FAULTS as exc:
+            why = f"connection closed while sending ({self.broken})" if self.broken else describe(exc, self.timeout)
             raise WorkerError(c.url, f"PUT {self.path} failed ({why})") from None
         finally:
             self.conn.close()
         c._authentic(self.signed, resp, data, f"PUT {self.path}")
         c._learn_clock(resp)
-        return _decode(c.url, "PUT", self.path, resp.status, data, (200, 201))[1]
+        doc = _decode(c.url, "PUT", self.path, resp.status, data, (200, 201))[1]
+        if not isinstance(doc, dict):
+            raise WorkerError(c.url, f"PUT {self.path} answered {resp.status} without a JSON object", resp.status)
+        return doc
 
     def close(self) -> None:
         self.conn.close()
@@ -374,7 +433,10 @@ class Upload:
 def _decode(url: str, method: str, path: str, status: int, data: bytes, ok: tuple[int, ...]) -> tuple[int, Any]:
     try:
         doc = json.loads(data) if data else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: hostile nesting
+        if status in ok:
+            raise WorkerError(url, f"{method} {path} answered {status} with a body that is not JSON: "
+                                   f"{data[:80]!r}", status) from None
         doc = None
     if status not in ok:
         reason = doc.get("error") if isinstance(doc, dict) else data[:200].decode(errors="replace")

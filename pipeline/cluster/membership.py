@@ -43,12 +43,21 @@ class ProbeResult:
     went_down: list[str] = field(default_factory=list)
 
 
-def _ask(url: str, key: bytes) -> tuple[str, dict[str, Any] | str, bool]:
+def _ask(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | str, bool]:
     """``(url, status or error, rejected)`` for one worker. Whatever it answers, and however
-    malformed, is that worker's problem: this never raises."""
+    malformed, is that worker's problem: this never raises (one bad peer must never keep the
+    others' answers from being recorded)."""
+    try:
+        return _challenge(url, key, timeout)
+    except Exception as exc:  # a peer's answer we did not foresee: still only that peer's
+        log.exception("probing storage worker %s failed unexpectedly", url)
+        return url, f"storage worker {url}: probe failed ({type(exc).__name__}: {exc})", False
+
+
+def _challenge(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | str, bool]:
     nonce = secrets.token_hex(16)
     try:
-        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=10).status(nonce)
+        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=timeout).status(nonce)
     except UntrustedAnswer as exc:  # not signed with the cluster key: a stranger
         return url, str(exc), True
     except WorkerError as exc:
@@ -100,7 +109,7 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
         urls = {u.rstrip("/"): urls.get(u.rstrip("/"), "static") for u in only}
     key = settings.key()
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        answers = list(pool.map(lambda u: _ask(u, key), urls))
+        answers = list(pool.map(lambda u: _ask(u, key, settings.probe_seconds), urls))
     result = ProbeResult()
     t = now()
     with session_scope(settings.db_url) as s:

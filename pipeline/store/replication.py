@@ -8,8 +8,10 @@ SHA-256: a match makes the copy ``verified`` here, so the verify step only has t
 
 Fan-in is decided in the database: every store job waiting in ``sharded`` for this content
 moves to ``replicated`` (compare-and-set, exactly once) when each of its contents has RF
-copies stored on counting workers. A worker that cannot be reached is marked down, one that
-answers 507 full; the copy is abandoned for one on another worker.
+copies stored on counting workers. A worker that cannot be reached, or stalls (no byte moved
+for ``CKPT_STALL_SECONDS``), is marked down, one that answers 507 full; the copy is abandoned for
+one on another worker. Through a chain, the hop a worker before it names as stalled,
+unreachable or full is the one marked (blame by evidence), never the first hop for it.
 """
 from __future__ import annotations
 
@@ -111,9 +113,9 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
     on along ``hops`` when it comes from the local file; record each worker's re-hash; the
     follow-up messages (naming the same source). A copy of ``hops`` not stored through the
     chain is sent on its own."""
-    client = WorkerClient(url, settings.key(), worker_id)
+    client = WorkerClient(url, settings.key(), worker_id, timeout=settings.stall_seconds)
     alone = [again(h.copy_id, named) for h in hops]
-    reached: dict[str, bool] = {}
+    reached: dict[str, dict[str, Any]] = {}
     try:
         held = client.head(sha)
         if held != size:
@@ -122,12 +124,13 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
                 answer = client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
                                           src.length, chain=[(h.worker_id, h.url) for h in hops],
                                           wire=settings.wire_compression)
-                reached = {str(r.get("node")): r.get("ok") is True for r in answer.get("chain") or []}
+                reached = {str(r.get("node")): r for r in answer.get("chain") or [] if isinstance(r, dict)}
             elif not _copy_from_peer(settings, client, sha, size, peers):
                 return _abandon(settings, copy_id, "no local file and no good copy holds its bytes") + alone
         # Re-hashed from the worker's disk now, while other copies are still uploading,
         # rather than all together in the verify step once the last upload is done.
-        rehashed = client.verify([sha])[0]["sha256"]
+        # No byte moves while the worker hashes: the wait is for work, not a stalled transfer.
+        rehashed = WorkerClient(url, settings.key(), worker_id).verify([sha])[0]["sha256"]
     except WorkerError as exc:
         if exc.status == 422 and src is not None:
             # What the worker received does not hash to the content. Either the source changed
@@ -147,9 +150,10 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
 
     results = [(copy_id, rehashed)]
     resend: list[Send] = []
+    failed: list[tuple[Hop, dict[str, Any]]] = []
     for h in hops:
-        if not reached.get(h.worker_id):
-            resend.append(again(h.copy_id, named))  # from the source, or a copy upstream
+        if reached.get(h.worker_id, {}).get("ok") is not True:
+            failed.append((h, reached.get(h.worker_id, {})))
             continue
         try:
             results.append((h.copy_id, WorkerClient(h.url, settings.key(), h.worker_id).verify([sha])[0]["sha256"]))
@@ -168,7 +172,23 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
             grown = Job.bytes_done + size * len(results)
             s.execute(update(Job).where(Job.id == job.id)
                       .values(bytes_done=case((grown > Job.bytes_total, Job.bytes_total), else_=grown)))
-        return fan_in(s, settings, sha) + resend
+        sends = fan_in(s, settings, sha)
+    return sends + resend + [m for h, entry in failed for m in _hop_failed(settings, h, entry, named)]
+
+
+def _hop_failed(settings: Settings, hop: Hop, entry: dict[str, Any], named: dict[str, Any] | None) -> list[Send]:
+    """A copy not stored through the chain, ``entry`` being what the worker before it said:
+    a hop that gave no answer (unreachable, stalled) or answered 507 is marked and loses the
+    copy to another worker, on that evidence; any other is sent the copy again on its own
+    (from the source, or a copy upstream)."""
+    status = entry.get("status", "not sent")
+    if status is None or status == 507:
+        why = f"through the chain: {str(entry.get('error') or 'no answer')[:300]}"
+        try:
+            return _move_off(settings, hop.copy_id, hop.worker_id, why, full=status == 507, named=named)
+        except WorkerError:  # nowhere else to go: sent again to it, the retry may find it back
+            pass
+    return [again(hop.copy_id, named)]
 
 
 def again(copy_id: int, named: dict[str, Any] | None = None) -> Send:
@@ -182,7 +202,7 @@ def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: in
     key = settings.key()
     for url, worker_id in peers:
         try:
-            target.copy_from(WorkerClient(url, key, worker_id), sha, size)
+            target.copy_from(WorkerClient(url, key, worker_id, timeout=settings.stall_seconds), sha, size)
             return True
         except WorkerError as exc:
             if exc.worker == target.url and exc.status is None:
