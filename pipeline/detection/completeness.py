@@ -191,13 +191,13 @@ def too_costly(entries: list[FileEntry] | tuple[FileEntry, ...], *, max_bytes: i
     as 100 TB of zeros; 0: never judged). Reported, with the setting that lets it through."""
     for e in entries:
         name = e.relpath or os.path.basename(e.abspath)
-        if max_bytes and e.size > max_bytes:
-            return (f"{name} is {e.size:,} bytes, more than max_hash_bytes ({max_bytes:,}): it is not hashed;"
-                    f" set CKPT_MAX_HASH_BYTES above {e.size:,} (or 0) to protect it")
         if sparse_ratio and e.size >= SPARSE_FLOOR and 0 <= e.allocated < e.size * sparse_ratio:
             return (f"{name} is a sparse file: {e.size:,} bytes of which the disk holds {e.allocated:,}"
                     f" (less than sparse_ratio {sparse_ratio:g}): it is not hashed; set CKPT_SPARSE_RATIO=0"
                     " to protect it anyway")
+        if max_bytes and e.size > max_bytes:
+            return (f"{name} is {e.size:,} bytes, more than max_hash_bytes ({max_bytes:,}): it is not hashed;"
+                    f" set CKPT_MAX_HASH_BYTES above {e.size:,} (or 0) to protect it")
     return None
 
 
