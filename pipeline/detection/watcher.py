@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
@@ -32,6 +31,7 @@ from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, faults, ondisk, parts, problems, roots
 from pipeline.detection.events import Watches
 from pipeline.detection.hashpool import Apply, HashPool
+from pipeline.detection.reports import Reports, shown
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
@@ -40,13 +40,12 @@ from pipeline.store import trash
 from pipeline.store.early import EarlySends
 
 log = logging.getLogger("ckpt.watcher")
+#: Said once of a symlink found inside a recorded checkpoint folder.
+LINK_INSIDE = ("a symlink inside a checkpoint is never followed: its target is not part of the protected checkpoint"
+               " (replace the link by the file to protect it)")
 #: How often a watcher reports its host in (pipeline.status judges a host silent after several).
 HOST_REPORT_SECONDS = 10.0
 
-
-def shown(path: str) -> str:
-    """``path`` as it can be recorded and printed (a name that is not UTF-8 gets U+FFFD)."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 class Watcher:
@@ -60,11 +59,7 @@ class Watcher:
         self.parts: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = {}
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
-        self.reported: dict[str, str] = {}      # path -> last problem reported
-        #: path -> the fault reported for it (an error reading it), while it is failing
-        self.faults: dict[str, str] = {}
-        self.backoff = faults.Backoff()         # runs and entries that failed: when to look again
-        self.run_problems: set[str] = set()     # runs reported as a whole (a fault, no watch)
+        self.reports = Reports(settings)        # what is not protected, and why: each said once
         self._hashing: HashPool | None = None
         self._scan_error: str | None = None     # the error the last scan failed with, as logged
         self.refused: set[str] = set()          # runs refused: a glob reaches them only through a link out
@@ -157,16 +152,16 @@ class Watcher:
         for root, run, base in found:
             if only is not None and run not in only:
                 continue
-            left = self.backoff.wait(str(run))
+            left = self.reports.backoff.wait(str(run))
             if left is not None:  # failed a moment ago: looked at again later, the others now
                 next_look = min(next_look, left)
                 continue
             try:
                 next_look = min(next_look, self._scan_run(root, run, base, runs_real))
             except Exception as exc:  # the run's own fault (unreadable, EIO): never the others'
-                next_look = min(next_look, self._failed(run, str(run), exc))
+                next_look = min(next_look, self.reports.failed(run, str(run), exc))
             else:
-                self._recovered(str(run))
+                self.reports.recovered(str(run))
         if wait and self._hashing is not None:
             self._hashing.wait_idle()
             next_look = min(next_look, self._apply_finished())
@@ -181,22 +176,22 @@ class Watcher:
         paths, links_out = roots.entries_in(run, base, runs_real)
         for out in links_out:  # listed in "not protected" for as long as it leads out
             present.add(shown(out.path))
-            self._problem(run, shown(out.path), out.reason)
+            self.reports.problem(run, shown(out.path), out.reason)
         for path in paths:
             key = shown(str(path))
             present.add(key)
             if self._hashing is not None and self._hashing.busy(key):
                 continue  # being hashed: the pool tells when it is done
-            left = self.backoff.wait(str(path))
+            left = self.reports.backoff.wait(str(path))
             if left is not None:
                 next_look = min(next_look, left)
                 continue
             try:
                 wait = self._consider(run, path, options, self.hashing)
             except Exception as exc:  # the entry's own fault: never the others'
-                wait = self._failed(run, str(path), exc)
+                wait = self.reports.failed(run, str(path), exc)
             else:
-                self._recovered(str(path))
+                self.reports.recovered(str(path))
             if wait is not None:
                 next_look = min(next_look, wait)
         self._vanished(run, present)
@@ -212,37 +207,12 @@ class Watcher:
             try:
                 wait = apply()
             except Exception as exc:
-                wait = self._failed(Path(run), key, exc)
+                wait = self.reports.failed(Path(run), key, exc)
             else:
-                self._recovered(key)
+                self.reports.recovered(key)
             if wait is not None:
                 next_look = min(next_look, wait)
         return next_look
-
-    def _failed(self, run: Path, path: str, exc: BaseException) -> float:
-        """``path`` (a run or an entry) failed with ``exc``: report it once, look again later;
-        the seconds until then. A path that vanished or changed while read is no fault; the
-        control plane failing is no run's (the scan stops; Watcher._scan tries it again)."""
-        if isinstance(exc, SQLAlchemyError):
-            raise exc
-        if faults.changed_while_read(exc):
-            return self.settings.settle_seconds
-        delay = self.backoff.failed(path)
-        reason = f"{faults.describe(exc)} (looked at again in {delay:.0f} s)"
-        key = shown(path)
-        self.faults[key] = reason
-        if key == str(run):
-            self.run_problems.add(key)
-        self._problem(run, key, reason, exc=None if isinstance(exc, OSError) else exc)
-        return delay
-
-    def _recovered(self, path: str) -> None:
-        """``path`` was looked at without error: the fault it had (if any) is over."""
-        self.backoff.succeeded(path)
-        key = shown(path)
-        reason = self.faults.pop(key, None)
-        if reason is not None and self.reported.get(key) == reason:
-            self._clear_problem(key)
 
     def _watch(self, runs: list[Path]) -> None:
         """Add the file watches new runs need; report the directories that get no events (a
@@ -255,53 +225,35 @@ class Watcher:
             alive |= {str(p) for p in parents}
             self.watches.forget(alive)
             failed = self.watches.failed
-        for key in sorted(self.run_problems):
-            if key in alive and (key in self.faults or key in failed):
-                continue
-            self.run_problems.discard(key)
-            self.faults.pop(key, None)
-            self.backoff.succeeded(key)
-            self._clear_problem(key)
-        for key, why in failed.items():
-            if key not in self.faults:  # a run that cannot be read says so; its watch is secondary
-                self.run_problems.add(key)
-                self._problem(Path(key), key, why)
-
-    def _clear_problem(self, key: str) -> None:
-        self.reported.pop(key, None)
-        try:
-            with session_scope(self.settings.db_url) as s:
-                problems.clear(s, key, self.settings.host_id)
-        except Exception:  # the control plane may be away: cleared again at the next start
-            log.exception("could not clear the problem of %s", key)
+        self.reports.unwatched(alive, failed)
 
     def _refused_runs(self, refused: list[roots.Refused]) -> None:
         """Report runs a glob reaches only through a link out of its root; forget those that
         are no longer refused."""
         now_refused = {shown(r.path) for r in refused}
         for r in refused:
-            self._problem(Path(r.run), shown(r.path), r.reason)
+            self.reports.problem(Path(r.run), shown(r.path), r.reason)
         gone = self.refused - now_refused
         self.refused = now_refused
         if gone:
             with session_scope(self.settings.db_url) as s:
                 for path in gone:
-                    self.reported.pop(path, None)
+                    self.reports.reported.pop(path, None)
                     problems.clear(s, path, self.settings.host_id)
 
     def _vanished(self, run: Path, present: set[str]) -> None:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
         parts_gone = [p for p in self.parts if os.path.dirname(p) == str(run) and p not in present]
-        fixed = [p for p in self.reported if os.path.dirname(p) == str(run) and p not in present]
+        fixed = [p for p in self.reports.reported if os.path.dirname(p) == str(run) and p not in present]
         for path in [p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present]:
             self.waiting.pop(path, None)
         if not gone and not fixed and not parts_gone:
             return
         with session_scope(self.settings.db_url) as s:
             for path in fixed:
-                self.reported.pop(path, None)
-                self.faults.pop(path, None)
-                self.backoff.succeeded(path)
+                self.reports.reported.pop(path, None)
+                self.reports.faults.pop(path, None)
+                self.reports.backoff.succeeded(path)
                 problems.clear(s, path, self.settings.host_id)
             for path in parts_gone:
                 self.parts.pop(path, None)
@@ -338,7 +290,7 @@ class Watcher:
             # A symlinked entry is here only if it stays inside its root (roots.entries_in).
             found = completeness.examine(path, commit_marker=options.commit_marker, follow_link=path.is_symlink())
         except UnreadableEntry as exc:
-            self._problem(run, exc.path, exc.reason)
+            self.reports.problem(run, exc.path, exc.reason)
             return None  # looked at again when it changes (an event) or at the next full scan
         except OSError as exc:
             if faults.changed_while_read(exc):
@@ -368,7 +320,7 @@ class Watcher:
             if again:
                 verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
-            self._problem(run, key, verdict.reason)
+            self.reports.problem(run, key, verdict.reason)
             return None
         age = time.time() - found.newest_ns / 1e9
         if verdict.kind == "incomplete" or (verdict.kind == "quiet" and age < options.quiet_seconds):
@@ -381,7 +333,7 @@ class Watcher:
                 self.waiting[key] = (found.newest_ns, time.time())
             elif verdict.kind == "incomplete" and time.time() - first[1] >= max(options.quiet_seconds,
                                                                               self.settings.settle_seconds):
-                self._problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
+                self.reports.problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
             if verdict.kind == "quiet":
                 return max(0.05, options.quiet_seconds - age)
             return max(self.settings.settle_seconds, 0.05)
@@ -390,7 +342,7 @@ class Watcher:
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         if (why := self._too_costly(entries)) is not None:
-            self._problem(run, key, why)
+            self.reports.problem(run, key, why)
             return None
         return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
                                                       options, tree_ns), pool)
@@ -445,11 +397,9 @@ class Watcher:
             self.known[key] = sig
             self.changes.forget(key)  # record() cleared the flag
             for rel in found.links:  # recorded without them: say so, once
-                self._problem(run, f"{key}/{rel}", "a symlink inside a checkpoint is never followed: its target is"
-                                                   " not part of the protected checkpoint (replace the link by the"
-                                                   " file to protect it)")
+                self.reports.problem(run, f"{key}/{rel}", LINK_INSIDE)
             self.waiting.pop(key, None)
-            self.reported.pop(key, None)
+            self.reports.reported.pop(key, None)
         return recorded
 
     def _recorded(self, key: str) -> catalog.Signature | None:
@@ -495,25 +445,25 @@ class Watcher:
         if known is not None and known[0] == sig:
             with session_scope(self.settings.db_url) as s:
                 taken = parts.claimed(s, key, self.settings.host_id) is not None
-                if taken and key in self.reported:
+                if taken and key in self.reports.reported:
                     problems.clear(s, key, self.settings.host_id)
             if taken:
-                self.reported.pop(key, None)
+                self.reports.reported.pop(key, None)
                 return None
             waited = time.time() - known[1]
             if waited >= max(options.quiet_seconds, self.settings.settle_seconds):
-                self._problem(run, key, f"torch DCP rank files without any metadata, announced as this host's part"
-                                        f" {waited:.0f} s ago: no host has recorded a step whose .metadata names"
-                                        " them (a collective save's coordinator writes .metadata, maybe on"
-                                        " another host: is it watched?; a save without collectives writes"
-                                        " __<rank>.metadata here, last)")
+                self.reports.problem(run, key, f"torch DCP rank files without any metadata, announced as this host's"
+                                               f" part {waited:.0f} s ago: no host has recorded a step whose .metadata"
+                                               " names them (a collective save's coordinator writes .metadata, maybe"
+                                               " on another host: is it watched?; a save without collectives writes"
+                                               " __<rank>.metadata here, last)")
             return None
         tree_ns = completeness.tree_mtime_ns(path)
         if not completeness.settled(found.entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in found.entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         if (why := self._too_costly(found.entries)) is not None:
-            self._problem(run, key, why)
+            self.reports.problem(run, key, why)
             return None
         return self._hash(run, key, functools.partial(self._hash_part, run, path, found), pool)
 
@@ -535,25 +485,6 @@ class Watcher:
         def held() -> None:
             self.parts[key] = (sig, announced)
         return held
-
-    def _problem(self, run: Path, path: str, reason: str, *, exc: BaseException | None = None) -> None:
-        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped.
-
-        Logged again only when the problem changes its kind (:func:`problems.kind_of`), not when
-        a number in it does ("incomplete for 60 s" then "for 90 s"); the row keeps the latest words.
-        ``exc``: an unexpected error (a bug), whose traceback the one log line carries.
-        """
-        before = self.reported.get(path)
-        if before == reason:
-            return
-        self.reported[path] = reason
-        if before is None or problems.kind_of(before) != problems.kind_of(reason):
-            log.error("not protecting %s: %s", path, reason, exc_info=exc)
-        try:
-            with session_scope(self.settings.db_url) as s:
-                problems.report(s, path, str(run), reason, self.settings.host_id)
-        except Exception:  # the control plane may be away: the log line above stands
-            log.exception("could not record the problem of %s", path)
 
     # -- loop --------------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ CHILD = textwrap.dedent("""
 
     clock = [1000.0]
     w = Watcher(s, [].extend, use_events=True)
-    w.backoff.clock = lambda: clock[0]
+    w.reports.backoff.clock = lambda: clock[0]
     w.reconcile()
     w.watches.start()
     out = {}
@@ -91,7 +91,7 @@ CHILD = textwrap.dedent("""
         tries = []
         for _ in range(6):  # the clock moves past each delay: every scan is a try
             w.scan()
-            tries.append(w.backoff._failed[str(runs / "a")].delay)
+            tries.append(w.reports.backoff._failed[str(runs / "a")].delay)
             clock[0] += 1000
         out["failing"] = state()
         out["delays"] = tries
@@ -158,7 +158,7 @@ def test_an_entry_answering_eio_is_reported_once_and_retried_while_its_run_goes_
     monkeypatch.setattr(completeness, "examine", examine)
     clock = [0.0]
     w = Watcher(db, [].extend, use_events=False)
-    w.backoff.clock = lambda: clock[0]
+    w.reports.backoff.clock = lambda: clock[0]
     with caplog.at_level(logging.ERROR, logger="ckpt.watcher"):
         w.scan()
         w.scan()  # within its delay: not looked at
