@@ -36,6 +36,18 @@ def stamp(path: str) -> Stamp:
     return (st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def gone(path: str) -> bool:
+    """Whether nothing is at ``path`` (not: whether it can be seen). A file in a directory the
+    watcher may not search is not gone: ``os.path.lexists`` says False for both."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def changed_while_read(exc: BaseException) -> bool:
     """True for the errors of an entry that vanished or changed while it was read (looked at
     again once it settles), as opposed to one that cannot be read (a fault, reported)."""

@@ -105,13 +105,13 @@ class Watcher:
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
                                   .order_by(Checkpoint.current, Checkpoint.id).with_for_update()):
-                if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path, catalog.file_sig(ckpt)):
+                if faults.gone(ckpt.path) and not trash.put_back(ckpt.path, catalog.file_sig(ckpt)):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
                     continue
                 self.known[ckpt.path] = catalog.file_sig(ckpt)
             for part in parts.held(s, host):  # and the parts it holds of other hosts' checkpoints
-                if not os.path.lexists(part.path) and not trash.put_back(part.path, parts.file_sig(part)):
+                if faults.gone(part.path) and not trash.put_back(part.path, parts.file_sig(part)):
                     parts.vanished(s, part)
                     log.warning("this host's part of %s vanished", part.path)
                     continue

@@ -94,6 +94,9 @@ CHILD = textwrap.dedent("""
             tries.append(w.reports.backoff._failed[str(runs / "a")].delay)
             clock[0] += 1000
         out["failing"] = state()
+        restarted = Watcher(s, [].extend, use_events=False)
+        restarted.reconcile()  # a watcher starting while the run is unreadable: nothing of it vanished
+        out["restarted"] = state()["ckpts"]
         out["delays"] = tries
         out["lines"] = [line for line in lines if "/runs/a" in line]
         os.chmod(runs / "a", 0o755)  # fixed: its metadata changed, looked at again at once
@@ -132,6 +135,7 @@ def test_an_unreadable_run_as_a_non_root_watcher_is_reported_once_and_the_others
     # The other run goes on; the unreadable run's checkpoint is not taken as vanished.
     assert failing["ckpts"] == [["step_1.safetensors", "a", True], ["step_1.safetensors", "b", True],
                                 ["step_2.safetensors", "b", True]]
+    assert out["restarted"] == failing["ckpts"]
     assert "permission denied" in failing["problems"]["a"] and "uid 65534" in failing["problems"]["a"]
     assert len(out["lines"]) == 1, out["lines"]  # reported once, whatever the number of tries
     assert out["delays"] == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0]  # tried again, each time later
