@@ -94,6 +94,15 @@ class Settings:
     lag_warning_seconds: float = 900.0
     #: The watcher rescans every root this often even without file events.
     scan_interval: float = 5.0
+    #: Threads hashing the checkpoints the watcher found complete, each run in its own lane (one
+    #: checkpoint at a time per run): a big checkpoint of one run never delays another run's.
+    hash_threads: int = 2
+    #: A file larger than this is reported ("not protected"), not hashed by the watcher (0: no
+    #: limit). A file of 1 GiB or more of which the disk holds less than ``sparse_ratio`` of its
+    #: size (a ``truncate -s 100T`` file) is reported the same way (0: never). A filesystem that
+    #: compresses (ZFS, btrfs) can hold far less than a file's size: set ``sparse_ratio`` to 0 there.
+    max_hash_bytes: int = 1024 * 1024 * MiB
+    sparse_ratio: float = 0.01
     #: A job whose lease is older than this is re-driven by the scheduler.
     lease_seconds: float = 60.0
     #: Each Dramatiq worker process says this often which queues it consumes; a queue silent
@@ -397,6 +406,11 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
         raise ConfigError(f"quiet_seconds must be >= 0, got {s.quiet_seconds}")
     if s.shard_size < 4096:
         raise ConfigError(f"shard_size must be at least 4096 bytes, got {s.shard_size}")
+    if s.hash_threads < 1:
+        raise ConfigError(f"hash_threads must be at least 1, got {s.hash_threads}")
+    if s.max_hash_bytes < 0 or not 0 <= s.sparse_ratio < 1:
+        raise ConfigError(f"max_hash_bytes must be >= 0 and sparse_ratio in [0, 1), got {s.max_hash_bytes}"
+                          f" and {s.sparse_ratio}")
     return s
 
 

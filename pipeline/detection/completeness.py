@@ -21,7 +21,7 @@ from pipeline.detection.formats import file_facts, read_header
 from pipeline.errors import IncompleteCheckpoint, UnreadableEntry
 
 __all__ = ["FileEntry", "Examined", "accept", "examine", "inspect", "list_files", "read_header", "settled",
-           "tree_mtime_ns", "unchanged"]
+           "too_costly", "tree_mtime_ns", "unchanged"]
 
 #: A checkpoint folder nested deeper than this is refused (real writers use one or two levels).
 MAX_DEPTH = 32
@@ -29,6 +29,8 @@ MAX_DEPTH = 32
 MAX_FILES = 200_000
 #: Paths longer than this cannot be recorded.
 MAX_PATH = 4000
+#: A file smaller than this is never judged sparse: hashing it costs little whatever it holds.
+SPARSE_FLOOR = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class FileEntry:
     mtime_ns: int
     header: Header | None  # parsed safetensors header, None for other files
     facts: FileFacts | None = None
+    #: bytes the filesystem holds for it (st_blocks * 512); -1 when unknown
+    allocated: int = -1
 
     @property
     def format(self) -> str:
@@ -139,7 +143,7 @@ def examine(path: Path, *, commit_marker: str = "", follow_link: bool = False) -
     for rel, full in files:
         fst = os.stat(full)
         facts, header = file_facts(rel, full, fst.st_size, fst.st_mtime_ns)
-        entries.append(FileEntry(rel, full, fst.st_size, fst.st_mtime_ns, header, facts))
+        entries.append(FileEntry(rel, full, fst.st_size, fst.st_mtime_ns, header, facts, fst.st_blocks * 512))
         newest = max(newest, fst.st_mtime_ns)
     verdict = judge(Entry(path.name, is_dir, tuple(e.facts for e in entries if e.facts is not None),
                           commit_marker=commit_marker if is_dir else ""))
@@ -178,6 +182,23 @@ def accept(found: Examined, *, quiet_seconds: float | None = None, declared: boo
             return list(found.entries)
         raise IncompleteCheckpoint(str(path), f"{v.reason} (quiet for {age:.0f} of {quiet_seconds:.0f} s)")
     raise IncompleteCheckpoint(str(path), v.reason)
+
+
+def too_costly(entries: list[FileEntry] | tuple[FileEntry, ...], *, max_bytes: int, sparse_ratio: float) -> str | None:
+    """Why hashing these files is not detection's work (None if it is): a file larger than
+    ``max_bytes`` (0: no limit), or one of at least :data:`SPARSE_FLOOR` bytes of which the
+    filesystem holds less than ``sparse_ratio`` (a ``truncate -s 100T`` file would be read
+    as 100 TB of zeros; 0: never judged). Reported, with the setting that lets it through."""
+    for e in entries:
+        name = e.relpath or os.path.basename(e.abspath)
+        if sparse_ratio and e.size >= SPARSE_FLOOR and 0 <= e.allocated < e.size * sparse_ratio:
+            return (f"{name} is a sparse file: {e.size:,} bytes of which the disk holds {e.allocated:,}"
+                    f" (less than sparse_ratio {sparse_ratio:g}): it is not hashed; set CKPT_SPARSE_RATIO=0"
+                    " to protect it anyway")
+        if max_bytes and e.size > max_bytes:
+            return (f"{name} is {e.size:,} bytes, more than max_hash_bytes ({max_bytes:,}): it is not hashed;"
+                    f" set CKPT_MAX_HASH_BYTES above {e.size:,} (or 0) to protect it")
+    return None
 
 
 def tree_mtime_ns(path: Path) -> int:

@@ -4,10 +4,16 @@ watchdog reports file events so a run is rescanned at once; a periodic scan catc
 events miss (network filesystems, a watcher started late). At start, the disk is
 reconciled with the database: new checkpoints are detected, and checkpoints whose local
 copy vanished are marked so.
+
+The scan only reads headers; a checkpoint found complete is hashed and recorded by a small
+pool, each run in its own lane (pipeline.detection.hashpool), so a big checkpoint of one run
+never holds up another's. Any error under a run is that run's or that entry's: reported once
+and looked at again with backoff (pipeline.detection.faults); the watcher never dies of one.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -16,20 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select
-from watchdog.events import (
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirModifiedEvent,
-    DirMovedEvent,
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileModifiedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
@@ -37,7 +29,10 @@ from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
-from pipeline.detection import catalog, completeness, ondisk, parts, problems, roots
+from pipeline.detection import catalog, completeness, faults, ondisk, parts, problems, roots
+from pipeline.detection.events import Watches
+from pipeline.detection.hashpool import Apply, HashPool
+from pipeline.detection.reports import Reports, shown
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
@@ -46,39 +41,12 @@ from pipeline.store import trash
 from pipeline.store.early import EarlySends
 
 log = logging.getLogger("ckpt.watcher")
+#: Said once of a symlink found inside a recorded checkpoint folder.
+LINK_INSIDE = ("a symlink inside a checkpoint is never followed: its target is not part of the protected checkpoint"
+               " (replace the link by the file to protect it)")
 #: How often a watcher reports its host in (pipeline.status judges a host silent after several).
 HOST_REPORT_SECONDS = 10.0
 
-
-def shown(path: str) -> str:
-    """``path`` as it can be recorded and printed (a name that is not UTF-8 gets U+FFFD)."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-
-#: Events that can change what a run holds. Not opens and closes without a write: the
-#: watcher opens every checkpoint it looks at, and its own reads woke it up again at once,
-#: in a loop that kept one core busy for as long as a checkpoint was in a run.
-CHANGES = [FileCreatedEvent, FileDeletedEvent, FileModifiedEvent, FileMovedEvent, FileClosedEvent,
-           DirCreatedEvent, DirDeletedEvent, DirModifiedEvent, DirMovedEvent]
-
-
-class _Events(FileSystemEventHandler):
-    def __init__(self, watcher: Watcher, run: Path) -> None:
-        self.watcher, self.run = watcher, run
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        self.watcher.poke(self.run)  # only CHANGES arrive: the observer filters (event_filter)
-
-
-class _NewRuns(FileSystemEventHandler):
-    """A directory appeared where a root's glob finds runs: a new run, looked at now (not at
-    the next full scan), so its first checkpoint is detected as fast as the others."""
-
-    def __init__(self, watcher: Watcher) -> None:
-        self.watcher = watcher
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        self.watcher.new_runs = True
-        self.watcher.wake.set()
 
 
 class Watcher:
@@ -92,13 +60,14 @@ class Watcher:
         self.parts: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = {}
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
-        self.reported: dict[str, str] = {}      # path -> last problem reported
+        self.reports = Reports(settings)        # what is not protected, and why: each said once
+        self._hashing: HashPool | None = None
+        self._scan_error: str | None = None     # the error the last scan failed with, as logged
         self.refused: set[str] = set()          # runs refused: a glob reaches them only through a link out
         self.dirty: set[Path] = set()
         self.wake = threading.Event()
         self.stopping = threading.Event()
-        self.observer = Observer() if use_events else None
-        self.watched: set[Path] = set()
+        self.watches = Watches(self.poke, self._new_run) if use_events else None
         self.new_runs = False
 
     # -- events ------------------------------------------------------------------------
@@ -107,18 +76,22 @@ class Watcher:
         self.dirty.add(run)
         self.wake.set()
 
-    def _watch_new_runs(self, runs: list[Path]) -> None:
-        if self.observer is None:
-            return
-        for parent in roots.run_parents(self.settings.roots):
-            if parent not in self.watched:
-                self.observer.schedule(_NewRuns(self), str(parent), recursive=False,
-                                       event_filter=[DirCreatedEvent, DirMovedEvent])
-                self.watched.add(parent)
-        for run in runs:
-            if run not in self.watched:
-                self.observer.schedule(_Events(self, run), str(run), recursive=True, event_filter=CHANGES)
-                self.watched.add(run)
+    def _new_run(self) -> None:
+        self.new_runs = True
+        self.wake.set()
+
+    @property
+    def hashing(self) -> HashPool:
+        """The pool hashing what the scan found complete (started at its first use)."""
+        if self._hashing is None:
+            self._hashing = HashPool(self.settings.hash_threads, done=lambda run: self.poke(Path(run)))
+        return self._hashing
+
+    def close(self) -> None:
+        """Stop the hashing threads (a hash under way is dropped; found again at the next start)."""
+        if self._hashing is not None:
+            self._hashing.close()
+            self._hashing = None
 
     # -- reconciliation ----------------------------------------------------------------
 
@@ -133,13 +106,13 @@ class Watcher:
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
                                   .order_by(Checkpoint.current, Checkpoint.id).with_for_update()):
-                if not os.path.lexists(ckpt.path) and not trash.put_back(ckpt.path, catalog.file_sig(ckpt)):
+                if faults.gone(ckpt.path) and not trash.put_back(ckpt.path, catalog.file_sig(ckpt)):
                     catalog.mark_vanished(s, ckpt)
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, ckpt.path)
                     continue
                 self.known[ckpt.path] = catalog.file_sig(ckpt)
             for part in parts.held(s, host):  # and the parts it holds of other hosts' checkpoints
-                if not os.path.lexists(part.path) and not trash.put_back(part.path, parts.file_sig(part)):
+                if faults.gone(part.path) and not trash.put_back(part.path, parts.file_sig(part)):
                     parts.vanished(s, part)
                     log.warning("this host's part of %s vanished", part.path)
                     continue
@@ -158,66 +131,126 @@ class Watcher:
         except Exception as exc:  # the control plane is unreachable: detection goes on, reported later
             log.warning("could not report this host in: %s", exc)
 
-    def scan(self, only: set[Path] | None = None) -> float:
+    def scan(self, only: set[Path] | None = None, *, wait: bool = True) -> float:
         """Scan runs (all, or ``only``); returns seconds until something needs a new look.
 
-        One entry never stops the others: whatever goes wrong with it is reported (once)
-        and the scan goes on with the rest of the run and the other runs.
+        One run or entry never stops the others: whatever goes wrong with it is reported
+        (once), looked at again with backoff, and the scan goes on with the rest. Checkpoints
+        found complete are hashed by the pool; ``wait``: return once they are recorded (a
+        one-shot scan; the service loop does not wait, it applies them as they end).
         """
         self.report_in()
+        next_look = min(self.settings.scan_interval, self._apply_finished())
         found, refused = roots.expand(self.settings.roots)
-        self._watch_new_runs([run for _root, run, _base in found])
+        self._watch([run for _root, run, _base in found])
         if only is None:
             self._refused_runs(refused)
         runs_real = frozenset(os.path.realpath(run) for _root, run, _base in found)
-        next_look = self.settings.scan_interval
         for root, run, base in found:
             if only is not None and run not in only:
                 continue
-            options = self.settings.options_for(root)
-            present = set()
-            paths, links_out = roots.entries_in(run, base, runs_real)
-            for out in links_out:  # listed in "not protected" for as long as it leads out
-                present.add(shown(out.path))
-                self._problem(run, shown(out.path), out.reason)
-            for path in paths:
-                present.add(shown(str(path)))
-                try:
-                    wait = self.consider(run, path, options)
-                except Exception as exc:  # a bug on one entry must not stop detection of the others
-                    log.exception("detection of %s failed", shown(str(path)))
-                    self._problem(run, shown(str(path)), f"detection failed: {type(exc).__name__}: {exc}")
-                    wait = self.settings.scan_interval
-                if wait is not None:
-                    next_look = min(next_look, wait)
-            self._vanished(run, present)
+            left = self.reports.backoff.wait(str(run))
+            if left is not None:  # failed a moment ago: looked at again later, the others now
+                next_look = min(next_look, left)
+                continue
+            try:
+                next_look = min(next_look, self._scan_run(root, run, base, runs_real))
+            except Exception as exc:  # the run's own fault (unreadable, EIO): never the others'
+                next_look = min(next_look, self.reports.failed(run, str(run), exc))
+            else:
+                self.reports.recovered(str(run))
+        if wait and self._hashing is not None:
+            self._hashing.wait_idle()
+            next_look = min(next_look, self._apply_finished())
         return next_look
+
+    def _scan_run(self, root: str, run: Path, base: Path, runs_real: frozenset[str]) -> float:
+        """Consider every entry of ``run``; seconds until one needs a new look. Raises when the
+        run itself cannot be listed (nothing in it is then taken as vanished)."""
+        options = self.settings.options_for(root)
+        next_look = self.settings.scan_interval
+        present = set()
+        paths, links_out = roots.entries_in(run, base, runs_real)
+        for out in links_out:  # listed in "not protected" for as long as it leads out
+            present.add(shown(out.path))
+            self.reports.problem(run, shown(out.path), out.reason)
+        for path in paths:
+            key = shown(str(path))
+            present.add(key)
+            if self._hashing is not None and self._hashing.busy(key):
+                continue  # being hashed: the pool tells when it is done
+            left = self.reports.backoff.wait(str(path))
+            if left is not None:
+                next_look = min(next_look, left)
+                continue
+            try:
+                wait = self._consider(run, path, options, self.hashing)
+            except Exception as exc:  # the entry's own fault: never the others'
+                wait = self.reports.failed(run, str(path), exc)
+            else:
+                self.reports.recovered(str(path))
+            if wait is not None:
+                next_look = min(next_look, wait)
+        self._vanished(run, present)
+        return next_look
+
+    def _apply_finished(self) -> float:
+        """Apply what the pool finished hashing (on this thread: the watcher's state is its
+        own); seconds until one of those entries needs a new look."""
+        next_look = self.settings.scan_interval
+        if self._hashing is None:
+            return next_look
+        for run, key, apply in self._hashing.finished():
+            try:
+                wait = apply()
+            except Exception as exc:
+                wait = self.reports.failed(Path(run), key, exc)
+            else:
+                self.reports.recovered(key)
+            if wait is not None:
+                next_look = min(next_look, wait)
+        return next_look
+
+    def _watch(self, runs: list[Path]) -> None:
+        """Add the file watches new runs need; report the directories that get no events (a
+        watch failed) and forget those reported that do again, or are no longer runs."""
+        alive = {str(run) for run in runs}
+        failed: dict[str, str] = {}
+        if self.watches is not None:
+            parents = roots.run_parents(self.settings.roots)
+            self.watches.cover(parents, runs)
+            alive |= {str(p) for p in parents}
+            self.watches.forget(alive)
+            failed = self.watches.failed
+        self.reports.unwatched(alive, failed)
 
     def _refused_runs(self, refused: list[roots.Refused]) -> None:
         """Report runs a glob reaches only through a link out of its root; forget those that
         are no longer refused."""
         now_refused = {shown(r.path) for r in refused}
         for r in refused:
-            self._problem(Path(r.run), shown(r.path), r.reason)
+            self.reports.problem(Path(r.run), shown(r.path), r.reason)
         gone = self.refused - now_refused
         self.refused = now_refused
         if gone:
             with session_scope(self.settings.db_url) as s:
                 for path in gone:
-                    self.reported.pop(path, None)
+                    self.reports.reported.pop(path, None)
                     problems.clear(s, path, self.settings.host_id)
 
     def _vanished(self, run: Path, present: set[str]) -> None:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
         parts_gone = [p for p in self.parts if os.path.dirname(p) == str(run) and p not in present]
-        fixed = [p for p in self.reported if os.path.dirname(p) == str(run) and p not in present]
+        fixed = [p for p in self.reports.reported if os.path.dirname(p) == str(run) and p not in present]
         for path in [p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present]:
             self.waiting.pop(path, None)
         if not gone and not fixed and not parts_gone:
             return
         with session_scope(self.settings.db_url) as s:
             for path in fixed:
-                self.reported.pop(path, None)
+                self.reports.reported.pop(path, None)
+                self.reports.faults.pop(path, None)
+                self.reports.backoff.succeeded(path)
                 problems.clear(s, path, self.settings.host_id)
             for path in parts_gone:
                 self.parts.pop(path, None)
@@ -241,17 +274,25 @@ class Watcher:
                     log.warning("local copy of checkpoint %d vanished: %s", ckpt.id, path)
 
     def consider(self, run: Path, path: Path, options: RootOptions | None = None) -> float | None:
-        """Detect ``path`` if it is complete and settled; seconds to wait if it may be soon."""
-        options = options or self.settings.options_for(roots.root_of(run, self.settings.roots))
+        """Detect ``path`` if it is complete and settled (hashed and recorded on the caller's
+        thread); seconds to wait if it may be soon. Raises what reading it raised, but for its
+        vanishing or changing meanwhile (then: seconds to wait)."""
+        return self._consider(run, path, options or self.settings.options_for(roots.root_of(run, self.settings.roots)))
+
+    def _consider(self, run: Path, path: Path, options: RootOptions, pool: HashPool | None = None) -> float | None:
+        """:meth:`consider`; the hashing by ``pool`` when given (returns at once; the pool
+        tells when it is done)."""
         key = str(path)
         try:
             # A symlinked entry is here only if it stays inside its root (roots.entries_in).
             found = completeness.examine(path, commit_marker=options.commit_marker, follow_link=path.is_symlink())
         except UnreadableEntry as exc:
-            self._problem(run, exc.path, exc.reason)
+            self.reports.problem(run, exc.path, exc.reason)
             return None  # looked at again when it changes (an event) or at the next full scan
-        except OSError:
-            return self.settings.settle_seconds  # vanished or changed while looking
+        except OSError as exc:
+            if faults.changed_while_read(exc):
+                return self.settings.settle_seconds  # vanished or changed while looking
+            raise  # cannot be read: the entry's fault (Watcher._failed)
         entries = found.entries
         sig = catalog.signature(entries)
         recorded = self.known.get(key)
@@ -264,7 +305,7 @@ class Watcher:
         if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
             rels = [e.relpath for e in found.entries]
             if parts.is_part(rels):
-                return self._part(run, path, found, options)
+                return self._part(run, path, found, options, pool)
             if ".metadata" in rels:  # a collective save's .metadata naming other hosts' files
                 verdict, remote = self._with_parts(path, found, options, sig)
         if recorded is not None and verdict.kind != "malformed":
@@ -276,7 +317,7 @@ class Watcher:
             if again:
                 verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
-            self._problem(run, key, verdict.reason)
+            self.reports.problem(run, key, verdict.reason)
             return None
         age = time.time() - found.newest_ns / 1e9
         if verdict.kind == "incomplete" or (verdict.kind == "quiet" and age < options.quiet_seconds):
@@ -289,7 +330,7 @@ class Watcher:
                 self.waiting[key] = (found.newest_ns, time.time())
             elif verdict.kind == "incomplete" and time.time() - first[1] >= max(options.quiet_seconds,
                                                                               self.settings.settle_seconds):
-                self._problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
+                self.reports.problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
             if verdict.kind == "quiet":
                 return max(0.05, options.quiet_seconds - age)
             return max(self.settings.settle_seconds, 0.05)
@@ -297,38 +338,66 @@ class Watcher:
         if not completeness.settled(entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
+        if (why := self._too_costly(entries)) is not None:
+            self.reports.problem(run, key, why)
+            return None
+        return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
+                                                      options, tree_ns), pool)
+
+    def _too_costly(self, entries: tuple[completeness.FileEntry, ...]) -> str | None:
+        return completeness.too_costly(entries, max_bytes=self.settings.max_hash_bytes,
+                                       sparse_ratio=self.settings.sparse_ratio)
+
+    def _hash(self, run: Path, key: str, work: Callable[[], Apply], pool: HashPool | None) -> float | None:
+        """Do ``work`` here (no pool) or hand it to ``pool``'s lane of ``run``."""
+        if pool is None:
+            return work()()
+        pool.submit(str(run), key, work)
+        return None
+
+    def _settle(self) -> float:
+        return self.settings.settle_seconds
+
+    def _hash_and_record(self, run: Path, path: Path, found: completeness.Examined, verdict: Verdict,
+                         remote: tuple[list[catalog.PartFile], list[int]] | None, options: RootOptions,
+                         tree_ns: int) -> Apply:
+        """Hash a complete checkpoint and record it. Runs on a pool thread: the watcher's own
+        state changes only in the function returned, which the watcher applies on its thread."""
+        key, sig = str(path), catalog.signature(found.entries)
         started = now()
         try:
             with EarlySends(self.settings, self.send, options.replication, started) as early:
-                detected = catalog.hash_checkpoint(run, path, entries, shard_size=self.settings.shard_size,
+                detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",
                                                    on_shard=early.shard)
-        except (SourceChanged, OSError):
-            return self.settings.settle_seconds
+        except (OSError, SourceChanged) as exc:
+            if faults.changed_while_read(exc):
+                return self._settle
+            raise  # cannot be read: the entry's fault
         if remote is not None:
             detected = dataclasses.replace(detected, remote=tuple(remote[0]), parts=tuple(remote[1]))
         if completeness.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing
-            return self.settings.settle_seconds
+            return self._settle
         with session_scope(self.settings.db_url) as s:
             ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
                                                 detail="detected by the watcher", host=self.settings.host_id,
                                                 started_at=started)
             problems.clear(s, key, self.settings.host_id)
-            job_id = job.id
-        self.known[key] = sig
-        self.changes.forget(key)  # record() cleared the flag
-        for rel in found.links:  # recorded without them: say so, once
-            self._problem(run, f"{key}/{rel}", "a symlink inside a checkpoint is never followed: its target is not "
-                                               "part of the protected checkpoint (replace the link by the file to "
-                                               "protect it)")
-        self.waiting.pop(key, None)
-        self.reported.pop(key, None)
+            job_id, ckpt_id = job.id, ckpt.id
         if created:
-            log.info("detected %s as checkpoint %d (%s, job %d)", path, ckpt.id, verdict.layout, job_id)
+            log.info("detected %s as checkpoint %d (%s, job %d)", path, ckpt_id, verdict.layout, job_id)
             failpoints.hit("watch.recorded")  # committed, not yet enqueued
             self.send([Send("shard", (job_id, early.sent))])
-        return None
+
+        def recorded() -> None:
+            self.known[key] = sig
+            self.changes.forget(key)  # record() cleared the flag
+            for rel in found.links:  # recorded without them: say so, once
+                self.reports.problem(run, f"{key}/{rel}", LINK_INSIDE)
+            self.waiting.pop(key, None)
+            self.reports.reported.pop(key, None)
+        return recorded
 
     def _recorded(self, key: str) -> catalog.Signature | None:
         """The signature of the current version at ``key`` on this host, from the database
@@ -364,7 +433,8 @@ class Watcher:
         merged = judge(Entry(path.name, True, local + tuple(facts), commit_marker=options.commit_marker))
         return merged, ((files, used) if merged.complete else None)
 
-    def _part(self, run: Path, path: Path, found: completeness.Examined, options: RootOptions) -> float | None:
+    def _part(self, run: Path, path: Path, found: completeness.Examined, options: RootOptions,
+              pool: HashPool | None = None) -> float | None:
         """A DCP rank's files without ``.metadata``: announced as this host's part of the step
         another host records (pipeline.detection.parts), once settled."""
         key, sig = str(path), catalog.signature(found.entries)
@@ -372,61 +442,55 @@ class Watcher:
         if known is not None and known[0] == sig:
             with session_scope(self.settings.db_url) as s:
                 taken = parts.claimed(s, key, self.settings.host_id) is not None
-                if taken and key in self.reported:
+                if taken and key in self.reports.reported:
                     problems.clear(s, key, self.settings.host_id)
             if taken:
-                self.reported.pop(key, None)
+                self.reports.reported.pop(key, None)
                 return None
             waited = time.time() - known[1]
             if waited >= max(options.quiet_seconds, self.settings.settle_seconds):
-                self._problem(run, key, f"torch DCP rank files without any metadata, announced as this host's part"
-                                        f" {waited:.0f} s ago: no host has recorded a step whose .metadata names"
-                                        " them (a collective save's coordinator writes .metadata, maybe on"
-                                        " another host: is it watched?; a save without collectives writes"
-                                        " __<rank>.metadata here, last)")
+                self.reports.problem(run, key, f"torch DCP rank files without any metadata, announced as this host's"
+                                               f" part {waited:.0f} s ago: no host has recorded a step whose .metadata"
+                                               " names them (a collective save's coordinator writes .metadata, maybe"
+                                               " on another host: is it watched?; a save without collectives writes"
+                                               " __<rank>.metadata here, last)")
             return None
         tree_ns = completeness.tree_mtime_ns(path)
         if not completeness.settled(found.entries, self.settings.settle_seconds, tree_ns=tree_ns):
             newest = max(max(e.mtime_ns for e in found.entries), tree_ns) / 1e9
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
+        if (why := self._too_costly(found.entries)) is not None:
+            self.reports.problem(run, key, why)
+            return None
+        return self._hash(run, key, functools.partial(self._hash_part, run, path, found), pool)
+
+    def _hash_part(self, run: Path, path: Path, found: completeness.Examined) -> Apply:
+        """Hash a DCP rank's files and announce them (on a pool thread, as :meth:`_hash_and_record`)."""
+        key, sig = str(path), catalog.signature(found.entries)
         try:
             detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                layout="torch-dcp-part")
-        except (SourceChanged, OSError):
-            return self.settings.settle_seconds
+        except (OSError, SourceChanged) as exc:
+            if faults.changed_while_read(exc):
+                return self._settle
+            raise  # cannot be read: the entry's fault
         with session_scope(self.settings.db_url) as s:
             part = parts.announce(s, detected, self.settings.host_id)
             log.info("announced %s as this host's part %d (%d files)", path, part.id, len(found.entries))
-        self.parts[key] = (sig, time.time())
-        return None
+        announced = time.time()
 
-    def _problem(self, run: Path, path: str, reason: str) -> None:
-        """Report once (log, and the row status, the UI and /metrics show) why ``path`` is skipped.
-
-        Logged again only when the problem changes its kind (:func:`problems.kind_of`), not when
-        a number in it does ("incomplete for 60 s" then "for 90 s"); the row keeps the latest words.
-        """
-        before = self.reported.get(path)
-        if before == reason:
-            return
-        self.reported[path] = reason
-        if before is None or problems.kind_of(before) != problems.kind_of(reason):
-            log.error("not protecting %s: %s", path, reason)
-        try:
-            with session_scope(self.settings.db_url) as s:
-                problems.report(s, path, str(run), reason, self.settings.host_id)
-        except Exception:  # the control plane may be away: the log line above stands
-            log.exception("could not record the problem of %s", path)
-
+        def held() -> None:
+            self.parts[key] = (sig, announced)
+        return held
 
     # -- loop --------------------------------------------------------------------------
 
     def run(self) -> None:
         self.reconcile()
-        if self.observer is not None:
-            self.observer.start()
+        if self.watches is not None:
+            self.watches.start()
         try:
-            wait = self.scan()
+            wait = self._scan(None, wait=True)  # ready once what is already there is recorded
             mark_ready(self.settings, "watcher")
             deadline = time.monotonic() + self.settings.scan_interval
             while not self.stopping.is_set():
@@ -435,16 +499,32 @@ class Watcher:
                 if self.stopping.is_set():
                     break
                 if time.monotonic() >= deadline:
-                    wait = self.scan()
+                    wait = self._scan(None)
                     deadline = time.monotonic() + self.settings.scan_interval
                 else:
                     dirty, self.dirty = self.dirty, set()
                     full, self.new_runs = self.new_runs, False
-                    wait = self.scan(only=dirty) if dirty and not full else self.scan()
+                    wait = self._scan(dirty if dirty and not full else None)
         finally:
-            if self.observer is not None:
-                self.observer.stop()
-                self.observer.join(timeout=5)
+            if self.watches is not None:
+                self.watches.stop()
+            self.close()
+
+    def _scan(self, only: set[Path] | None, *, wait: bool = False) -> float:
+        """A scan that never ends the watcher: an error outside any run (the control plane
+        away) is logged once and the scan tried again at the next interval."""
+        try:
+            next_look = self.scan(only, wait=wait)
+        except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
+            if problems.kind_of(what) != problems.kind_of(self._scan_error or ""):
+                log.exception("a scan failed (tried again every %s s until it works)", self.settings.scan_interval)
+            self._scan_error = what
+            return self.settings.scan_interval
+        if self._scan_error is not None:
+            log.info("scans work again")
+            self._scan_error = None
+        return next_look
 
     def stop(self) -> None:
         self.stopping.set()

@@ -123,7 +123,7 @@ def test_idle_watcher_is_not_woken_by_its_own_reads(db, tmp_path):
     w = Watcher(db, [].extend, use_events=True)
     scans = []
     real = w.scan
-    w.scan = lambda only=None: scans.append(only) or real(only)
+    w.scan = lambda only=None, **kw: scans.append(only) or real(only, **kw)
     t = threading.Thread(target=w.run)
     t.start()
     try:

@@ -1,0 +1,182 @@
+"""Bounded detection work: one run's hashing never holds up another run's detection.
+
+Given a run holding a 100 TB sparse file (``truncate -s 100T`` behind a valid safetensors
+header) and a run holding a normal safetensors checkpoint, When the watcher scans, Then the
+normal one is recorded in that scan and the sparse one is reported once with the reason and
+the setting to change, and never hashed. Given a run whose big checkpoint is being hashed,
+Then another run's checkpoint is recorded before that hash ends (by the order of events, not
+by the clock).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from sqlalchemy import select
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint, DetectionProblem
+from pipeline.detection import catalog
+from pipeline.detection.hashpool import HashPool
+from pipeline.detection.watcher import Watcher
+
+TB = 1000**4
+
+
+def safetensors_file(path: Path, seed: int, rows: int = 64) -> Path:
+    """A normal checkpoint, written by the safetensors library (temporary name, then rename)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    save_file({"w": np.full((rows, 1024), seed, dtype=np.float32)}, str(tmp))
+    os.rename(tmp, path)
+    return path
+
+
+def sparse_safetensors(path: Path) -> int:
+    """A structurally complete safetensors file of 100 TB (15 TB where the filesystem stops
+    there, as ext4 does) that holds no data blocks: its size."""
+    for size in (100 * TB, 15 * TB):
+        header = json.dumps({"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            try:
+                f.truncate(8 + len(header) + size)
+            except OSError as exc:
+                if exc.errno != errno.EFBIG:
+                    raise
+                continue
+        return 8 + len(header) + size
+    raise AssertionError("no sparse file could be made here")
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The paths the watcher hashes, in the order their hashing starts."""
+    real = catalog.hash_checkpoint
+    paths: list[str] = []
+
+    def hash_checkpoint(run, path, entries, **kw):
+        paths.append(Path(path).name)
+        if any(e.size > TB for e in entries):
+            raise AssertionError(f"{path}: a sparse file was hashed")
+        return real(run, path, entries, **kw)
+
+    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
+    return paths
+
+
+def test_a_sparse_file_is_reported_once_never_hashed_and_the_other_run_is_detected(db, tmp_path, hashed, caplog):
+    (tmp_path / "runs" / "huge").mkdir()
+    (tmp_path / "runs" / "normal").mkdir()
+    size = sparse_safetensors(tmp_path / "runs" / "huge" / "step_1.safetensors")
+    safetensors_file(tmp_path / "runs" / "normal" / "step_1.safetensors", 1)
+    w = Watcher(db, [].extend, use_events=False)
+    with caplog.at_level(logging.ERROR, logger="ckpt.watcher"):
+        w.scan()
+        with session_scope(db.db_url) as s:
+            recorded = [Path(c.run).name for c in s.scalars(select(Checkpoint))]
+        w.scan()
+        w.scan()
+    assert recorded == ["normal"]  # in the first scan
+    assert hashed == ["step_1.safetensors"]  # the normal one only
+    with session_scope(db.db_url) as s:
+        (problem,) = s.scalars(select(DetectionProblem)).all()
+    assert Path(problem.run).name == "huge"
+    assert "sparse file" in problem.reason and f"{size:,} bytes" in problem.reason
+    assert "CKPT_SPARSE_RATIO=0" in problem.reason
+    assert len([r for r in caplog.records if "huge" in r.getMessage()]) == 1
+
+
+def test_a_file_over_max_hash_bytes_is_reported_and_protected_once_the_limit_allows_it(db, tmp_path, hashed):
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    ckpt = safetensors_file(run / "step_1.safetensors", 1)
+    w = Watcher(dataclasses.replace(db, max_hash_bytes=1000), [].extend, use_events=False)
+    w.scan()
+    with session_scope(db.db_url) as s:
+        assert s.scalars(select(Checkpoint)).all() == []
+        (problem,) = s.scalars(select(DetectionProblem)).all()
+    assert "more than max_hash_bytes (1,000)" in problem.reason and "CKPT_MAX_HASH_BYTES" in problem.reason
+    assert hashed == []
+    w.settings = dataclasses.replace(db, max_hash_bytes=ckpt.stat().st_size)
+    w.scan()
+    with session_scope(db.db_url) as s:
+        assert [c.name for c in s.scalars(select(Checkpoint))] == [ckpt.name]
+        assert s.scalars(select(DetectionProblem)).all() == []
+
+
+def test_a_big_checkpoint_being_hashed_does_not_delay_another_runs(db, tmp_path, monkeypatch):
+    """The big run's hash is held open until the other run's checkpoint is recorded: with
+    hashing on the scan thread, the other run waited for it (the order below reversed)."""
+    (tmp_path / "runs" / "a-big").mkdir()
+    (tmp_path / "runs" / "b-small").mkdir()
+    big = safetensors_file(tmp_path / "runs" / "a-big" / "step_1.safetensors", 1, rows=16 * 1024)  # 64 MiB
+    safetensors_file(tmp_path / "runs" / "b-small" / "step_1.safetensors", 2)
+    real = catalog.hash_checkpoint
+    events: list[str] = []
+    big_started, small_recorded = threading.Event(), threading.Event()
+
+    def hash_checkpoint(run, path, entries, **kw):
+        name = Path(run).name
+        if name == "a-big":
+            events.append(f"{name} hashing")
+            big_started.set()
+            small_recorded.wait(timeout=10)  # the big hash is still going while the other run is looked at
+        else:
+            big_started.wait(timeout=10)
+            events.append(f"{name} hashing")
+        d = real(run, path, entries, **kw)
+        events.append(f"{name} hashed")
+        return d
+
+    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
+    sent: list = []
+
+    def send(messages):  # right after a checkpoint is recorded
+        sent.extend(messages)
+        events.append("recorded")
+        small_recorded.set()
+
+    w = Watcher(db, send, use_events=False)
+    w.scan()
+    assert events == ["a-big hashing", "b-small hashing", "b-small hashed", "recorded", "a-big hashed",
+                      "recorded"], events
+    with session_scope(db.db_url) as s:
+        assert sorted(Path(c.run).name for c in s.scalars(select(Checkpoint))) == ["a-big", "b-small"]
+    assert big.stat().st_size > 64 * 1024 * 1024
+
+
+def test_the_pool_serves_runs_in_turn_one_checkpoint_each():
+    """Run A hands over three checkpoints, then run B one: B's is hashed second, not fourth."""
+    order: list[str] = []
+    gate = threading.Event()
+    pool = HashPool(1)
+
+    def work(name: str):
+        def go():
+            if name == "a1":
+                gate.wait(timeout=30)
+            order.append(name)
+            return lambda: None
+        return go
+
+    for name in ("a1", "a2", "a3"):
+        pool.submit("A", name, work(name))
+    pool.submit("B", "b1", work("b1"))
+    pool.submit("A", "a2", work("a2"))  # already queued: not twice
+    assert pool.busy("a3") and pool.busy("b1")
+    gate.set()
+    pool.wait_idle()
+    assert order == ["a1", "b1", "a2", "a3"]
+    assert [key for _run, key, _apply in pool.finished()] == order
+    assert not pool.busy("a1")
+    pool.close()
