@@ -27,8 +27,8 @@ def pytest_addoption(parser):
 
 #: Tests that start real processes (clusters, workers in network namespaces, a browser), in
 #: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
-LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a", "tests/browser/": "cluster-a",
-         "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
+LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a",
+         "tests/browser/": "cluster-a", "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
 
 
 def pytest_xdist_make_scheduler(config, log):
