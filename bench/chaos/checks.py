@@ -219,6 +219,7 @@ class SaveVerdict:
     outcome: str  # protected | local | UNPROTECTED | LOST
     detail: str = ""
     lost_bytes: int = 0
+    store_state: str | None = None
 
 
 def protection(box: ChaosBox, saves: list[Save], rf: int) -> list[SaveVerdict]:
@@ -234,18 +235,30 @@ def protection(box: ChaosBox, saves: list[Save], rf: int) -> list[SaveVerdict]:
             continue
         problems, lost = short_copies(m, index, rf)
         if not problems:
-            out.append(SaveVerdict(save, "protected", f"checkpoint {m.checkpoint_id}, store {m.store_state}"))
+            out.append(SaveVerdict(save, "protected", f"checkpoint {m.checkpoint_id}, store {m.store_state}",
+                                   store_state=m.store_state))
         elif local:
             bad = m.store_state in (states.StoreState.FAILED,)
             out.append(SaveVerdict(save, "GIVEN UP" if bad else "local",
-                                   f"checkpoint {m.checkpoint_id}, store {m.store_state}: {problems[0]}"))
+                                   f"checkpoint {m.checkpoint_id}, store {m.store_state}: {problems[0]}",
+                                   store_state=m.store_state))
         else:
             lost_bytes = sum(m.sizes.get(rel, 0) for rel in lost
                              if not (save.local(rel).is_file() and sha256_of(save.local(rel)) == save.files[rel]))
             out.append(SaveVerdict(save, "LOST" if lost else "UNPROTECTED",
                                    f"checkpoint {m.checkpoint_id}, store {m.store_state}: " + "; ".join(problems[:4]),
-                                   lost_bytes))
+                                   lost_bytes, m.store_state))
     return out
+
+
+def failed_stores(db_url: str) -> list[str]:
+    """Store jobs that ended ``failed`` (the pipeline gave up protecting a save), with why."""
+    with session_scope(db_url, readonly=True) as s:
+        rows = s.execute(select(Job.id, Checkpoint.host, Checkpoint.path, Job.attempts, Job.last_error)
+                         .join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
+                         .where(Job.kind == "store", Job.state == states.StoreState.FAILED.value)).all()
+    return [f"store job {i} of {path} ({host}) failed after {n} attempts: {(err or '')[:240]}"
+            for i, host, path, n, err in rows]
 
 
 def _job_alive_at(job: Job, last_event: datetime | None, lease: float) -> float:
@@ -276,11 +289,17 @@ def stuck_jobs(db_url: str, lease: float, now: float | None = None) -> list[str]
     return out
 
 
+def active_jobs(db_url: str) -> int:
+    """Jobs in a state where an actor is expected to be working."""
+    with session_scope(db_url, readonly=True) as s:
+        return sum(s.scalar(select(func.count()).select_from(Job).where(Job.kind == k, Job.state.in_(v))) or 0
+                   for k, v in states.ACTIVE.items())
+
+
 def active_work(db_url: str) -> int:
     """Job steps that may have a message outstanding: working jobs and copies not yet stored."""
+    jobs = active_jobs(db_url)
     with session_scope(db_url, readonly=True) as s:
-        jobs = sum(s.scalar(select(func.count()).select_from(Job).where(Job.kind == k, Job.state.in_(v))) or 0
-                   for k, v in states.ACTIVE.items())
         pending = s.scalar(select(func.count()).select_from(ContentCopy)
                            .where(ContentCopy.state == states.CopyState.PENDING.value)) or 0
     return jobs + pending

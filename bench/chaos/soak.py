@@ -279,8 +279,8 @@ class Soak:
                 self.sample_redis()
                 next_sample = self.now() + 5
             try:
-                work = checks.active_work(self.box.db_url)
-                quiet = (work == 0 and all(f.recovered_at for f in self.faults if f.injected_at)
+                quiet = (checks.active_jobs(self.box.db_url) == 0
+                         and all(f.recovered_at for f in self.faults if f.injected_at)
                          and not checks.workers_not_up(self.box.db_url, self.box.urls))
             except Exception:
                 quiet = False
@@ -309,6 +309,7 @@ class Soak:
         for v in verdicts:
             if v.outcome not in ("protected", "local"):
                 failures.append(f"save {v.save.path} ({v.save.host}): {v.outcome}: {v.detail}")
+        failures += [f"store given up: {f}" for f in checks.failed_stores(self.box.db_url)]
         for d in guard.deletions:
             if not d.ok:
                 failures.append(f"unsafe deletion of {d.path} ({d.host}) at {d.at:.0f}: {d.detail}; after: {d.faults}")

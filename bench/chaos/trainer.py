@@ -4,10 +4,11 @@
 config (nothing downloaded) sized to ``--mb``, then, every ``--every`` seconds (drawn from the
 range), changes a few of its layers (a training step) and saves it: either one safetensors file
 (``step_N.safetensors``, written under a temporary name and renamed, as most trainers do) into
-run ``sft``, or an HF folder (``checkpoint-N/``, written in place by ``save_pretrained``, the
-index last) into run ``hf``. Once a save is complete on disk, one JSON line goes to the ledger:
-its path, the SHA-256 of each file (read back from the disk) and its size. The soak's checks
-trust the ledger, never the control plane, for what was saved.
+run ``sft``, or an HF Trainer folder (``checkpoint-N/``, written in place by ``save_pretrained``,
+then ``trainer_state.json`` last, as the Trainer does) into run ``hf``. Once a save is complete
+on disk, one JSON line goes to the ledger: its path, the SHA-256 of each file (read back from the
+disk) and its size. The soak's checks trust the ledger, never the control plane, for what was
+saved.
 
 It stops between saves once the file ``--stop`` exists.
 """
@@ -84,8 +85,10 @@ def save(model, runs: Path, step: int, rng: random.Random, mb: float) -> tuple[P
             os.fsync(f.fileno())
         os.rename(tmp, dest)
         return dest, {"": sha256_of(dest)}
+    # The HF Trainer's checkpoint-N/: the model's folder, then trainer_state.json last.
     dest = runs / "hf" / f"checkpoint-{step}"
     model.save_pretrained(dest, max_shard_size=f"{max(1, int(mb // 3))}MB")
+    (dest / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     return dest, {str(p.relative_to(dest)): sha256_of(p) for p in sorted(dest.rglob("*")) if p.is_file()}
 
 
