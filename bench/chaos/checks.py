@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -24,17 +23,10 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from bench.chaos.box import STORAGE, TRAINERS, ChaosBox
+from bench.chaos.trainer import sha256_of
 from pipeline import states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, JobEvent, Shard, StorageWorker
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
