@@ -145,7 +145,8 @@ class Soak:
                                timeout=self.c.restore_timeout + 60)
             r.seconds = time.monotonic() - t
             if p.returncode != 0:
-                r.outcome, r.detail = "FAILED", (p.stdout + p.stderr)[-600:].strip()
+                said = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+                r.outcome, r.detail = "FAILED", f"exit {p.returncode}: " + " | ".join(said[-2:])[-600:]
             else:
                 bad = [rel or "(file)" for rel, sha in save.files.items()
                        if not ((dest / rel if rel else dest).is_file()
@@ -381,4 +382,5 @@ def table(doc: dict) -> str:
 
 
 def save_doc(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, default=str))
