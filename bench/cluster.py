@@ -56,11 +56,11 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def _shape(ns: str, dev: str, rate: float) -> None:
+def _shape(ns: str, dev: str, rate: float, verb: str = "add") -> None:
     """tbf on ``dev``'s egress: ``rate`` bits/s, a burst of ~2 ms at that rate (at least 64 KiB,
-    one GSO segment), packets queued at most 50 ms."""
+    one GSO segment), packets queued at most 50 ms. ``verb`` "replace" reshapes a shaped link."""
     burst = max(64 * 1024, int(rate / 8 * 0.002))
-    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
                     "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "50ms"], check=True,
                    capture_output=True)
 
@@ -68,12 +68,12 @@ def _shape(ns: str, dev: str, rate: float) -> None:
 class Box:
     """The namespaces, their shaped links, and the processes started in them (by PID)."""
 
-    def __init__(self, root: Path, rate: float) -> None:
+    def __init__(self, root: Path, rate: float, hosts: list[str] | None = None, prefix: str = "cb") -> None:
         tag = uuid.uuid4().hex[:5]
         self.root, self.rate = root, rate
-        self.bridge_ns = f"cb{tag}lan"
-        self.hosts = ["trainer", *(f"s{i}" for i in range(1, STORAGE_HOSTS + 1))]
-        self.ns = {h: f"cb{tag}{h}" for h in self.hosts}
+        self.bridge_ns = f"{prefix}{tag}lan"
+        self.hosts = hosts or ["trainer", *(f"s{i}" for i in range(1, STORAGE_HOSTS + 1))]
+        self.ns = {h: f"{prefix}{tag}{h}" for h in self.hosts}
         self.addr = {h: f"10.79.0.{10 + i}" for i, h in enumerate(self.hosts)}
         self.procs: list[subprocess.Popen] = []
 
@@ -92,6 +92,15 @@ class Box:
             _shape(ns, "eth0", self.rate)  # what the host sends
             _shape(self.bridge_ns, f"p{i}", self.rate)  # what it receives
         return self
+
+    def reshape(self, host: str, rate: float) -> None:
+        """Shape ``host``'s link to ``rate`` bits/s both ways (a crawl, or back to normal)."""
+        _shape(self.ns[host], "eth0", rate, "replace")
+        _shape(self.bridge_ns, f"p{self.hosts.index(host)}", rate, "replace")
+
+    def link(self, host: str, state: str) -> None:
+        """Set ``host``'s port on the bridge ``up`` or ``down`` (a partition)."""
+        _ip("-n", self.bridge_ns, "link", "set", f"p{self.hosts.index(host)}", state)
 
     def start(self, host: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         with open(log, "ab") as out:

@@ -19,14 +19,16 @@ def pytest_addoption(parser):
     parser.addoption("--model-soak", type=float, default=0, metavar="MINUTES",
                      help="the model-based lifecycle test (tests/model): run fresh random histories for this many"
                           " minutes instead of its bounded default")
+    parser.addoption("--chaos-minutes", type=float, default=0, metavar="MINUTES",
+                     help="the chaos soak (tests/chaos): run this many minutes instead of the suite's 3")
     parser.addoption("--full-scale", action="store_true",
                      help="scale tests at full size (a worker with 200k shards) instead of a tenth of it")
 
 
 #: Tests that start real processes (clusters, workers in network namespaces, a browser), in
 #: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
-LANES = {"tests/faults/": "cluster-a", "tests/multihost/": "cluster-a", "tests/browser/": "cluster-a",
-         "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
+LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a",
+         "tests/browser/": "cluster-a", "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
 
 
 def pytest_xdist_make_scheduler(config, log):
