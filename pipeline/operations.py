@@ -5,8 +5,12 @@ Each validates, records the job in one transaction, and only then enqueues (comm
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import dramatiq.errors
+import redis.exceptions
 
 from pipeline import states
 from pipeline.db import hosts, workers
@@ -21,6 +25,8 @@ from pipeline.settings import Settings
 from pipeline.steps import Send
 from pipeline.store.early import EarlySends
 
+log = logging.getLogger("ckpt.operations")
+
 
 @dataclass(frozen=True)
 class Requested:
@@ -32,9 +38,17 @@ class Requested:
 
 
 def _send(sends: list[Send]) -> None:
+    """Send what a request decided, after it committed. A broker that does not answer (Redis
+    down while `ckpt up` restarts) loses nothing: the job is recorded, and the scheduler re-drives
+    it once its lease ends (docs/design.md, invariant 3); the caller is told, not failed."""
     from pipeline.tasks.actors import send_all
 
-    send_all(sends)
+    try:
+        send_all(sends)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, dramatiq.errors.ConnectionError,
+            OSError) as exc:
+        log.warning("the job is recorded, but its message could not be sent now (%s: %s); the scheduler "
+                    "sends it again when its lease ends, once the broker answers", type(exc).__name__, exc)
 
 
 def store(settings: Settings, path: str, *, detail: str = "requested") -> Requested:
