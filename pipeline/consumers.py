@@ -15,10 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pipeline.db.models import QueueConsumer
+from pipeline.db.models import QueueConsumer, TrainingHost
 from pipeline.db.transitions import now
 from pipeline.settings import Settings
 
@@ -52,13 +53,30 @@ def beat(session: Session, host: str, queues: Iterable[str]) -> None:
     for queue in sorted(set(queues)):
         done = session.execute(update(QueueConsumer).where(QueueConsumer.queue == queue)
                                .values(host=host, seen_at=t).execution_options(synchronize_session=False))
-        if not getattr(done, "rowcount", 0):
-            session.add(QueueConsumer(queue=queue, host=host, seen_at=t))
+        if getattr(done, "rowcount", 0):
+            continue
+        try:
+            with session.begin_nested():  # another process's first beat of the queue may come first
+                session.add(QueueConsumer(queue=queue, host=host, seen_at=t))
+        except IntegrityError:
+            session.execute(update(QueueConsumer).where(QueueConsumer.queue == queue)
+                            .values(host=host, seen_at=t).execution_options(synchronize_session=False))
 
 
-def live_since(settings: Settings) -> datetime:
-    """A queue whose consumer beat before this has none alive now."""
-    return now() - timedelta(seconds=SILENT_BEATS * settings.consumer_beat_seconds)
+def live_since(session: Session, settings: Settings) -> datetime:
+    """A queue whose consumer beat before this has none alive now.
+
+    Measured back from the newest sign of life another process wrote (a consumer's beat, a
+    watcher's report) when that is earlier than this process's clock: those are written by
+    other clocks, and a clock that runs ahead here (a skewed scheduler) must not find every
+    consumer silent and stop sending to all of them. A queue is silent only while something
+    else said it is alive since (evidence, not this clock alone).
+    """
+    beats = session.scalar(select(func.max(QueueConsumer.seen_at)))
+    reports = session.scalar(select(func.max(TrainingHost.last_seen)))
+    newest = max((x for x in (beats, reports) if x is not None), default=None)
+    t = now() if newest is None else min(now(), newest)
+    return t - timedelta(seconds=SILENT_BEATS * settings.consumer_beat_seconds)
 
 
 def silent(session: Session, settings: Settings, queues: Iterable[str]) -> dict[str, Silent]:
@@ -66,7 +84,7 @@ def silent(session: Session, settings: Settings, queues: Iterable[str]) -> dict[
     wanted = sorted(set(queues))
     if not wanted:
         return {}
-    cutoff = live_since(settings)
+    cutoff = live_since(session, settings)
     rows = session.execute(select(QueueConsumer.queue, QueueConsumer.host, QueueConsumer.seen_at)
                            .where(QueueConsumer.queue.in_(wanted), QueueConsumer.seen_at < cutoff)).all()
     return {q: Silent(q, host, seen) for q, host, seen in rows}
@@ -74,6 +92,6 @@ def silent(session: Session, settings: Settings, queues: Iterable[str]) -> dict[
 
 def live(session: Session, settings: Settings) -> list[str]:
     """The queues a live consumer serves now."""
-    cutoff = live_since(settings)
+    cutoff = live_since(session, settings)
     return list(session.scalars(select(QueueConsumer.queue).where(QueueConsumer.seen_at >= cutoff)
                                 .order_by(QueueConsumer.queue)))

@@ -64,7 +64,7 @@ def consumer_seen(session: Session, host: str) -> datetime | None:
 
 def listed(session: Session, settings: Settings) -> list[Host]:
     """Every host that ever reported in, those with a live consumer first, then by id."""
-    cutoff = consumers.live_since(settings)
+    cutoff = consumers.live_since(session, settings)
     hosts = []
     for r in session.scalars(select(TrainingHost)):
         seen = consumer_seen(session, r.name)
@@ -80,6 +80,6 @@ def with_consumer(session: Session, settings: Settings) -> list[Host]:
 def require_consumer(session: Session, settings: Settings, host: str) -> None:
     """Raise :class:`NoConsumer` unless a Dramatiq process consumes ``host``'s queue now."""
     seen = consumer_seen(session, host)
-    if seen is not None and seen >= consumers.live_since(settings):
+    if seen is not None and seen >= consumers.live_since(session, settings):
         return
     raise NoConsumer(host, seen, [h.id for h in with_consumer(session, settings)])

@@ -18,6 +18,7 @@ from dramatiq.middleware import SkipMessage
 from sqlalchemy import update
 
 from pipeline import consumers, deliveries
+from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job, QueueConsumer
 from pipeline.db.transitions import create_job, now
@@ -126,6 +127,7 @@ def test_nothing_is_queued_for_a_host_whose_consumer_is_silent_and_its_jobs_say_
     long_ago = now() - timedelta(seconds=10 * consumers.SILENT_BEATS * db.consumer_beat_seconds)
     with session_scope(db.db_url) as s:
         s.add(QueueConsumer(queue="ckpt", host="h1", seen_at=long_ago))
+        hosts.report_in(s, "h0", "box-0")  # another process alive now: this clock is not ahead
     for _ in range(3):
         _send([Send("scrub", (job_id,))])
     assert _queued(broker) == []
@@ -160,3 +162,17 @@ def test_a_job_no_longer_waiting_keeps_another_blocked_reason(db, broker):
     with session_scope(db.db_url) as s:
         job = s.get(Job, job_id)
         assert job.waiting_for is None and job.blocked_reason == "cluster full"
+
+
+def test_a_clock_that_runs_ahead_does_not_find_every_consumer_silent(db, broker):
+    """Every sign of life is two days behind this process's clock (a scheduler whose clock
+    jumped ahead): nothing is silent by that alone, and the step is sent."""
+    job_id = _scrub_job(db)
+    behind = now() - timedelta(days=2)
+    with session_scope(db.db_url) as s:
+        s.add(QueueConsumer(queue="ckpt", host="h1", seen_at=behind))
+        s.add(QueueConsumer(queue="ckpt.host.h1", host="h1", seen_at=behind))
+    _send([Send("scrub", (job_id,))])
+    assert len(_queued(broker)) == 1
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job_id).waiting_for is None

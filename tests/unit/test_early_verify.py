@@ -19,7 +19,7 @@ BAD_URL = "http://127.0.0.1:7000"  # worker w-0: its disk returns other bytes th
 class FakeWorker:
     calls: list[tuple[str, str, tuple[str, ...]]] = []
 
-    def __init__(self, url: str, key: bytes, node: str) -> None:
+    def __init__(self, url: str, key: bytes, node: str, *, timeout: float = 0) -> None:
         self.url = url
 
     def head(self, name: str):
