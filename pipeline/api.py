@@ -5,6 +5,7 @@ These run in the trainer's process against the control plane of ``CKPT_HOME`` (o
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -76,10 +77,29 @@ def record(path: str | Path, settings: Settings) -> Protected:
     from pipeline import operations
 
     s = _control_plane(settings)
-    r = operations.store(s, str(path), detail="declared complete by pipeline.protect")
+    try:
+        r = operations.store(s, str(path), detail="declared complete by pipeline.protect")
+    except CkptError:
+        if os.path.lexists(path):
+            raise
+        known = _recorded_before(s, path)
+        if known is None:
+            raise
+        return known
     if r.checkpoint_id is None:
         raise CkptError(f"{path}: nothing was recorded")
     return _describe(s, r.checkpoint_id)
+
+
+def _recorded_before(s: Settings, path: str | Path) -> Protected | None:
+    """A save gone from disk before (or while) it was recorded here, which the control plane
+    already holds, protected or on its way (the watcher found it complete first, then local
+    rotation removed it once newer ones were protected): nothing failed."""
+    try:
+        p = _describe(s, str(path))
+    except UnknownCheckpoint:
+        return None
+    return p if p.protected or p.state not in states.TERMINAL[JobKind.STORE] else None
 
 
 _protector: Protector | None = None

@@ -108,6 +108,16 @@ class Declared:
         return self._future.exception() if self._future.done() else None
 
 
+def _at_exit(fn: Callable[[], object]) -> None:
+    """Run ``fn`` when the interpreter exits, before thread pools refuse new work: recording
+    uses them (hashing, the broker), and ``concurrent.futures`` shuts them down in the
+    threading module's exit hooks, which run (newest first) before ``atexit``'s."""
+    import concurrent.futures.thread  # noqa: F401  (its hook registered first, so it runs after ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    (register or atexit.register)(fn)
+
+
 class Protector:
     """The recording thread of this process and what it has said (once per run and cause)."""
 
@@ -128,7 +138,7 @@ class Protector:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-protect", daemon=True)
                 self._thread.start()
-                atexit.register(self.drain)
+                _at_exit(self.drain)
         self._queue.put(d)
         return d
 
@@ -158,7 +168,10 @@ class Protector:
 
     def failed(self, run: str, exc: BaseException, s: Settings | None) -> None:
         """Count a failure to protect ``run``: logged once per kind of cause, noted in the ledger."""
-        cause = explain(exc, s)
+        try:
+            cause = explain(exc, s)
+        except Exception:  # explaining must not stop the thread either
+            cause = repr(exc)
         kind = type(exc).__name__
         with self._lock:
             new = self._said.get(run) != kind
@@ -201,9 +214,9 @@ class Protector:
                 s = s or settings_here()
                 protected = self.record(d.path, s)
             except Exception as exc:  # nothing may stop the thread or reach the trainer
-                d._future.set_exception(exc)
                 if self.latest(d.path) is d:  # not a save superseded meanwhile by a newer one
                     self.failed(run_of(d.path), exc, s)
+                d._future.set_exception(exc)  # after the ledger: who waited sees the run degraded
                 continue
-            d._future.set_result(protected)
             self._recorded(run_of(d.path), s)
+            d._future.set_result(protected)
