@@ -18,7 +18,7 @@ from pipeline import states
 from pipeline.core.retention import recency
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
-from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
+from pipeline.errors import CkptError, NotProtectedYet, RestoreError, UnknownCheckpoint
 from pipeline.protector import Declared, Protector
 from pipeline.settings import Settings
 from pipeline.states import JobKind
@@ -129,7 +129,7 @@ def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
         if p.state in states.TERMINAL[JobKind.STORE]:
             raise CkptError(f"checkpoint {p.id} ({p.path}) ended {p.state}: it is not protected")
         if time.monotonic() > deadline:
-            raise CkptError(f"checkpoint {p.id} is still {p.state} after {timeout:.0f} s")
+            raise NotProtectedYet(f"checkpoint {p.id} is still {p.state} after {timeout:.0f} s")
         time.sleep(0.1)
 
 

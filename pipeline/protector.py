@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from pipeline import degraded
 from pipeline import home as home_mod
 from pipeline import settings as settings_mod
-from pipeline.errors import CkptError, IncompleteCheckpoint, OutsideRoots
+from pipeline.errors import CkptError, IncompleteCheckpoint, NotProtectedYet, OutsideRoots
 from pipeline.settings import Settings, masked_url
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Declared:
         try:
             return self._future.result(timeout)
         except TimeoutError:
-            raise CkptError(f"{self.path} is still being recorded after {timeout:.0f} s") from None
+            raise NotProtectedYet(f"{self.path} is still being recorded after {timeout:.0f} s") from None
 
     @property
     def error(self) -> BaseException | None:

@@ -4,12 +4,14 @@ deletion of a save only while protection works (docs/design.md, section 7).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 
 from pipeline import api
 from pipeline.detection import roots
-from pipeline.errors import OutsideRoots
+from pipeline.errors import NotProtectedYet, OutsideRoots
 from pipeline.protector import NoHome, explain, run_of, settings_here
 from pipeline.settings import Settings
 
@@ -24,6 +26,27 @@ def _visible() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+#: How often a wait before the trainer deletes a save looks whether ``ckpt up`` is still there.
+WAIT_SLICE = 5.0
+
+
+def up_gone(settings: Settings | None) -> str | None:
+    """Why waiting for protection is pointless: the ``ckpt up`` of this home (on this machine)
+    is gone, its ``up.json`` left by a crash. None while it runs, or where there is none to ask."""
+    try:
+        s = settings or settings_here()
+        pid = int(json.loads((s.home / "up.json").read_text())["pid"])
+    except Exception:  # no home, no up.json (a deployment's remote control plane): keep waiting
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"the `ckpt up` of home {s.home} (pid {pid}) is gone"
+    except PermissionError:
+        pass
+    return None
 
 
 class TrainerProtection:
@@ -78,11 +101,21 @@ class TrainerProtection:
             self._once(run, "ckpt: not waiting for the saves of %s to be protected before the trainer deletes "
                        "them: its protection is degraded", run)
             return
-        try:
-            api.wait_protected(path, timeout=timeout, settings=self.settings)
-        except Exception as exc:
-            self._once(run, "ckpt: %s may be deleted by the trainer before it is protected: %s", path,
-                       explain(exc, self.settings))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:  # in slices: a `ckpt up` that dies meanwhile ends the wait, not the timeout
+                api.wait_protected(path, timeout=min(WAIT_SLICE, max(deadline - time.monotonic(), 0)),
+                                   settings=self.settings)
+                return
+            except NotProtectedYet as exc:
+                gone = up_gone(self.settings)
+                if gone is None and time.monotonic() < deadline:
+                    continue
+                why = gone or str(exc)
+            except Exception as exc:
+                why = explain(exc, self.settings)
+            self._once(run, "ckpt: %s may be deleted by the trainer before it is protected: %s", path, why)
+            return
 
     def _once(self, run: str, msg: str, *args: object) -> None:
         if run not in self._said:

@@ -77,3 +77,22 @@ def test_the_cause_points_at_the_missing_ckpt_up_not_at_unconfigured_roots(setti
     s = settings.__class__(**{**settings.__dict__, "roots": ()})
     text = explain(OutsideRoots("/x/run/checkpoint-2", []), s)
     assert "no `ckpt up` is running" in text and "none configured" not in text
+
+
+def test_a_wait_before_the_trainer_deletes_ends_when_ckpt_up_is_gone(settings):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.integrations.protection import up_gone
+
+    settings.home.mkdir(parents=True)
+    (settings.home / "up.json").write_text(json.dumps({"pid": os.getpid()}))
+    assert up_gone(settings) is None  # running: keep waiting
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (settings.home / "up.json").write_text(json.dumps({"pid": dead.pid}))
+    assert f"(pid {dead.pid}) is gone" in (up_gone(settings) or "")
+    (settings.home / "up.json").unlink()
+    assert up_gone(settings) is None  # no ckpt up here to ask (a remote control plane): keep waiting
