@@ -31,6 +31,28 @@ def write_private(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def write_once(path: Path, text: str, mode: int = 0o644) -> bool:
+    """Create ``path`` holding ``text`` unless it exists; False if another process (or an
+    earlier run) made it first. Durable (fsynced, linked into place, the directory fsynced),
+    and never torn: two processes racing both read the first writer's text afterwards."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # first writer wins
+        made = True
+    except FileExistsError:
+        made = False
+    finally:
+        os.unlink(tmp)
+    fsync_dir(path.parent)
+    return made
+
+
 def open_private_log(path: Path) -> int:
     """A log file opened for appending, readable by this user only (logs echo URLs)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)

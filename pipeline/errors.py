@@ -5,6 +5,8 @@ attributes and says what to do about it.
 """
 from __future__ import annotations
 
+from datetime import datetime
+
 
 class CkptError(Exception):
     """Raised for any failure ckpt-pipeline reports to a user."""
@@ -157,6 +159,19 @@ class DestinationExists(RestoreError):
     def __init__(self, dest: str) -> None:
         self.dest = dest
         super().__init__(f"{dest} already exists; choose another destination or pass --overwrite")
+
+
+class NoConsumer(RestoreError):
+    """Raised when a restore is asked for a host whose queue no Dramatiq process consumes now
+    (it would wait there for ever): refused at once, nothing is recorded."""
+
+    def __init__(self, host: str, seen: datetime | None, live: list[str]) -> None:
+        self.host, self.seen, self.live = host, seen, live
+        when = f"last seen {seen.isoformat(timespec='seconds')}" if seen else "never seen"
+        where = (f"hosts with a running consumer: {', '.join(live)}" if live
+                 else "no host has a running consumer: start `ckpt up` or `dramatiq pipeline.tasks` on the host")
+        super().__init__(f"no Dramatiq worker consumes host {host}'s queue ({when}), so a restore there would never "
+                         f"run; start `dramatiq pipeline.tasks` on {host} or pick another host ({where})")
 
 
 class AttemptsExhausted(CkptError):

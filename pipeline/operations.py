@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import states
-from pipeline.db import workers
+from pipeline.db import hosts, workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
@@ -67,11 +67,12 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
 
 
 def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
-               from_here: bool = False) -> Requested:
-    """Give checkpoint ``ref`` (id or path) back at ``dest``. ``from_here``: the caller runs on
-    this host (the CLI, the Python API), so its current directory is a restore root too."""
+               from_here: bool = False, host: str | None = None) -> Requested:
+    """Give checkpoint ``ref`` (id or path) back at ``dest`` on ``host`` (default this one), which
+    must have a running consumer (:class:`pipeline.errors.NoConsumer`). ``from_here``: the caller
+    runs on this host (the CLI, the Python API), so its current directory is a restore root too."""
     with session_scope(settings.db_url) as s:
-        job = restore_job.request(s, settings, ref, dest, overwrite=overwrite,
+        job = restore_job.request(s, settings, ref, dest, overwrite=overwrite, host=host,
                                   extra_roots=[Path.cwd()] if from_here else [])
         result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
     _send([Send("restore", (result.job_id,))])
@@ -88,10 +89,18 @@ def drain(settings: Settings, worker_id: str) -> None:
             workers.set_state(s, w, states.WorkerState.DRAINING)
 
 
-def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False) -> Path:
-    """Where a restore of ``ref`` to ``dest`` would write; raises why it may not, creates nothing."""
+def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
+                  host: str | None = None) -> Path:
+    """Where a restore of ``ref`` to ``dest`` on ``host`` would write; raises why it may not,
+    creates nothing. Another host's disk is checked there, when the restore runs."""
+    host = host or settings.host_id
     with session_scope(settings.db_url, readonly=True) as s:
-        return restore_job.validate(s, settings, ref, dest, overwrite=overwrite)[1]
+        if host != settings.host_id:
+            target = restore_job.validate_elsewhere(s, ref, dest, host)[1]
+        else:
+            target = restore_job.validate(s, settings, ref, dest, overwrite=overwrite)[1]
+        hosts.require_consumer(s, settings, host)
+        return target
 
 
 def scrub_now(settings: Settings, worker_ids: list[str] | None = None, *, reason: str = "requested") -> list[Requested]:

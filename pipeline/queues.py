@@ -12,30 +12,29 @@ hosts were (no host) is any host's, as before.
 | replicate (a copy) | the host it names (sent while hashing), else one with a local file holding it; else shared |
 | rotate_run (a run) | every host with local checkpoints, or parts of checkpoints, in the run |
 | rotate_part (a store job, a host) | that host: its part of a rotated checkpoint |
-| restore (a restore job) | the host that asked (its destination is there) |
-| repair (a content) | a host with a local file, if no storage worker has a good copy; else shared |
+| restore (a restore job) | the host asked for (its destination is there; it has a consumer) |
+| repair (a content) | the host it was handed to; else one with a local file if no worker has a good copy; else shared |
 | verify, recheck, scrub, reconcile, gc | shared |
 """
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pipeline import states
 from pipeline.db.copies import good_copy
 from pipeline.db.models import (
     Checkpoint,
-    CheckpointFile,
     CheckpointPart,
     Content,
     ContentCopy,
     Job,
-    Shard,
     StorageWorker,
 )
 from pipeline.steps import Send
+from pipeline.store.source import holding_hosts
 
 SHARED = "ckpt"
 
@@ -43,6 +42,20 @@ SHARED = "ckpt"
 def host_queue(host: str) -> str:
     """The queue of the steps that must run on ``host``."""
     return "ckpt.host." + re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:100]
+
+
+def depths(client: Any, namespace: str = "dramatiq") -> dict[str, int]:
+    """Messages per queue in the broker's Redis (``client``): waiting, being worked on, or
+    waiting out a retry's delay; dead letters are not counted (docs/design.md, "Deliveries")."""
+    out: dict[str, int] = {}
+    prefix = f"{namespace}:"
+    for raw in client.scan_iter(match=f"{prefix}*.msgs", count=1000):
+        name = (raw.decode() if isinstance(raw, bytes) else str(raw))[len(prefix):-len(".msgs")]
+        if name.endswith(".XQ") or name.startswith("__"):
+            continue
+        queue = name.removesuffix(".DQ")
+        out[queue] = out.get(queue, 0) + int(client.hlen(raw))
+    return out
 
 
 def queues_for(session: Session, send: Send) -> list[str]:
@@ -69,8 +82,13 @@ def queues_for(session: Session, send: Send) -> list[str]:
         params = session.scalar(select(Job.params).where(Job.id == send.args[0])) or {}
         hosts = [params.get("host")]
     elif send.actor == "repair":
-        sha = session.scalar(select(Job.sha256).where(Job.id == send.args[0]))
-        hosts = [_local_host(session, sha) if sha is not None and not _has_good_copy(session, sha) else None]
+        sha, params = session.execute(select(Job.sha256, Job.params).where(Job.id == send.args[0])).one_or_none() \
+            or (None, None)
+        handed = (params or {}).get("host")
+        if handed:
+            hosts = [handed]  # handed to a host that holds a local file (integrity/repair.py)
+        else:
+            hosts = [_local_host(session, sha) if sha is not None and not _has_good_copy(session, sha) else None]
     else:
         hosts = [None]
     return sorted({host_queue(h) if h else SHARED for h in hosts})
@@ -79,16 +97,7 @@ def queues_for(session: Session, send: Send) -> list[str]:
 def _local_host(session: Session, sha: str) -> str | None:
     """A host holding a local file with content ``sha`` (the one whose store is sending it
     first): the checkpoint's host, or the host of the part that holds the file."""
-    rows = session.execute(
-        select(func.coalesce(CheckpointFile.host, Checkpoint.host), Job.state).select_from(Checkpoint)
-        .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
-        .join(Shard, Shard.file_id == CheckpointFile.id)
-        .outerjoin(Job, (Job.checkpoint_id == Checkpoint.id) & (Job.kind == states.JobKind.STORE))
-        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True))
-        .order_by(Checkpoint.id.desc(), Job.id.desc())
-    ).all()
-    sending: list[str | None] = [host for host, state in rows if state == states.StoreState.SHARDED]
-    return (sending or [host for host, _state in rows] or [None])[0]
+    return (holding_hosts(session, sha) or [None])[0]
 
 
 def _has_good_copy(session: Session, sha: str) -> bool:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import home as home_mod
+from pipeline import hostid
 from pipeline.core.retention import Policy
-from pipeline.durable import fsync_dir
+from pipeline.durable import write_once
 from pipeline.errors import ConfigError
 
 MiB = 1024 * 1024
@@ -96,7 +96,10 @@ class Settings:
     scan_interval: float = 5.0
     #: A job whose lease is older than this is re-driven by the scheduler.
     lease_seconds: float = 60.0
-    #: Executions of one step before its job is marked failed (crash redeliveries included).
+    #: Each Dramatiq worker process says this often which queues it consumes; a queue silent
+    #: for three beats has no live consumer: its host is down (pipeline/consumers.py).
+    consumer_beat_seconds: float = 5.0
+    #: Executions of one step before its job is marked failed (stale deliveries not included).
     max_attempts: int = 5
     #: A replica verification older than this no longer allows rotation.
     freshness_seconds: float = 48 * 3600.0
@@ -107,9 +110,10 @@ class Settings:
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
     tick_seconds: float = 2.0
-    #: This machine's name among the training hosts: checkpoints it detects are its own, and the
-    #: steps that touch their local files run here only (docs/design.md, "Hosts"). Empty: the
-    #: hostname. Set it when hostnames are not unique or not stable.
+    #: This machine's id among the training hosts: checkpoints it detects are its own, and the
+    #: steps that touch their local files run here only (docs/design.md, "Hosts"). Empty: the id
+    #: kept in ``<home>/host-id``, written with the hostname the first time (pipeline/hostid.py),
+    #: so a later hostname change keeps the host. Set it when several hosts share one home.
     host: str = ""
     #: Directories a restore may write under besides the watched roots themselves (and, for the
     #: CLI and the Python API, the caller's current directory). docs/design.md, invariant 7.
@@ -166,8 +170,14 @@ class Settings:
 
     @property
     def host_id(self) -> str:
-        """This machine's name among the training hosts (``CKPT_HOST``, else the hostname)."""
-        return self.host or socket.gethostname()
+        """This machine's id among the training hosts: ``CKPT_HOST``, else the one kept in
+        ``<home>/host-id`` (pipeline/hostid.py); the hostname is only its label."""
+        return hostid.host_id(self.home, self.host)
+
+    @property
+    def host_label(self) -> str:
+        """What this machine is called now (its hostname), shown beside :attr:`host_id`."""
+        return hostid.label()
 
     @property
     def db_url(self) -> str:
@@ -234,18 +244,7 @@ class Settings:
         path = self.home / name
         if not path.exists():
             self.home.mkdir(parents=True, exist_ok=True)
-            tmp = self.home / f".{name}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)  # first writer wins when two processes race
-            except FileExistsError:
-                pass
-            os.unlink(tmp)
-            fsync_dir(self.home)  # docs/design.md, invariant 2: the key survives a crash once used
+            write_once(path, secrets.token_hex(32), 0o600)  # invariant 2: the key survives a crash once used
         return path.read_text().strip().encode()
 
     def child_env(self) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """What ``ckpt status`` (and later the web UI) shows: plain dicts from the control plane."""
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
 from pipeline.core.health import shard_health, worker_healths
+from pipeline.db import hosts
 from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
@@ -273,6 +275,8 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),
             "degraded": degraded_runs(settings),
+            "this_host": {"id": settings.host_id, "label": settings.host_label},
+            "hosts": [dataclasses.asdict(h) for h in hosts.listed(s, settings)],
         }
 
 

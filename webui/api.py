@@ -145,8 +145,18 @@ def store() -> ResponseReturnValue:
 @api_admin
 def restore() -> ResponseReturnValue:
     doc = body("checkpoint", "dest")
-    r = operations.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=flag(doc, "overwrite"))
-    return accepted(r.job_id)
+    host = doc.get("host")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise ApiError(400, '"host" must be the id of a training host (GET /api/hosts lists them)')
+    r = operations.restore_to(settings(), doc["checkpoint"], str(doc["dest"]), overwrite=flag(doc, "overwrite"),
+                              host=host)
+    return accepted(r.job_id, {"host": host or settings().host_id})
+
+
+@bp.get("/hosts")
+def hosts() -> ResponseReturnValue:
+    """The training hosts; ``consumer_live``: a restore may be sent there now."""
+    return jsonify(hosts=data.hosts(settings()), this_host=settings().host_id)
 
 
 @bp.post("/scrub")

@@ -4,6 +4,7 @@ Pages and API read the same functions, so the browser and scripts see the same d
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,6 +14,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
 from pipeline.core.health import shard_health, worker_healths
+from pipeline.db import hosts as db_hosts
 from pipeline.db.copies import content_copies, fresh_after, good_copy, held_per_worker
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
@@ -414,3 +416,10 @@ def next_scrub(settings: Settings) -> datetime | None:
 
     t = now()
     return CronTrigger.from_crontab(settings.scrub_cron).get_next_fire_time(None, t + timedelta(seconds=1))
+
+
+def hosts(settings: Settings) -> list[dict[str, Any]]:
+    """Every training host (its id, its hostname as label, when its watcher and its consumer
+    last reported in), those a restore may go to first (pipeline/db/hosts.py)."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        return [dataclasses.asdict(h) for h in db_hosts.listed(s, settings)]

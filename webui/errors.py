@@ -9,6 +9,7 @@ from pipeline.errors import (
     CkptError,
     DestinationExists,
     InvalidTransition,
+    NoConsumer,
     SourceChanged,
     UnknownCheckpoint,
     UnknownJob,
@@ -32,6 +33,7 @@ STATUS: tuple[tuple[type[CkptError], int], ...] = (
     (InvalidTransition, 409),
     (SourceChanged, 409),
     (DestinationExists, 409),
+    (NoConsumer, 409),  # nothing would run it there now: refused, not queued for ever
     (CkptError, 400),  # bad input: a path outside the roots, an incomplete checkpoint, a bad setting
 )
 

@@ -1,22 +1,25 @@
 """``/metrics`` in the Prometheus text format, computed from the control plane at scrape time."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pipeline import capacity, states
+from pipeline import capacity, consumers, queues, states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, Job, JobEvent
+from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer
 from pipeline.states import JobKind, WorkerState
 from pipeline.status import degraded_runs, problem_dicts, run_summaries
 from webui import data
 
+log = logging.getLogger("ckpt.web")
 bp = Blueprint("metrics", __name__)
 BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -81,6 +84,38 @@ class ControlPlaneCollector:
         yield free
         yield from _detection_metrics(doc)
         yield from _capacity_metrics(doc)
+        yield from _queue_metrics(s)
+
+
+def _queue_metrics(settings: Any) -> Iterator[Any]:
+    """Per queue: the messages in it (bounded: at most one per job step, none for a host that
+    is down), whether a live consumer serves it, and the jobs waiting for its host."""
+    depth = GaugeMetricFamily("ckpt_queue_depth", "Messages in the queue (waiting, being worked on or "
+                              "waiting out a retry's delay)", labels=["queue"])
+    if not settings.broker_url.startswith("stub://"):
+        client = redis.Redis.from_url(settings.broker_url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            for queue, n in sorted(queues.depths(client).items()):
+                depth.add_metric([queue], n)
+        except redis.RedisError:  # the broker is away: the other metrics still answer
+            log.warning("/metrics: could not read queue depths from the broker", exc_info=True)
+        finally:
+            client.close()
+    yield depth
+    up = GaugeMetricFamily("ckpt_queue_consumer_up", "1 if a live Dramatiq worker consumes the queue",
+                           labels=["queue", "host"])
+    waiting = GaugeMetricFamily("ckpt_jobs_waiting_for_host", "Jobs whose next step waits for the host "
+                                "of a queue no live worker consumes", labels=["queue"])
+    with session_scope(settings.db_url, readonly=True) as session:
+        live = set(consumers.live(session, settings))
+        for queue, host in session.execute(select(QueueConsumer.queue, QueueConsumer.host)
+                                           .order_by(QueueConsumer.queue)):
+            up.add_metric([queue, host], 1 if queue in live else 0)
+        for queue_waited, n in session.execute(select(Job.waiting_for, func.count(Job.id))
+                                               .where(Job.waiting_for.is_not(None)).group_by(Job.waiting_for)):
+            waiting.add_metric([str(queue_waited)], n)
+    yield up
+    yield waiting
 
 
 def _capacity_metrics(doc: dict[str, Any]) -> Iterator[Any]:

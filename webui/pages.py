@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from flask import (
     Blueprint,
@@ -101,6 +102,21 @@ def checkpoint_retention(checkpoint_id: int, action: str) -> ResponseReturnValue
     return redirect(url_for("pages.checkpoint", checkpoint_id=checkpoint_id), code=303)
 
 
+def chosen_host() -> str | None:
+    """The host a restore form chose (its selector lists the hosts with a running consumer)."""
+    return request.form.get("host", "").strip() or None
+
+
+@bp.app_template_global()
+def restore_hosts(preferred: str | None = None) -> dict[str, Any]:
+    """What a restore form's host selector offers: the hosts with a running consumer, and the
+    one selected (``preferred``, else this host, else the first)."""
+    live = [h for h in data.hosts(settings()) if h["consumer_live"]]
+    ids = [h["id"] for h in live]
+    selected = next((h for h in (preferred, settings().host_id) if h in ids), ids[0] if ids else None)
+    return {"hosts": live, "selected": selected}
+
+
 @bp.route("/checkpoints/<int:checkpoint_id>/restore", methods=("POST",))
 @form_admin
 def checkpoint_restore(checkpoint_id: int) -> ResponseReturnValue:
@@ -109,12 +125,13 @@ def checkpoint_restore(checkpoint_id: int) -> ResponseReturnValue:
     try:
         if not dest:
             raise RestoreError("give the destination: a path that does not exist yet, under a restore root")
-        r = operations.restore_to(settings(), str(checkpoint_id), dest, overwrite=overwrite)
+        r = operations.restore_to(settings(), str(checkpoint_id), dest, overwrite=overwrite, host=chosen_host())
     except UnknownCheckpoint:
         raise
     except CkptError as e:
         c = data.checkpoint(settings(), checkpoint_id)
-        return render_template("checkpoint.html", c=c, restore_error=str(e), dest=dest, overwrite=overwrite), \
+        return render_template("checkpoint.html", c=c, restore_error=str(e), dest=dest, overwrite=overwrite,
+                               host=chosen_host()), \
             status_of(e)
     return redirect(url_for("pages.job", job_id=r.job_id), code=303)
 
@@ -128,7 +145,8 @@ def checkpoint_restore_check(checkpoint_id: int) -> ResponseReturnValue:
         if not dest:
             raise RestoreError("give the destination: a path that does not exist yet, under a restore root")
         target = operations.check_restore(settings(), str(checkpoint_id), dest,
-                                          overwrite=request.args.get("overwrite") == "1")
+                                          overwrite=request.args.get("overwrite") == "1",
+                                          host=request.args.get("host") or None)
     except UnknownCheckpoint:
         raise
     except CkptError as e:
@@ -270,7 +288,8 @@ def restore() -> ResponseReturnValue:
         flash("choose a checkpoint and a destination path", "error")
         return redirect(url_for("pages.actions"), code=303)
     try:
-        r = operations.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on")
+        r = operations.restore_to(settings(), ref, dest, overwrite=request.form.get("overwrite") == "on",
+                                  host=chosen_host())
     except UnknownCheckpoint:
         raise
     except CkptError as e:  # shown in the form that asked, with what was typed

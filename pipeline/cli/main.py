@@ -4,7 +4,7 @@
     (every command takes --home DIR, before or after its name; see pipeline/home.py)
     ckpt worker --data DIR --port P [--host H]           a storage worker daemon
     ckpt store PATH [--wait]                             protect a checkpoint now
-    ckpt restore ID|PATH --to DEST [--wait]              give a checkpoint back
+    ckpt restore ID|PATH --to DEST [--host H] [--wait]   give a checkpoint back (on host H)
     ckpt status [--json] [--all]                         runs, checkpoints, jobs, capacity
     ckpt scrub [--wait]                                  re-hash every copy now
     ckpt pin ID [--note T] | ckpt unpin ID               keep a checkpoint whatever the policy
@@ -218,8 +218,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"newest protected checkpoint of {args.latest}: {newest.path} (step {newest.step}, id {newest.id})")
     elif not ref:
         raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
-    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True)
-    print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail}")
+    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True, host=args.host)
+    print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail} on host {args.host or s.host_id}")
     if args.wait:
         return wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)
     return 0
@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--latest", metavar="RUN", help="the newest protected checkpoint of this run (to resume from)")
     r.add_argument("--to", required=True, help="destination path (must not exist)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    r.add_argument("--host", metavar="HOST",
+                   help="the training host whose disk --to is on, which runs the restore (default: this host); it "
+                        "must have a running consumer (`ckpt up` or `dramatiq pipeline.tasks`), else it is refused. "
+                        "`ckpt status` lists the hosts")
     r.add_argument("--wait", action="store_true")
     r.add_argument("--timeout", type=float, default=3600.0)
     r.set_defaults(func=cmd_restore)

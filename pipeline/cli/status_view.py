@@ -123,6 +123,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         for j in active:
             print(f"  job {j['id']:>4} {j['kind']:<8} {j['state']:<11} attempts {j['attempts']}"
                   + (f"  last error: {j['last_error']}" if j["last_error"] else ""))
+    me = doc["this_host"]
+    print(f"\ntraining hosts (this one: {me['id']}" + (f", hostname {me['label']}" if me["label"] != me["id"] else "")
+          + "):")
+    for h in doc["hosts"]:
+        label = f" ({h['label']})" if h["label"] and h["label"] != h["id"] else ""
+        consumer = "consumer running" if h["consumer_live"] else "no consumer: a restore there is refused"
+        print(f"  {h['id']}{label}: seen {h['last_seen']:%Y-%m-%d %H:%M:%S}, {consumer}")
     print("\nstorage workers:")
     for w in doc["workers"]:
         failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]

@@ -273,6 +273,10 @@ class ContentCopy(Base):
     #: Last time the copy was checked (verify or scrub), whatever the result.
     checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The key (Dramatiq message id) of the last replicate message sent for it, and when: a
+    #: delivery with another key is stale and dropped (pipeline/deliveries.py).
+    sent_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sent_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
 
     content: Mapped[Content] = relationship(back_populates="copies")
     worker: Mapped[StorageWorker] = relationship()
@@ -315,6 +319,12 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    #: The key (Dramatiq message id) of the last message sent for its step, and when: a
+    #: delivery with another key is stale and dropped (pipeline/deliveries.py).
+    sent_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sent_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    #: The queue its next message waits for (no live consumer: its host is down); NULL otherwise.
+    waiting_for: Mapped[str | None] = mapped_column(String(255), nullable=True, index=True)
 
     checkpoint: Mapped[Checkpoint | None] = relationship()
     events: Mapped[list[JobEvent]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
@@ -351,13 +361,28 @@ class DetectionProblem(Base):
 
 
 class TrainingHost(Base):
-    """A training host, as its watcher last reported in: a checkpoint whose local steps wait
-    for a host that has gone silent says so (docs/design.md, "Hosts")."""
+    """A training host, as its watcher and its Dramatiq workers last reported in: a checkpoint
+    whose local steps wait for a host that has gone silent says so, and a restore goes only to a
+    host whose queue something consumes (docs/design.md, "Hosts"; pipeline/db/hosts.py)."""
 
     __tablename__ = "hosts"
 
+    #: The host id (pipeline/hostid.py): what checkpoints.host and the queue ckpt.host.<id> name.
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: Its hostname when it last reported in: shown beside the id, never a key.
+    label: Mapped[str | None] = mapped_column(String(255))
+
+
+class QueueConsumer(Base):
+    """A queue some Dramatiq worker process consumes, as it last said so (its heartbeat):
+    a queue whose consumer went silent belongs to a host that is down (pipeline/consumers.py)."""
+
+    __tablename__ = "queue_consumers"
+
+    queue: Mapped[str] = mapped_column(String(255), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    seen_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
 
 class CapacitySample(Base):

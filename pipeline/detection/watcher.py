@@ -33,8 +33,9 @@ from watchdog.observers import Observer
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
+from pipeline.db import hosts
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, TrainingHost
+from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, ondisk, parts, problems, roots
 from pipeline.errors import SourceChanged, UnreadableEntry
@@ -152,11 +153,7 @@ class Watcher:
             return
         try:
             with session_scope(self.settings.db_url) as s:
-                host = s.get(TrainingHost, self.settings.host_id)
-                if host is None:
-                    s.add(TrainingHost(name=self.settings.host_id, last_seen=now()))
-                else:
-                    host.last_seen = now()
+                hosts.report_in(s, self.settings.host_id, self.settings.host_label)
             self._reported_at = time.monotonic()
         except Exception as exc:  # the control plane is unreachable: detection goes on, reported later
             log.warning("could not report this host in: %s", exc)

@@ -4,8 +4,10 @@ One repair job per content (a partial unique index allows one active at a time, 
 never set aside each other's new copy). A source is a copy whose fresh re-hash matches, or a
 local file that holds the content (the receiving worker checks its hash): never "primary
 wins". A corrupt copy is quarantined on its worker (moved aside, not served, not counted) and
-purged only after the new copy there re-hashed correctly. A content with no good source is
-``lost``: the job says so; a later repair (a copy came back) can still succeed.
+purged only after the new copy there re-hashed correctly. A host that finds no good source
+while another host's disk holds a local file of the content hands the job to that host
+(``params.host``, which routes it there). A content with no good source on any worker or host
+is ``lost``: the job says so; a later repair (a copy came back) can still succeed.
 """
 from __future__ import annotations
 
@@ -19,17 +21,18 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.db import hosts
 from pipeline.db.copies import good_count, move, on, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
-from pipeline.db.transitions import create_job, now, renew_lease, transition
+from pipeline.db.transitions import create_job, note, now, renew_lease, transition
 from pipeline.errors import CkptError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, StoreState
 from pipeline.steps import Send, start_job
 from pipeline.store.replication import fan_in_job, waiting_jobs
-from pipeline.store.source import Source, local_source, shard_prefix, source_matches
+from pipeline.store.source import Source, holding_hosts, local_source, shard_prefix, source_matches
 
 log = logging.getLogger("ckpt.repair")
 P = states.RepairState
@@ -106,6 +109,9 @@ MAX_PASSES = 4
 
 def repair(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
+        runs_on = (s.scalar(select(Job.params).where(Job.id == job_id)) or {}).get("host")
+        if runs_on not in (None, settings.host_id):
+            return [Send("repair", (job_id,))]  # handed to the host that holds a local file: sent there
         job = start_job(s, settings, job_id, JobKind.REPAIR, P.QUEUED, P.REPAIRING)
         if job is None:
             return []
@@ -136,6 +142,8 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                 renew_lease(s, job_id, settings.lease_seconds)
 
     with session_scope(settings.db_url) as s:
+        if lost and (handed := _hand_over(s, settings, job_id, sha)):
+            return handed
         if lost:
             detail = f"LOST: no copy and no local file matches content {sha[:12]} ({_users(s, sha)})"
             transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.LOST, detail=detail, last_error=detail)
@@ -162,6 +170,25 @@ def _wake_stores(s: Session, settings: Settings, sha: str) -> list[Send]:
                       detail=f"trying placement again: content {sha[:12]} was repaired"):
             sends.append(Send("shard", (job.id,)))
     return sends
+
+
+def _hand_over(s: Session, settings: Settings, job_id: int, sha: str) -> list[Send]:
+    """No copy and no local file here holds the content: send the job to another host whose
+    disk holds a local file of it (one with a running consumer first), never to one that
+    already tried. Nothing (then the content is ``lost``) when no other host holds one."""
+    job = one(s, Job, job_id)
+    tried = {*job.params.get("tried_hosts", ()), settings.host_id}
+    holders = [h for h in holding_hosts(s, sha) if h is not None and h not in tried]
+    if not holders:
+        return []
+    live = {h.id for h in hosts.with_consumer(s, settings)}
+    target = next((h for h in holders if h in live), holders[0])
+    renew_lease(s, job_id, settings.lease_seconds,
+                params={**job.params, "host": target, "tried_hosts": sorted(tried)})
+    note(s, job_id, f"no good copy and no local file of content {sha[:12]} on {settings.host_id}: handed to host "
+                    f"{target}, whose disk holds one")
+    log.warning("repair of %s handed to host %s, which holds a local file of it", sha[:12], target)
+    return [Send("repair", (job_id,))]
 
 
 def _users(s: Session, sha: str) -> str:

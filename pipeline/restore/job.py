@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
+from pipeline.db import hosts
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
@@ -41,25 +42,35 @@ R = states.RestoreState
 
 
 def request(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
-            extra_roots: Iterable[Path] = ()) -> Job:
+            extra_roots: Iterable[Path] = (), host: str | None = None) -> Job:
     """Validate a restore request and create its job (the caller enqueues ``restore``).
 
-    ``extra_roots``: directories this caller may also restore under (its current directory);
-    they go with the job, so the actor checks the destination against the same roots."""
-    extra = [p.resolve() for p in extra_roots]
-    ckpt, target = validate(session, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
-    params: dict[str, object] = {"dest": str(target), "overwrite": overwrite, "host": settings.host_id,
-                                 "seen": destination.seen(target)}
+    ``host``: where the restore runs and ``dest`` is (default this host); its queue must have a
+    live consumer (:class:`NoConsumer` otherwise). ``extra_roots``: directories this caller may
+    also restore under (its current directory); they go with the job, so the actor checks the
+    destination against the same roots. Another host's destination is checked there, by the
+    actor, against that host's roots and disk."""
+    host = host or settings.host_id
+    if host == settings.host_id:
+        extra = [p.resolve() for p in extra_roots]
+        ckpt, target = validate(session, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
+        seen: dict[str, object] = {"seen": destination.seen(target)}
+    else:
+        extra, seen = [], {}  # this caller's directory is not a place on that host
+        ckpt, target = validate_elsewhere(session, ref, dest, host)
+    hosts.require_consumer(session, settings, host)
+    params: dict[str, object] = {"dest": str(target), "overwrite": overwrite, "host": host,
+                                 "asked_on": settings.host_id, **seen}
     if extra:
         params["extra_roots"] = [str(p) for p in extra]
     return create_job(session, JobKind.RESTORE, checkpoint_id=ckpt.id, lease_seconds=settings.lease_seconds,
-                      params=params, bytes_total=ckpt.total_bytes, detail=f"restore to {target}")
+                      params=params, bytes_total=ckpt.total_bytes, detail=f"restore to {target} on {host}")
 
 
 def validate(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
              extra_roots: Iterable[Path] = ()) -> tuple[Checkpoint, Path]:
-    """The checkpoint and resolved destination of a restore that may go ahead; raises the
-    reason it may not (what a form checks before it is submitted, and :func:`request`).
+    """The checkpoint and resolved destination of a restore on this host that may go ahead;
+    raises the reason it may not (what a form checks before it is submitted, and :func:`request`).
 
     An existing destination is examined as the actor will examine it, except that a file
     whose size and mtime equal its protected record is not read (the actor reads it)."""
@@ -71,6 +82,27 @@ def validate(session: Session, settings: Settings, ref: str | int, dest: str, *,
         destination.examine(lambda: nullcontext(session), settings, target, trust_stat=True)
     if not target.parent.is_dir():
         raise RestoreError(f"{target.parent} is not a directory; create it first")
+    _restorable(session, ckpt)
+    if not str(ref).isdigit():  # by path: the version on disk there, or a refusal that says why
+        current.check(settings, ckpt, target)
+    current.check_target(session, settings, ckpt, target, Path(dest).expanduser().absolute())
+    return ckpt, target
+
+
+def validate_elsewhere(session: Session, ref: str | int, dest: str, host: str) -> tuple[Checkpoint, Path]:
+    """The checkpoint and destination of a restore on another ``host``: what the control plane
+    can tell from here (the checkpoint is restorable, the path is absolute). Its disk, its
+    restore roots and what is at ``dest`` are that host's: its actor checks them before
+    fetching anything, and refuses with the reason (docs/design.md, invariant 7)."""
+    ckpt = resolve(session, ref, host)
+    if not os.path.isabs(dest):
+        raise RestoreError(f"{dest} is not an absolute path: give the destination as a full path on host {host}")
+    _restorable(session, ckpt)
+    return ckpt, Path(os.path.normpath(dest))
+
+
+def _restorable(session: Session, ckpt: Checkpoint) -> None:
+    """Raise why ``ckpt`` cannot be restored (forgotten, or not replicated yet)."""
     store = latest_store_job(session, ckpt.id)
     if store is not None and store.state == states.StoreState.FORGOTTEN:
         when = ckpt.released_at.isoformat(timespec="seconds") if ckpt.released_at else "earlier"
@@ -81,16 +113,12 @@ def validate(session: Session, settings: Settings, ref: str | int, dest: str, *,
     if store is None or store.state not in states.RESTORABLE:
         state = store.state if store else "unknown"
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
-    if not str(ref).isdigit():  # by path: the version on disk there, or a refusal that says why
-        current.check(settings, ckpt, target)
-    current.check_target(session, settings, ckpt, target, Path(dest).expanduser().absolute())
-    return ckpt, target
 
 
 def restore(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
-        asked_on = (s.scalar(select(Job.params).where(Job.id == job_id)) or {}).get("host")
-        if asked_on not in (None, settings.host_id):
+        runs_on = (s.scalar(select(Job.params).where(Job.id == job_id)) or {}).get("host")
+        if runs_on not in (None, settings.host_id):
             return [Send("restore", (job_id,))]  # its destination is on the host that asked: sent there
         job = start_job(s, settings, job_id, JobKind.RESTORE, R.QUEUED, R.GATHERING)
         if job is None:
@@ -106,6 +134,8 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
         resumed = job.state == R.VERIFIED  # a crash came after the files were verified
         if not resumed:  # refused before anything is fetched; checked again before writing
             try:
+                if job.params.get("asked_on", settings.host_id) != settings.host_id:
+                    _here(dest)  # asked from another host: nothing there saw this path
                 destination.check(s, settings, dest, extra)
                 current.check_target(s, settings, ckpt, dest)
                 destination.existing(s, settings, dest, overwrite=overwrite, extra_roots=extra)
@@ -210,6 +240,16 @@ def _put_in_place(settings: Settings, job_id: int, attempt: int, staging: _Stage
         transition(s, job_id, JobKind.RESTORE, R.VERIFIED, R.DONE, detail=f"restored to {dest}")
     log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
     return []
+
+
+def _here(dest: Path) -> None:
+    """Refuse a destination asked from another host that does not name itself on this one
+    (relative, or through a link): the request checked nothing on this disk."""
+    if not dest.is_absolute() or dest.parent.resolve() != dest.parent:
+        raise UnsafeDestination(f"{dest} passes through a link on this host (it is "
+                                f"{dest.parent.resolve() / dest.name}); give the real path")
+    if not dest.parent.is_dir():
+        raise RestoreError(f"{dest.parent} is not a directory on this host; create it first")
 
 
 def _recheck(session: Session, settings: Settings, dest: Path, found: destination.Replaceable | None,

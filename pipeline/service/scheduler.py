@@ -22,7 +22,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pipeline import capacity, states
+from pipeline import capacity, consumers, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.db import workers
@@ -108,7 +108,12 @@ def release_lock(settings: Settings, name: str, holder: str) -> None:
 
 
 def expired_work(settings: Settings) -> list[Send]:
-    """Renew the lease of every active job whose lease expired; the messages that resume them."""
+    """Renew the lease of every active job whose lease expired, or whose host came back
+    while it waited for it; the messages that resume them.
+
+    Sending them is safe whatever else is in flight: a step whose message is still queued
+    gets no second one, and none goes to a host that is down (pipeline/tasks/sending.py).
+    """
     t = now()
     sends: list[Send] = []
     with session_scope(settings.db_url) as s:
@@ -117,9 +122,15 @@ def expired_work(settings: Settings) -> list[Send]:
         # No lease is ever granted for longer than lease_seconds: one that ends further
         # ahead was written by a process whose clock runs fast, and would block the job.
         too_far = t + timedelta(seconds=2 * settings.lease_seconds)
-        for job in s.scalars(select(Job).where(active, (Job.lease_until < t) | (Job.lease_until > too_far))):
+        live = consumers.live(s, settings)
+        back = Job.waiting_for.in_(live)
+        for job in s.scalars(select(Job).where(active, (Job.lease_until < t) | (Job.lease_until > too_far) | back)):
             expired = job.lease_until is None or job.lease_until < t
-            why = "expired" if expired else "ends too far ahead (a fast clock wrote it)"
+            why = ("expired" if expired else f"{job.waiting_for} has a consumer again" if job.waiting_for
+                   else "ends too far ahead (a fast clock wrote it)")
+            if job.waiting_for in live:  # its host is back: sending marks it again if it went away
+                job.waiting_for = None
+                job.blocked_reason = None if consumers.is_waiting(job.blocked_reason) else job.blocked_reason
             job.lease_until = t + timedelta(seconds=settings.lease_seconds)
             sends.extend(resume(s, settings, job))
             log.warning("job %d (%s %s): lease %s, re-driving", job.id, job.kind, job.state, why)

@@ -29,6 +29,7 @@ from pipeline.db.copies import move, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
+from pipeline.deliveries import still_keyed
 from pipeline.errors import AttemptsExhausted, PlacementError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
@@ -52,16 +53,19 @@ def waiting_jobs(session: Session, sha: str, state: str = S.SHARDED) -> list[Job
 
 
 def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
-              named: dict[str, Any] | None = None) -> list[Send]:
+              named: dict[str, Any] | None = None, *, key: str | None = None) -> list[Send]:
     """Send copy ``copy_id``; with ``chain`` (chain replication), the copies of the same content
     on the workers after it too, through it: this host sends the bytes once. ``named``: the
     shard of a local file that holds the bytes, when detection sent this before recording
-    the checkpoint (pipeline.store.early); a recorded local file is preferred."""
+    the checkpoint (pipeline.store.early); a recorded local file is preferred. ``key``: the
+    delivery's message id; a copy of the chain sent since by another message is left to it
+    (pipeline/deliveries.py)."""
     with session_scope(settings.db_url) as s:
         rows = {c.id: c for c in s.scalars(select(ContentCopy).where(ContentCopy.id.in_([copy_id, *chain])))}
         if copy_id not in rows:
             return []
-        pending = [rows[i] for i in (copy_id, *chain) if i in rows and rows[i].state == CopyState.PENDING]
+        pending = still_keyed([rows[i] for i in (copy_id, *chain) if i in rows
+                               and rows[i].state == CopyState.PENDING], key)
         if not pending:
             return fan_in(s, settings, rows[copy_id].sha256)
         cp, rest = pending[0], pending[1:]  # a retry whose first copy was stored goes on from the next

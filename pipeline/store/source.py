@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from pipeline.core.header import Header, shard_header
@@ -70,6 +70,22 @@ def local_source(session: Session, sha: str, host: str | None) -> Source | None:
             return src
         best = best or src
     return best
+
+
+def holding_hosts(session: Session, sha: str) -> list[str | None]:
+    """The hosts whose disk holds a local file with content ``sha`` (the checkpoint's host, or
+    the part's for a file another host holds), each once: the one whose store is sending it
+    first, then by newest checkpoint. None: a checkpoint recorded before hosts (any host's)."""
+    rows = session.execute(
+        select(func.coalesce(CheckpointFile.host, Checkpoint.host), Job.state).select_from(Checkpoint)
+        .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
+        .join(Shard, Shard.file_id == CheckpointFile.id)
+        .outerjoin(Job, (Job.checkpoint_id == Checkpoint.id) & (Job.kind == JobKind.STORE))
+        .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True))
+        .order_by(Checkpoint.id.desc(), Job.id.desc())
+    ).all()
+    sending = [host for host, state in rows if state == StoreState.SHARDED]
+    return list(dict.fromkeys([*sending, *(host for host, _state in rows)]))
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,6 +10,7 @@ from typing import Any
 
 import dramatiq
 
+from pipeline import deliveries
 from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.errors import AttemptsExhausted
@@ -18,7 +19,6 @@ from pipeline.integrity.reconcile import reconcile as reconcile_step
 from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import repair as repair_step
 from pipeline.integrity.scrub import scrub as scrub_step
-from pipeline.queues import queues_for
 from pipeline.restore.job import restore as restore_step
 from pipeline.steps import Send
 from pipeline.store.replication import replicate as replicate_step
@@ -27,6 +27,7 @@ from pipeline.store.rotation import rotate as rotate_step
 from pipeline.store.rotation import rotate_part as rotate_part_step
 from pipeline.store.sharding import shard_checkpoint
 from pipeline.store.verification import recheck_shared, verify_checkpoint
+from pipeline.tasks.sending import send_all
 
 log = logging.getLogger("ckpt.tasks")
 
@@ -43,23 +44,6 @@ _TRANSFER: dict[str, Any] = dict(_common, time_limit=int(_settings.transfer_time
 _CONTROL: dict[str, Any] = dict(_common, time_limit=10 * 60 * _SECOND)
 
 
-def send_all(sends: list[Send]) -> None:
-    """Enqueue ``sends``, each on the queue of the host whose files it touches (queues.py)."""
-    if not sends:
-        return
-    broker = dramatiq.get_broker()
-    with session_scope(settings_mod.current().db_url, readonly=True) as s:
-        routed = [(item, queues_for(s, item)) for item in sends]
-    for item, queues in routed:
-        actor = broker.get_actor(item.actor)
-        for queue in queues:
-            message = actor.message(*item.args)
-            if queue != message.queue_name:
-                broker.declare_queue(queue)
-                message = message.copy(queue_name=queue)
-            broker.enqueue(message)
-
-
 @dramatiq.actor(actor_name="shard", queue_name="ckpt", **_TRANSFER)
 def shard(job_id: int, sent: list[int] | None = None) -> None:
     send_all(shard_checkpoint(settings_mod.current(), job_id, sent or ()))
@@ -67,7 +51,7 @@ def shard(job_id: int, sent: list[int] | None = None) -> None:
 
 @dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
 def replicate(copy_id: int, chain: list[int] | None = None, named: dict[str, Any] | None = None) -> None:
-    send_all(replicate_step(settings_mod.current(), copy_id, chain or (), named))
+    send_all(replicate_step(settings_mod.current(), copy_id, chain or (), named, key=deliveries.CURRENT.get()))
 
 
 @dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)

@@ -7,19 +7,52 @@ unit tests.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import dramatiq
-from dramatiq.brokers.redis import RedisBroker
+from dramatiq import Message
+from dramatiq.brokers import redis as dramatiq_redis
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Retries
 
 from pipeline import failpoints
 from pipeline.settings import Settings
-from pipeline.tasks.middleware import Failpoints, JobFailures, Ready
+from pipeline.tasks.middleware import ConsumerBeat, Deliveries, Failpoints, JobFailures, Ready
 
 #: A worker whose heartbeat is older than this is presumed dead (ms).
 HEARTBEAT_TIMEOUT_MS = 15_000
 #: Maintenance (requeueing dead workers' messages) runs on this many commands per million.
 MAINTENANCE_CHANCE = 20_000
+
+
+class RedisBroker(dramatiq_redis.RedisBroker):
+    """Dramatiq's Redis broker, enqueueing a message under its own message id.
+
+    Dramatiq files each message in Redis under a fresh random id; here a message enqueued
+    without a delay is filed under its message id, so whether a message sent for a step is
+    still queued (or being worked on) is one ``HEXISTS`` (:func:`queued`,
+    pipeline/deliveries.py). A retry's delayed copy keeps Dramatiq's random id while it waits
+    (the original is acked under its own id after the copy is enqueued), and is filed under the
+    message id again once it is due.
+    """
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        if delay is not None:
+            return super().enqueue(message, delay=delay)
+        message = message.copy(options={"redis_message_id": message.message_id})
+        self.emit_before("enqueue", message, delay)
+        self.do_enqueue(message.queue_name, message.message_id, message.encode())
+        self.emit_after("enqueue", message, delay)
+        return message
+
+
+def queued(broker: dramatiq.Broker, queue: str, message_id: str) -> bool:
+    """Whether message ``message_id`` is in ``queue``, waiting or being worked on."""
+    if isinstance(broker, dramatiq_redis.RedisBroker):
+        return bool(broker.client.hexists(f"{broker.namespace}:{queue}.msgs", message_id))
+    if isinstance(broker, StubBroker) and queue in broker.queues:
+        return any(Message.decode(body).message_id == message_id for body in list(broker.queues[queue].queue))
+    return False
 
 
 def build_broker(settings: Settings) -> dramatiq.Broker:
@@ -40,8 +73,11 @@ def build_broker(settings: Settings) -> dramatiq.Broker:
     # emit_after runs middleware in reverse: placed before Retries, JobFailures sees
     # the message after Retries decided whether it failed for good.
     broker.add_middleware(JobFailures(), before=Retries)
+    broker.add_middleware(Deliveries())
     if settings.ready_dir:
         broker.add_middleware(Ready())
+    if not isinstance(broker, StubBroker):  # unit tests' in-process workers have no host to speak for
+        broker.add_middleware(ConsumerBeat())
     if failpoints.ENABLED:
         broker.add_middleware(Failpoints())
     return broker

@@ -70,8 +70,10 @@ def requeue(settings: Settings, ids: list[str] | None = None) -> int:
         if wanted is not None and letter["id"] not in wanted and letter["message_id"] not in wanted:
             continue
         _revive_job(settings, letter["actor"], tuple(letter["args"]))
+        # Under its own message id: the key its step recorded (pipeline/deliveries.py), so the
+        # revived message is its step's message, not a stale delivery.
         fresh: Message[Any] = Message(queue_name=QUEUE, actor_name=letter["actor"], args=tuple(letter["args"]),
-                        kwargs=letter["kwargs"] or {}, options={})
+                                      kwargs=letter["kwargs"] or {}, options={}, message_id=letter["message_id"])
         broker.enqueue(fresh)
         broker.client.zrem(xq, letter["id"])
         broker.client.hdel(msgs, letter["id"])

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from dramatiq import Broker
 from dramatiq.broker import MessageProxy
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import Middleware, SkipMessage
 
 log = logging.getLogger("ckpt.tasks")
 
@@ -57,3 +58,76 @@ class Failpoints(Middleware):
         failpoints.end_message()
 
     after_skip_message = after_process_message
+
+
+class Deliveries(Middleware):
+    """Drops a stale delivery before it does any work (pipeline/deliveries.py): another
+    message was sent for its step since. It counts no attempt and leaves no dead letter.
+    Also tells the step which message it runs, so it may send its own step again."""
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        from pipeline import deliveries
+        from pipeline import settings as settings_mod
+        from pipeline.db.engine import session_scope
+
+        deliveries.CURRENT.set(message.message_id)
+        if message.actor_name not in deliveries.KEYED or not message.args:
+            return
+        with session_scope(settings_mod.current().db_url, readonly=True) as s:
+            current = deliveries.is_current(s, message.actor_name, message.args, message.message_id)
+        if not current:
+            log.info("%s%r: stale delivery %s (another message was sent for its step); dropped",
+                     message.actor_name, tuple(message.args), message.message_id)
+            raise SkipMessage(f"stale delivery {message.message_id}")
+
+    def after_process_message(self, broker: Broker, message: MessageProxy, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        from pipeline import deliveries
+
+        deliveries.CURRENT.set(None)
+
+    after_skip_message = after_process_message
+
+
+class ConsumerBeat(Middleware):
+    """Says, every ``consumer_beat_seconds``, which queues this worker process consumes
+    (pipeline/consumers.py): a host whose queue has no beat is down, nothing is sent to it, and
+    a restore is not routed there. The first beat is written before the process counts as
+    booted (added after :class:`Ready`: ``after_worker_boot`` runs the middleware in reverse).
+    A process serving its host's queue also reports the host in, with its hostname as label."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        from pipeline import settings as settings_mod
+
+        settings = settings_mod.current()
+
+        def run() -> None:
+            while not self.stop.wait(settings.consumer_beat_seconds):
+                self.beat(settings, worker)
+
+        self.beat(settings, worker)
+        self.thread = threading.Thread(target=run, name="ckpt-consumer-beat", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def beat(settings: Any, worker: Any) -> None:
+        from pipeline import consumers
+        from pipeline.db import hosts
+        from pipeline.db.engine import session_scope
+        from pipeline.queues import host_queue
+
+        queues = [q for q in list(worker.consumers) if not q.endswith(".DQ")]
+        try:
+            with session_scope(settings.db_url) as s:
+                consumers.beat(s, settings.host_id, queues)
+                if host_queue(settings.host_id) in queues:
+                    hosts.report_in(s, settings.host_id, settings.host_label)
+        except Exception as exc:  # the control plane is away: the next beat tries again
+            log.warning("could not say which queues this worker consumes: %s", exc)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        self.stop.set()

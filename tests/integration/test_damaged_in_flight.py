@@ -19,15 +19,16 @@ pytestmark = pytest.mark.integration
 def test_copies_damaged_on_every_holder_before_verify_are_rebuilt_and_the_store_verifies(make_cluster, tmp_path):
     points = tmp_path / "failpoints"
     points.mkdir()
-    # The verify step pauses after it began, while the test truncates every stored copy.
-    (points / "verify.commit1.before").write_text("sleep 6\n")
+    # Every verify delivery pauses once its step began (committed: no lock held), while the test
+    # truncates every stored copy (every delivery: two of one step may be in flight).
+    (points / "verify.commit1.after").write_text("always sleep 5\n")
     cluster = make_cluster(env={"CKPT_FAILPOINTS": str(points), "CKPT_SCRUB_CRON": ""})
     run = cluster.runs / "run"
     run.mkdir()
     path = atomic_save(state_dict(5, layers=4, width=64), run / "step_1.safetensors")
     job_id = checkpoint_job(cluster, path)
 
-    wait_for(lambda: (points / "verify.commit1.before.fired").exists(), 90, "the verify step to begin")
+    wait_for(lambda: (points / "verify.commit1.after.hits").exists(), 90, "the verify step to begin")
     held = cluster.copies(path, states=("stored", "verified"))
     holders: dict[str, set[str]] = {}
     for worker_id, sha, _seq in held:

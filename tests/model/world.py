@@ -54,6 +54,7 @@ from pipeline import settings as settings_mod
 from pipeline.api import latest
 from pipeline.cluster.membership import probe_all
 from pipeline.core.retention import recency
+from pipeline.db import hosts
 from pipeline.db.copies import good_copy
 from pipeline.db.engine import dispose_all, session_scope
 from pipeline.db.migrate import upgrade
@@ -681,6 +682,8 @@ class World:
             (dest / "old.txt").write_text("an older restore\n")
         there = _tree(s.path) if os.path.lexists(s.path) else {}  # the files at the path when asked
         run_there = os.path.lexists(s.path.parent)  # a run the user deleted is no run to replace
+        with session_scope(self.settings.db_url) as session:  # this world delivers the host's messages
+            hosts.report_in(session, self.settings.host_id, self.settings.host_label, consumer=True)
         try:
             r = operations.restore_to(self.settings, str(s.path), str(dest), overwrite=overwrite)
         except CkptError as exc:

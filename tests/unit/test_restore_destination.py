@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import settings as settings_mod
+from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import CheckpointPart
 from pipeline.db.transitions import transition
@@ -52,6 +53,7 @@ def two(one):
 
 def _request(s, ref, dest, **kw):
     with session_scope(s.db_url) as session:
+        hosts.report_in(session, s.host_id, s.host_label, consumer=True)  # this host's Dramatiq runs restores
         return restore_job.request(session, s, ref, str(dest), **kw).params["dest"]
 
 

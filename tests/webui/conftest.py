@@ -3,6 +3,7 @@ tests/conftest.py, with the session's embedded Redis) and rows to show."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,12 @@ from sqlalchemy import select
 
 from pipeline import settings as settings_mod
 from pipeline.core import placement
+from pipeline.db import hosts
 from pipeline.db.engine import session_scope
-from pipeline.db.models import ContentCopy, Job, StorageWorker
+from pipeline.db.models import ContentCopy, Job, QueueConsumer, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
+from pipeline.queues import host_queue
 from tests.checkpoints import atomic_save, state_dict
 
 
@@ -68,6 +71,7 @@ def seed(s: settings_mod.Settings, step: int = 1) -> dict:
         session.flush()
         for a, b in (("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")):
             transition(session, job.id, "store", a, b, detail=f"seeded {b}")
+        hosts.report_in(session, s.host_id, s.host_label, consumer=True)  # this host's Dramatiq runs restores
         restore = create_job(session, "restore", checkpoint_id=ckpt.id, params={"dest": "/tmp/x"})
         for a, b in (("queued", "gathering"), ("gathering", "verified"), ("verified", "done")):
             transition(session, restore.id, "restore", a, b)
@@ -78,4 +82,13 @@ def seed(s: settings_mod.Settings, step: int = 1) -> dict:
 def one_job(s, kind: str) -> Job:
     with session_scope(s.db_url) as session:
         return session.scalars(select(Job).where(Job.kind == kind).order_by(Job.id.desc())).first()
+
+
+
+def consumer(s, host: str, *, seconds_ago: float = 0.0) -> None:
+    """Host ``host`` as its Dramatiq worker processes report it (pipeline/tasks/middleware.py)."""
+    with session_scope(s.db_url) as session:
+        hosts.report_in(session, host, f"{host}.example", consumer=True)
+        session.flush()
+        session.get(QueueConsumer, host_queue(host)).seen_at = now() - timedelta(seconds=seconds_ago)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dramatiq
 import pytest
 
-from tests.webui.conftest import one_job, seed
+from tests.webui.conftest import consumer, one_job, seed
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -202,6 +202,23 @@ def test_metrics_are_prometheus_text_from_real_rows(client, web_settings):
     assert "ckpt_transfer_seconds_bucket" in text and "ckpt_bytes_stored" in text
 
 
+def test_metrics_show_each_queues_depth_and_whether_a_live_consumer_serves_it(client, web_settings):
+    from pipeline import consumers
+    from pipeline.db.engine import session_scope
+    from pipeline.db.transitions import create_job
+    from pipeline.steps import Send
+    from pipeline.tasks.sending import send_all
+
+    with session_scope(web_settings.db_url) as s:
+        job_id = create_job(s, "scrub", checkpoint_id=None, params={"worker_id": "w-0"}).id
+        consumers.beat(s, "h1", ["ckpt.host.h1"])
+    send_all([Send("scrub", (job_id,))])
+    send_all([Send("scrub", (job_id,))])  # a re-drive while it is queued adds nothing
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'ckpt_queue_depth{queue="ckpt"} 1.0' in text
+    assert 'ckpt_queue_consumer_up{host="h1",queue="ckpt.host.h1"} 1.0' in text
+
+
 @pytest.mark.parametrize("endpoint", ["/api/store", "/api/restore", "/api/scrub"])
 def test_hostile_json_is_a_400_not_a_crash(client, token, endpoint):
     nested = "[" * 100_000 + "]" * 100_000
@@ -255,3 +272,44 @@ def test_reads_never_take_the_write_lock(client, web_settings):
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+def test_a_restore_to_a_host_without_a_running_consumer_is_refused_at_once(client, web_settings, token, tmp_path):
+    """The web host of a multi-host deployment runs no Dramatiq: a restore routed to its queue
+    waited for ever. A host whose consumer is gone (or never was) is refused with the reason."""
+    ids = seed(web_settings)
+    consumer(web_settings, "h-stale", seconds_ago=120)
+    jobs_before = one_job(web_settings, "restore").id
+    for host in ("h-ghost", "h-stale"):
+        r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": str(tmp_path / "runs" / "n"),
+                                              "host": host}, headers=bearer(token))
+        assert r.status_code == 409, r.get_json()
+        error = r.get_json()["error"]
+        assert f"no Dramatiq worker consumes host {host}'s queue" in error and web_settings.host_id in error
+    assert one_job(web_settings, "restore").id == jobs_before  # nothing recorded
+    listed = {h["id"]: h for h in client.get("/api/hosts").get_json()["hosts"]}
+    assert listed[web_settings.host_id]["consumer_live"] and not listed["h-stale"]["consumer_live"]
+    assert listed["h-stale"]["label"] == "h-stale.example"
+
+
+def test_a_restore_goes_to_the_queue_of_the_host_picked(client, web_settings, token, tmp_path):
+    from pipeline.queues import host_queue
+
+    ids = seed(web_settings)
+    consumer(web_settings, "h2")
+    dest = "/data/on-h2/restored"  # a path on h2's disk: checked there, not on the web host
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": dest, "host": "h2"},
+                    headers=bearer(token))
+    assert r.status_code == 202, r.get_json()
+    assert r.get_json()["host"] == "h2"
+    job = one_job(web_settings, "restore")
+    assert job.params["host"] == "h2" and job.params["dest"] == dest and "extra_roots" not in job.params
+    redis = dramatiq.get_broker().client
+    assert redis.llen(f"dramatiq:{host_queue('h2')}") == 1
+    assert redis.llen(f"dramatiq:{host_queue(web_settings.host_id)}") == 0 and redis.llen("dramatiq:ckpt") == 0
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": "relative/x", "host": "h2"},
+                    headers=bearer(token))
+    assert r.status_code == 400 and "not an absolute path" in r.get_json()["error"]
+    r = client.post("/api/restore", json={"checkpoint": ids["checkpoint"], "dest": dest, "host": 7},
+                    headers=bearer(token))
+    assert r.status_code == 400 and '"host"' in r.get_json()["error"]

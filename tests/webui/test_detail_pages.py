@@ -17,7 +17,7 @@ from pipeline.db.models import Job, JobEvent, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, roots
 from tests.checkpoints import atomic_save, state_dict
-from tests.webui.conftest import csrf_of, one_job, seed
+from tests.webui.conftest import consumer, csrf_of, one_job, seed
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -128,3 +128,32 @@ def test_workers_say_why_and_can_be_drained(admin, web_settings):
     assert r.status_code == 303
     with session_scope(web_settings.db_url) as s:
         assert s.get(StorageWorker, "w-1").state == "draining"
+
+
+def test_the_restore_forms_offer_the_hosts_with_a_consumer_and_restore_there(admin, web_settings, tmp_path):
+    import dramatiq
+
+    from pipeline.queues import host_queue
+
+    ids = seed(web_settings)
+    consumer(web_settings, "h2")
+    consumer(web_settings, "h-gone", seconds_ago=600)
+    page = admin.get(f"/checkpoints/{ids['checkpoint']}").get_data(as_text=True)
+    offered = re.findall(r'<option value="([^"]+)"[^>]*>', page.split('name="host"')[1].split("</select>")[0])
+    assert sorted(offered) == sorted(["h2", web_settings.host_id])  # not the host whose consumer is gone
+    assert re.search(rf'<option value="{re.escape(web_settings.host_id)}" selected', page)  # the checkpoint's host
+    assert "h2 (h2.example)" in page  # the id, then its hostname as label
+    check = f"/checkpoints/{ids['checkpoint']}/restore-check"
+    gone = admin.get(check, query_string={"dest": "/data/x", "host": "h-gone"}).get_json()
+    assert gone["ok"] is False and "no Dramatiq worker consumes host h-gone's queue" in gone["error"]
+    assert admin.get(check, query_string={"dest": "/data/x", "host": "h2"}).get_json() == {"ok": True,
+                                                                                         "target": "/data/x"}
+    r = admin.post(f"/checkpoints/{ids['checkpoint']}/restore",
+                   data={"dest": "/data/x", "host": "h2", "csrf_token": csrf_of(page)})
+    job = one_job(web_settings, "restore")
+    assert r.status_code == 303 and job.params["host"] == "h2"
+    assert dramatiq.get_broker().client.llen(f"dramatiq:{host_queue('h2')}") == 1
+    actions = admin.get("/actions").get_data(as_text=True)
+    r = admin.post("/actions/restore", data={"checkpoint": ids["checkpoint"], "dest": "/data/y", "host": "h-gone",
+                                             "csrf_token": csrf_of(actions)})
+    assert r.status_code == 409 and b"h-gone" in r.data and b'value="/data/y"' in r.data

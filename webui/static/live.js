@@ -39,7 +39,8 @@
     var check = function () {
       var dest = form.elements.dest.value.trim();
       if (!dest) { verdict.textContent = ""; return; }
-      var q = "?dest=" + encodeURIComponent(dest) + (form.elements.overwrite.checked ? "&overwrite=1" : "");
+      var q = "?dest=" + encodeURIComponent(dest) + (form.elements.overwrite.checked ? "&overwrite=1" : "") +
+        (form.elements.host ? "&host=" + encodeURIComponent(form.elements.host.value) : "");
       fetch(form.dataset.check + q, {credentials: "same-origin"}).then(function (r) { return r.json(); })
         .then(function (d) {
           verdict.textContent = d.ok ? "restores to " + d.target : d.error;
@@ -49,6 +50,7 @@
     };
     form.elements.dest.addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(check, 250); });
     form.elements.overwrite.addEventListener("change", check);
+    if (form.elements.host) { form.elements.host.addEventListener("change", check); }
   }
   var rows = document.querySelectorAll("tr[data-live]");
   if (rows.length) {
