@@ -6,10 +6,12 @@ path at several sizes, HF and DCP folders, the control plane, a month of trainin
 retention policy (bench/month.py, its chart saved as bench/results/month.png), and the
 control plane at 100k checkpoints and 1M job events (bench/scale.py), and the cluster in a
 box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fan-out and
-chain replication side by side (bench/cluster.py).
+chain replication side by side (bench/cluster.py); and what protection costs a training run
+(``--parts training``: step times off, watching, with the callbacks; bench/training.py).
 Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
-``--cluster-modes fanout,chain,chain+zstd``, ``--out FILE``, ``--keep`` (keep the work directory).
+``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
+``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, layouts, limits, loading, month, scale, transitions
+from bench import cluster, layouts, limits, loading, month, scale, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -295,6 +297,8 @@ def main() -> None:
     ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
     ap.add_argument("--cluster-modes", default="fanout,chain,chain+zstd",
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
+    ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
+    ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
@@ -304,7 +308,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc, boxes = [], {}, {}, {}, {}, []
+        sizes, dirs, cp, month_doc, scale_doc, boxes, training_doc = [], {}, {}, {}, {}, [], {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -328,6 +332,10 @@ def main() -> None:
                 print(f"== cluster in a box at {rate} ...", flush=True)
                 boxes.append(cluster.measure_cluster(work, rate, args.cluster_gib,
                                                      tuple(args.cluster_modes.split(","))))
+        if "training" in parts:
+            print("== training: off, watching, with the callbacks ...", flush=True)
+            training_doc = training.measure_training(work, steps=args.training_steps,
+                                                     save_every=args.training_save_every)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -342,9 +350,12 @@ def main() -> None:
         text += "\n" + scale.table(scale_doc)
     for box in boxes:
         text += "\n" + cluster.table(box)
+    if training_doc:
+        text += "\n" + training.table(training_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "cluster": boxes, "table": text}, indent=2, default=str))
+                               "scale": scale_doc, "cluster": boxes, "training": training_doc, "table": text},
+                              indent=2, default=str))
     print(f"saved {out}")
 
 

@@ -2,7 +2,8 @@
 
 Importing this package starts nothing. The public Python API:
 
-- :func:`protect` records a checkpoint now, complete by declaration (a trainer's save hook);
+- :func:`protect` declares a checkpoint complete (a trainer's save hook): recorded in the
+  background, never raising into training;
 - :func:`latest` is the newest protected checkpoint of a run (what to resume from);
 - :func:`restore` gives a checkpoint back byte for byte;
 - :func:`load_state_dict` builds its tensors straight from the shards (needs torch).
@@ -17,11 +18,13 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from pipeline.api import Protected
+    from pipeline.protector import Declared
     from pipeline.settings import Settings
 
 
-def protect(path: str | Path, *, settings: Settings | None = None) -> Protected:
-    """Record the checkpoint at ``path`` now (complete by declaration) and start its store."""
+def protect(path: str | Path, *, settings: Settings | None = None) -> Declared:
+    """Declare the checkpoint at ``path`` complete: recorded and stored in the background;
+    returns at once and never raises (``.result()`` waits for the record)."""
     from pipeline.api import protect as _protect
 
     return _protect(path, settings=settings)

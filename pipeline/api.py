@@ -5,6 +5,7 @@ These run in the trainer's process against the control plane of ``CKPT_HOME`` (o
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,7 +18,8 @@ from pipeline import states
 from pipeline.core.retention import recency
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
-from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
+from pipeline.errors import CkptError, NotProtectedYet, RestoreError, UnknownCheckpoint
+from pipeline.protector import Declared, Protector
 from pipeline.settings import Settings
 from pipeline.states import JobKind
 
@@ -54,27 +56,72 @@ class Protected:
         return self.state in states.PROTECTED
 
 
-def protect(path: str | Path, *, settings: Settings | None = None) -> Protected:
-    """Record the checkpoint at ``path`` now, complete by declaration, and start its store.
+def protect(path: str | Path, *, settings: Settings | None = None) -> Declared:
+    """Declare the checkpoint at ``path`` complete: it is recorded (complete by declaration)
+    and its store started in the background, by this process's protector thread.
 
     Call it when the writer has finished (a Trainer's ``on_save``): no layout marker or quiet
-    period is waited for. The path must be an entry of a watched run. Returns at once; the
-    store goes on in the background (``wait_protected`` waits for it).
+    period is waited for. Returns at once, whatever happens next: the trainer's thread never
+    hashes and never waits on the control plane, and a failure (no home, no ``ckpt up``, a path
+    outside the watched roots) is logged once per run, shown as "protection degraded" and never
+    raised here (pipeline.protector). ``.result()`` waits for the record and raises what
+    stopped it; :func:`wait_protected` waits for the copies. Without ``settings``, the home is
+    found as the ``ckpt`` commands find it (pipeline/home.py).
     """
+    return protector().declare(path, settings)
+
+
+def record(path: str | Path, settings: Settings) -> Protected:
+    """Record the checkpoint at ``path`` now, complete by declaration, and start its store
+    (what the protector thread does for each declaration; ``ckpt store PATH`` from Python)."""
     from pipeline import operations
 
     s = _control_plane(settings)
-    r = operations.store(s, str(path), detail="declared complete by pipeline.protect")
+    try:
+        r = operations.store(s, str(path), detail="declared complete by pipeline.protect")
+    except CkptError:
+        if os.path.lexists(path):
+            raise
+        known = _recorded_before(s, path)
+        if known is None:
+            raise
+        return known
     if r.checkpoint_id is None:
         raise CkptError(f"{path}: nothing was recorded")
     return _describe(s, r.checkpoint_id)
 
 
+def _recorded_before(s: Settings, path: str | Path) -> Protected | None:
+    """A save gone from disk before (or while) it was recorded here, which the control plane
+    already holds, protected or on its way (the watcher found it complete first, then local
+    rotation removed it once newer ones were protected): nothing failed."""
+    try:
+        p = _describe(s, str(path))
+    except UnknownCheckpoint:
+        return None
+    return p if p.protected or p.state not in states.TERMINAL[JobKind.STORE] else None
+
+
+_protector: Protector | None = None
+
+
+def protector() -> Protector:
+    """This process's protector (created, with its thread, on first use)."""
+    global _protector
+    if _protector is None:
+        _protector = Protector(record)
+    return _protector
+
+
 def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
                    settings: Settings | None = None) -> Protected:
     """Wait until the checkpoint is protected (verified, RF copies); raise if its store ended otherwise."""
-    s = _control_plane(settings)
     deadline = time.monotonic() + timeout
+    declared = protector().latest(checkpoint) if isinstance(checkpoint, str | Path) else None
+    if declared is not None:  # declared here: recorded first (raises what stopped it)
+        settings = settings or declared.settings
+        declared.result(timeout)
+    s = _control_plane(settings)
     while True:
         p = _describe(s, checkpoint)
         if p.protected:
@@ -82,7 +129,7 @@ def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
         if p.state in states.TERMINAL[JobKind.STORE]:
             raise CkptError(f"checkpoint {p.id} ({p.path}) ended {p.state}: it is not protected")
         if time.monotonic() > deadline:
-            raise CkptError(f"checkpoint {p.id} is still {p.state} after {timeout:.0f} s")
+            raise NotProtectedYet(f"checkpoint {p.id} is still {p.state} after {timeout:.0f} s")
         time.sleep(0.1)
 
 

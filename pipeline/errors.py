@@ -58,6 +58,10 @@ class OutsideRoots(CkptError):
         super().__init__(f"{path} is not a checkpoint inside a watched root; roots: {shown}")
 
 
+class NotProtectedYet(CkptError):
+    """Raised when a wait for a checkpoint's protection ran out of time; its store goes on."""
+
+
 class UnknownCheckpoint(CkptError):
     """Raised when a checkpoint id or path names nothing in the control plane."""
 

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import degraded, states
 from pipeline.core.health import shard_health, worker_healths
 from pipeline.db import hosts
 from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard
@@ -220,6 +220,11 @@ def run_summaries(session: Session, settings: Settings, at: datetime | None = No
     return out
 
 
+def degraded_runs(settings: Settings) -> list[dict[str, Any]]:
+    """The runs whose protection through their trainer is failing (pipeline.degraded)."""
+    return [d.as_dict() for d in degraded.listed(settings.home)]
+
+
 def problem_dicts(session: Session) -> list[dict[str, Any]]:
     return [{"path": p.path, "host": p.host or None, "run": p.run, "reason": p.reason,
              "first_seen": p.first_seen, "last_seen": p.last_seen}
@@ -249,7 +254,8 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
            before: int | None = None, limit: int = 50, search: str | None = None) -> dict[str, Any]:
     """Everything ``ckpt status`` shows: runs, one page of checkpoints (the current versions,
     every version with ``all_versions``; newest first; ``search``: whose path holds that text),
-    unfinished jobs, storage workers, capacity and detection problems."""
+    unfinished jobs, storage workers, capacity, detection problems and the runs whose
+    protection through their trainer is degraded."""
     from pipeline import capacity
 
     with session_scope(settings.db_url, readonly=True) as s:
@@ -268,6 +274,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "capacity": usage.as_dict(),
             "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),
+            "degraded": degraded_runs(settings),
             "this_host": {"id": settings.host_id, "label": settings.host_label},
             "hosts": [dataclasses.asdict(h) for h in hosts.listed(s, settings)],
         }

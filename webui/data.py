@@ -34,6 +34,7 @@ from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerSt
 from pipeline.status import (
     checkpoint_page,
     checkpoint_rows,
+    degraded_runs,
     job_dict,
     newest_first,
     problem_dicts,
@@ -365,6 +366,7 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         chart = capacity.history(s, limit=400)
     return {
         "runs": summaries, "problems": found_problems, "capacity": usage.as_dict(), "run_usage": run_usage,
+        "degraded": degraded_runs(settings),
         "capacity_history": chart,
         "vanished_unprotected": by_state.get(StoreState.VANISHED, 0),
         "protected_bytes": protected, "unprotected_bytes": unprotected, "lost_checkpoints": lost,

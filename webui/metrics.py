@@ -16,7 +16,7 @@ from pipeline import capacity, consumers, queues, states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer
 from pipeline.states import JobKind, WorkerState
-from pipeline.status import problem_dicts, run_summaries
+from pipeline.status import degraded_runs, problem_dicts, run_summaries
 from webui import data
 
 log = logging.getLogger("ckpt.web")
@@ -53,7 +53,8 @@ class ControlPlaneCollector:
             steps = _step_durations(session)
             # What the run and capacity gauges need, not the whole of `ckpt status`.
             doc = {"runs": run_summaries(session, s), "problems": problem_dicts(session),
-                   "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session)}
+                   "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session),
+                   "degraded": degraded_runs(s)}
         yield jobs
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
         g.add_metric([], stored)
@@ -163,10 +164,15 @@ def _detection_metrics(doc: dict[str, Any]) -> Iterator[Any]:
             age.add_metric([r["run"]], r["protected_age_s"])
         behind.add_metric([r["run"]], 1 if r["behind"] else 0)
         vanished.add_metric([r["run"]], r["vanished_unprotected"])
+    failing = GaugeMetricFamily("ckpt_run_protection_degraded", "Saves of the run its trainer integration "
+                                "could not protect since protection last worked (absent: not degraded)",
+                                labels=["run"])
+    for d in doc["degraded"]:
+        failing.add_metric([d["run"]], d["failures"])
     problems = GaugeMetricFamily("ckpt_detection_problems", "Entries of watched runs that are not protected "
                                  "(malformed, unreadable or stuck incomplete)")
     problems.add_metric([], len(doc["problems"]))
-    yield from (step, age, behind, vanished, changed, problems)
+    yield from (step, age, behind, vanished, changed, failing, problems)
 
 
 def _step_durations(session: Session) -> dict[str, list[float]]:

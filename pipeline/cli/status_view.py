@@ -41,6 +41,16 @@ def _checkpoint_table(rows: list[dict], t: datetime) -> None:
             print("            pinned" + (f": {c['pin_note']}" if c.get("pin_note") else ""))
 
 
+def _degraded(rows: list[dict], t: datetime) -> None:
+    """The runs whose trainer integration cannot protect their saves (pipeline.degraded)."""
+    for d in rows:
+        print(f"!! run {d['run']}: protection degraded since {d['since']:%Y-%m-%d %H:%M:%S} UTC "
+              f"({age((t - d['since']).total_seconds())} ago; {d['failures']} failure(s), the last "
+              f"{age((t - d['last']).total_seconds())} ago): {d['cause']}")
+    if rows:
+        print()
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.status import jsonable, status
 
@@ -89,6 +99,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
     if not doc["runs"]:
         print()
+    _degraded(doc["degraded"], t)
     cap = doc["capacity"]
     forecast = cap["forecast"]
     print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['workers']} worker(s), "

@@ -3,7 +3,9 @@
     from pipeline.integrations.transformers import ProtectCallback
     trainer = Trainer(..., callbacks=[ProtectCallback(wait_before_delete=True)])
 
-The Trainer's ``output_dir`` must be a run under a watched root (``ckpt up --root``).
+The Trainer's ``output_dir`` must be a run under a watched root (``ckpt up --root``); the
+callback finds the home as the ``ckpt`` commands do (``CKPT_HOME``, a ``.ckpt`` upward, the
+user's default) and says so at train start, or says once why it cannot protect.
 """
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ except ImportError as exc:  # pragma: no cover - the error says what to install
     raise ImportError("pipeline.integrations.transformers needs transformers: "
                       "pip install 'ckpt-pipeline[transformers]'") from exc
 
-from pipeline import api
-from pipeline.errors import CkptError
+from pipeline.integrations.protection import TrainerProtection
 from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.integrations")
@@ -29,30 +30,43 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 class ProtectCallback(TrainerCallback):
     """Declares every ``checkpoint-N/`` the Trainer saves complete, at once.
 
-    With ``wait_before_delete``, ``on_save`` waits (up to ``timeout`` s) until every checkpoint
-    that the Trainer's next ``save_total_limit`` rotation may delete is protected, so the
-    Trainer never deletes a checkpoint that exists nowhere else.
+    It never raises into training and never makes a save wait for hashing or the control
+    plane: the declaration is recorded in the background (pipeline.protector), and a
+    failure is logged once, with its cause, and shown as "protection degraded" by
+    ``ckpt status``. At train start it says through which home and roots it protects.
+    With ``wait_before_delete``, ``on_save`` waits (up to ``timeout`` s) until every
+    checkpoint that the Trainer's next ``save_total_limit`` rotation may delete is
+    protected, so the Trainer never deletes a checkpoint that exists nowhere else (unless
+    protection is degraded: then it does not wait).
     """
 
     def __init__(self, *, wait_before_delete: bool = False, timeout: float = 3600.0,
                  settings: Settings | None = None) -> None:
         self.wait_before_delete, self.timeout, self.settings = wait_before_delete, timeout, settings
+        self.protection = TrainerProtection(settings)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> TrainerControl:
+        if state.is_world_process_zero:
+            self.protection.start(str(args.output_dir))
+        return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> TrainerControl:
         if not state.is_world_process_zero:
             return control
         output_dir = str(args.output_dir)
-        path = os.path.join(output_dir, f"checkpoint-{state.global_step}")
-        protected = api.protect(path, settings=self.settings)
-        log.info("checkpoint-%d declared complete (checkpoint %d)", state.global_step, protected.id)
+        self.protection.start(output_dir)  # a Trainer that saves without training first
+        self.protection.saved(os.path.join(output_dir, f"checkpoint-{state.global_step}"))
         limit = args.save_total_limit
         if self.wait_before_delete and limit:
-            for older in at_risk(output_dir, limit):
-                try:
-                    api.wait_protected(older, timeout=self.timeout, settings=self.settings)
-                except CkptError as exc:
-                    log.error("%s may be deleted by the Trainer before it is protected: %s", older, exc)
+            try:
+                older = at_risk(output_dir, limit)
+            except OSError as exc:
+                log.warning("ckpt: cannot list %s to wait for its older checkpoints: %s", output_dir, exc)
+                older = []
+            for path in older:
+                self.protection.before_delete(path, self.timeout)
         return control
 
 

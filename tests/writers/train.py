@@ -45,7 +45,8 @@ def hf(mode: str, run: Path, out: Path | None) -> None:
         torch.save(trainer.model.state_dict(), out)
 
 
-def lightning(mode: str, run: Path, out: Path | None) -> None:
+def tiny_module() -> Any:
+    """A tiny LightningModule, the same weights every time."""
     import lightning as L
 
     class Tiny(L.LightningModule):
@@ -60,6 +61,12 @@ def lightning(mode: str, run: Path, out: Path | None) -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
+    return Tiny()
+
+
+def lightning(mode: str, run: Path, out: Path | None) -> None:
+    import lightning as L
+
     g = torch.Generator().manual_seed(11)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 32, generator=g)),
                                        batch_size=8, shuffle=False)
@@ -73,7 +80,7 @@ def lightning(mode: str, run: Path, out: Path | None) -> None:
     trainer = L.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1, deterministic=True,
                         enable_checkpointing=bool(callbacks), default_root_dir=str(run.parent / "lightning-root"))
-    model = Tiny()
+    model = tiny_module()
     ckpt_path = None
     if mode == "resume":
         ckpt_path = str(max(run.glob("epoch_epoch=*.ckpt"), key=lambda p: p.name))
