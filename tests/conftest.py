@@ -178,6 +178,34 @@ def redis_server(tmp_path_factory):
     server.shutdown()
 
 
+@contextlib.contextmanager
+def broker_for(settings: settings_mod.Settings):
+    """The Dramatiq broker of ``settings`` (the actors declared on it) in place of the process's
+    for a block: the process broker is installed once, by whichever test imported pipeline.tasks
+    first (a Stub for a unit test, a Redis for a web test), and a test that needs the other must
+    not depend on the order xdist ran them in."""
+    import dramatiq
+
+    import pipeline.tasks  # noqa: F401  (declares the actors, on the first broker installed)
+    from pipeline.tasks.broker import build_broker
+
+    installed = dramatiq.get_broker()
+    broker = build_broker(settings)
+    actors = [installed.get_actor(name) for name in installed.get_declared_actors()]
+    for actor in actors:
+        broker.declare_actor(actor)
+        actor.broker = broker  # actor.send enqueues on the broker it was declared on
+    dramatiq.set_broker(broker)
+    try:
+        yield broker
+    finally:
+        dramatiq.set_broker(installed)
+        for actor in actors:
+            actor.broker = installed
+        if hasattr(broker, "client"):
+            broker.client.close()
+
+
 @pytest.fixture(scope="module")
 def process_broker(redis_server, tmp_path_factory):
     """The process-wide Dramatiq broker is installed by the first import of pipeline.tasks,
@@ -197,7 +225,7 @@ def process_broker(redis_server, tmp_path_factory):
 
 
 @pytest.fixture
-def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
+def web_settings(tmp_path: Path, redis_server, process_broker) -> settings_mod.Settings:
     redis_server.flushall()
     (tmp_path / "runs" / "r1").mkdir(parents=True)
     s = settings_mod.load({
@@ -205,5 +233,6 @@ def web_settings(tmp_path: Path, redis_server) -> settings_mod.Settings:
         "redis_url": f"unix://{redis_server.socket_file}", "shard_size": 64 * 1024, "scrub_cron": "30 2 * * *",
     }, environ={})
     upgrade(s.db_url)
-    yield settings_mod.configure(s)
+    with broker_for(s):  # the web tests talk to the shared embedded Redis, whatever was installed first
+        yield settings_mod.configure(s)
     dispose_all()

@@ -9,11 +9,9 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-import dramatiq
 import pytest
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import SkipMessage
 from sqlalchemy import update
 
@@ -24,29 +22,14 @@ from pipeline.db.models import Job, QueueConsumer
 from pipeline.db.transitions import create_job, now
 from pipeline.service.scheduler import expired_work
 from pipeline.steps import Send
+from tests.conftest import broker_for
 
 
 @pytest.fixture
 def broker(db, process_broker):
-    """A Stub broker with the actors declared, in place of the process's (the shared embedded
-    Redis, which later web tests in this process need) for this test."""
-    from pipeline.tasks.broker import build_broker  # not at collection: importing pipeline.tasks installs a broker
-
-    installed = dramatiq.get_broker()
-    b = installed
-    if not isinstance(installed, StubBroker):
-        b = build_broker(dataclasses.replace(db, redis_url="stub://"))
-        for name in installed.get_declared_actors():
-            b.declare_actor(installed.get_actor(name))
-        dramatiq.set_broker(b)
-    for name in list(b.queues):
-        b.flush(name)
-    try:
+    """A Stub broker with the actors declared, in place of the process's for this test."""
+    with broker_for(dataclasses.replace(db, redis_url="stub://")) as b:
         yield b
-    finally:
-        for name in list(b.queues):
-            b.flush(name)
-        dramatiq.set_broker(installed)
 
 
 def _scrub_job(db) -> int:
