@@ -88,6 +88,9 @@ def record(path: str | Path, settings: Settings) -> Protected:
         return known
     if r.checkpoint_id is None:
         raise CkptError(f"{path}: nothing was recorded")
+    if not r.sent:  # recorded, safe in the control plane; the protection itself waits for `ckpt up`
+        raise CkptError(f"{path} is recorded, but the broker of `ckpt up` does not answer (is `ckpt up` "
+                        "running?): its store starts once it is back")
     return _describe(s, r.checkpoint_id)
 
 

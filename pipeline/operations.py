@@ -5,6 +5,7 @@ Each validates, records the job in one transaction, and only then enqueues (comm
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +36,12 @@ class Requested:
     created: bool
     state: str
     detail: str
+    #: False: recorded, but the broker did not answer (`ckpt up` is down or restarting); the
+    #: scheduler sends its message once its lease ends and the broker answers again.
+    sent: bool = True
 
 
-def _send(sends: list[Send]) -> None:
+def _send(sends: list[Send]) -> bool:
     """Send what a request decided, after it committed. A broker that does not answer (Redis
     down while `ckpt up` restarts) loses nothing: the job is recorded, and the scheduler re-drives
     it once its lease ends (docs/design.md, invariant 3); the caller is told, not failed."""
@@ -45,10 +49,12 @@ def _send(sends: list[Send]) -> None:
 
     try:
         send_all(sends)
+        return True
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, dramatiq.errors.ConnectionError,
             OSError) as exc:
         log.warning("the job is recorded, but its message could not be sent now (%s: %s); the scheduler "
                     "sends it again when its lease ends, once the broker answers", type(exc).__name__, exc)
+        return False
 
 
 def store(settings: Settings, path: str, *, detail: str = "requested") -> Requested:
@@ -76,7 +82,7 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
                                             host=settings.host_id, started_at=started)
         result = Requested(job.id, ckpt.id, created, job.state, str(ckpt_path))
     if created:
-        _send([Send("shard", (result.job_id, early.sent))])
+        result = dataclasses.replace(result, sent=_send([Send("shard", (result.job_id, early.sent))]))
     return result
 
 
@@ -89,8 +95,7 @@ def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool
         job = restore_job.request(s, settings, ref, dest, overwrite=overwrite, host=host,
                                   extra_roots=[Path.cwd()] if from_here else [])
         result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
-    _send([Send("restore", (result.job_id,))])
-    return result
+    return dataclasses.replace(result, sent=_send([Send("restore", (result.job_id,))]))
 
 
 def drain(settings: Settings, worker_id: str) -> None:

@@ -220,6 +220,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
         raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
     r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True, host=args.host)
     print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail} on host {args.host or s.host_id}")
+    if not r.sent:
+        print("  recorded, but the broker does not answer now (`ckpt up` restarting?): it starts once it is back",
+              file=sys.stderr)
     if args.wait:
         return wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)
     return 0

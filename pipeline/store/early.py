@@ -71,7 +71,7 @@ class EarlySends:
     upload it sent has ended (no copy of that message is pending any more), at most ``AHEAD``
     messages in flight; :attr:`sent` is final once it has exited."""
 
-    def __init__(self, settings: Settings, send: Callable[[list[Send]], None], mode: str,
+    def __init__(self, settings: Settings, send: Callable[[list[Send]], object], mode: str,
                  started: datetime | None = None) -> None:
         self.settings, self.send, self.mode = settings, send, mode
         #: when the store's hashing began: given, the copies of the unchanged contents found are
