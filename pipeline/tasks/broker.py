@@ -13,6 +13,7 @@ import dramatiq
 from dramatiq import Message
 from dramatiq.brokers import redis as dramatiq_redis
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.common import current_millis
 from dramatiq.middleware import Retries
 
 from pipeline import failpoints
@@ -46,10 +47,21 @@ class RedisBroker(dramatiq_redis.RedisBroker):
         return message
 
 
-def queued(broker: dramatiq.Broker, queue: str, message_id: str) -> bool:
-    """Whether message ``message_id`` is in ``queue``, waiting or being worked on."""
+def queued(broker: dramatiq.Broker, queue: str, message_id: str, silent_ms: int | None = None) -> bool:
+    """Whether message ``message_id`` is in ``queue``, waiting or being worked on by a live
+    worker. One held by a worker silent for ``silent_ms`` (default: the broker's heartbeat
+    timeout) is not: a step is re-driven only once its lease ended, which a delivery at work
+    renews, and Dramatiq gives a dead worker's messages back only at a maintenance pass, which
+    can be minutes away; so the re-drive sends a new message, and the old one, if it comes
+    back, is stale and dropped (pipeline/deliveries.py)."""
     if isinstance(broker, dramatiq_redis.RedisBroker):
-        return bool(broker.client.hexists(f"{broker.namespace}:{queue}.msgs", message_id))
+        client, ns = broker.client, broker.namespace
+        if not client.hexists(f"{ns}:{queue}.msgs", message_id):
+            return False
+        silent = min(broker.heartbeat_timeout, silent_ms if silent_ms is not None else broker.heartbeat_timeout)
+        dead = client.zrangebyscore(f"{ns}:__heartbeats__", 0, current_millis() - silent)
+        return not any(client.sismember(f"{ns}:__acks__.{w.decode() if isinstance(w, bytes) else w}.{queue}",
+                                        message_id) for w in dead)
     if isinstance(broker, StubBroker) and queue in broker.queues:
         return any(Message.decode(body).message_id == message_id for body in list(broker.queues[queue].queue))
     return False

@@ -54,7 +54,8 @@ def send_all(sends: list[Send]) -> None:
                 held.append((item, silent[queue]))
             elif i not in keys:
                 plan.append((item, queue, None))
-            elif not deliveries.outstanding(item, keys[i], functools.partial(queued, broker, queue)):
+            elif not deliveries.outstanding(item, keys[i], functools.partial(
+                    queued, broker, queue, silent_ms=int(settings.lease_seconds * 1000))):
                 plan.append((item, queue, deliveries.new_key(item.actor)))
     with session_scope(settings.db_url) as s:
         t = now()
