@@ -46,11 +46,13 @@ CORPUS = {
 @pytest.mark.parametrize("case", CORPUS)
 def test_malformed_header_corpus_is_refused_clearly_and_quickly(case):
     data = CORPUS[case]
-    t = time.perf_counter()
+    # CPU time of this process, not wall time: the bound catches a parse that grows faster than
+    # its input (an overlap check over all pairs), not a machine busy with other tests.
+    t = time.process_time()
     with pytest.raises(HeaderError) as info:
         parse_header(data, len(data), "hostile.safetensors")
     assert "hostile.safetensors" in str(info.value)
-    assert time.perf_counter() - t < 5, f"{case} took too long"
+    assert time.process_time() - t < 5, f"{case} took too long"
 
 
 def _parse(data: bytes):
