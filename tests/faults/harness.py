@@ -16,7 +16,6 @@ the database believes:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sqlite3
@@ -29,6 +28,7 @@ from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 from sqlalchemy import select
 
+from bench.chaos.trainer import sha256_of
 from pipeline import states
 from pipeline.cluster.client import free_port
 from pipeline.db.engine import session_scope
@@ -415,12 +415,6 @@ def check_rows(*rows: Row) -> None:
     assert not bad
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def trial(cluster: FaultCluster, row: Row, fire, name: str | None, where: str | None = None,
