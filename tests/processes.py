@@ -137,14 +137,14 @@ class StorageWorker:
 
 
 @contextlib.contextmanager
-def storage_workers(tmp: Path, n: int) -> Iterator[list[StorageWorker]]:
+def storage_workers(tmp: Path, n: int, args: tuple[str, ...] = ()) -> Iterator[list[StorageWorker]]:
     """``n`` storage worker processes on loopback sharing one home (its cluster key), each with
     its own data directory; every one started is stopped afterwards, also when a later one
     failed to start."""
     ws: list[StorageWorker] = []
     try:
         for i in range(n):
-            ws.append(StorageWorker(tmp / f"d{i}", base_env(tmp / "home"), tmp / f"w{i}.log"))
+            ws.append(StorageWorker(tmp / f"d{i}", base_env(tmp / "home"), tmp / f"w{i}.log", args=args))
             ws[-1].start()
         yield ws
     finally:

@@ -226,7 +226,7 @@ class ChaosBox:
         if up is None or not self.alive(up):
             return False
         kids = self.control_children()
-        return bool(kids) and all(_pid_alive(pid) for pid in kids.values())
+        return bool(kids) and all(pid_alive(pid) for pid in kids.values())
 
     # -- tear down -----------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ class ChaosBox:
             (self.root / f"disk-{w}.img").unlink(missing_ok=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] != "Z"

@@ -288,6 +288,14 @@ def active_jobs(db_url: str) -> int:
                    for k, v in states.ACTIVE.items())
 
 
+def stores_in_flight(db_url: str) -> dict[int, str | None]:
+    """Store jobs not yet verified (working, or waiting for room): job id -> its checkpoint's host."""
+    with session_scope(db_url, readonly=True) as s:
+        rows = s.execute(select(Job.id, Checkpoint.host).join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
+                         .where(Job.kind == "store", Job.state.in_(states.ACTIVE["store"] | {"waiting"}))).all()
+    return {job_id: host for job_id, host in rows}
+
+
 def active_work(db_url: str) -> int:
     """Job steps that may have a message outstanding: working jobs and copies not yet stored."""
     jobs = active_jobs(db_url)

@@ -16,8 +16,8 @@ import random
 import signal
 from dataclasses import dataclass, field
 
-from bench.chaos.box import NORMAL_RATE, PY, STORAGE, TRAINERS, ChaosBox
-from bench.chaos.checks import workers_not_up
+from bench.chaos.box import NORMAL_RATE, PY, STORAGE, TRAINERS, ChaosBox, pid_alive
+from bench.chaos.checks import stores_in_flight, workers_not_up
 from bench.system import descendants
 
 CRAWL_RATE = 300e3
@@ -39,6 +39,9 @@ class Fault:
     injected_at: float | None = None  # monotonic
     healed_at: float | None = None  # when it was undone (the kill itself for a kill)
     recovered_at: float | None = None  # when the target was healthy again
+    #: Stores in flight when it was healed (job id -> checkpoint host): healed means these moved on.
+    pending: dict[int, str | None] = field(default_factory=dict)
+    killed: int | None = None  # the PID a kill of one of ``ckpt up``'s processes hit
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -92,6 +95,11 @@ class Injector:
     def __init__(self, box: ChaosBox) -> None:
         self.box = box
 
+    def ready(self, f: Fault) -> bool:
+        """Whether ``f`` can be made now: a fault on the control host waits until its control
+        plane runs (a kill of the scheduler while ``ckpt up`` restarts has nothing to kill)."""
+        return f.host != "control" or self.box.control_ready()
+
     def inject(self, f: Fault) -> None:
         box, h = self.box, f.host
         if f.kind == "partition":
@@ -99,7 +107,7 @@ class Injector:
         elif f.kind == "stall":
             box.signal(box.procs[(h, "worker")], signal.SIGSTOP)
         elif f.kind == "kill":
-            f.notes.append(self._kill(f.target))
+            f.notes.append(self._kill(f))
         elif f.kind == "control-restart":
             up = box.procs[("control", "up")]
             up.held = True
@@ -127,9 +135,9 @@ class Injector:
         else:
             raise ValueError(f"unknown fault kind {f.kind}")
 
-    def _kill(self, target: str) -> str:
+    def _kill(self, f: Fault) -> str:
         box = self.box
-        host, what = target.split(":")
+        host, what = f.target.split(":")
         if host == "control" and what not in ("up",):
             kids = box.control_children()
             pid = kids.get("dramatiq" if what == "dramatiq-worker" else what)
@@ -144,6 +152,7 @@ class Injector:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 return f"pid {pid} gone already"
+            f.killed = pid
             return f"SIGKILL pid {pid}"
         p = box.procs[(host, what)]
         pid = p.popen.pid if p.popen else None
@@ -178,14 +187,34 @@ class Injector:
                     p.held = False
         return True
 
-    def recovered(self, f: Fault) -> bool:
-        """The fault's target works again: its processes run, its worker is ``up``."""
+    def healed(self, f: Fault) -> None:
+        """Note what must move on for ``f`` to count as recovered: the stores in flight now (a
+        training host's own; every host's for the control plane or a storage worker)."""
+        flight = stores_in_flight(self.box.db_url)
+        f.pending = {j: h for j, h in flight.items() if f.host not in TRAINERS or h == f.host}
+
+    def recovered(self, f: Fault, faulted: set[str]) -> bool:
+        """The fault's target works again: its processes run, its worker is ``up``, and every store
+        that was in flight when it was healed has moved on (verified, or ended), except those of
+        a training host that is itself under a fault now (``faulted``)."""
         box, h = self.box, f.host
         if h == "control":
-            return box.control_ready()
-        procs = [p for (host, role), p in box.procs.items() if host == h and role != "stranger" and not p.held]
-        if not all(box.alive(p) for p in procs):
-            return False
-        if h in STORAGE:
-            return h not in workers_not_up(box.db_url, {h: box.urls[h]})
+            if not box.control_ready():
+                return False
+            if f.killed is not None:  # its replacement runs (a master's worker: it has one again)
+                master = box.control_children().get("dramatiq")
+                running = (set(box.control_children().values()) if f.target != "control:dramatiq-worker"
+                           else {p for p in descendants(master) if pid_alive(p)} if master else set())
+                if not running or f.killed in running:
+                    return False
+        else:
+            procs = [p for (host, role), p in box.procs.items() if host == h and role != "stranger" and not p.held]
+            if not all(box.alive(p) for p in procs):
+                return False
+            if h in STORAGE and h in workers_not_up(box.db_url, {h: box.urls[h]}):
+                return False
+        if f.pending:
+            flight = stores_in_flight(box.db_url)
+            if any(j in flight and (host == h or host not in faulted) for j, host in f.pending.items()):
+                return False
         return True

@@ -236,15 +236,20 @@ class Soak:
             self.tick()
             time.sleep(0.5)
         f.healed_at = time.monotonic()
-        self.log(f"healed {f.kind} {f.target}")
+        try:
+            self.injector.healed(f)
+        except Exception as e:  # the database between two control planes
+            f.notes.append(f"in-flight stores unknown: {type(e).__name__}")
+        self.log(f"healed {f.kind} {f.target}" + (f" ({len(f.pending)} stores in flight)" if f.pending else ""))
 
     def tick(self) -> None:
         for name in self.box.supervise():
             self.log(f"restarted {name}")
+        faulted = {f.host for f in self.faults if f.injected_at is not None and f.healed_at is None}
         for f in self.faults:
             if f.healed_at is not None and f.recovered_at is None:
                 try:
-                    if self.injector.recovered(f):
+                    if self.injector.recovered(f, faulted):
                         f.recovered_at = time.monotonic()
                         self.log(f"recovered from {f.kind} {f.target} in {f.heal_seconds:.1f}s")
                 except Exception as e:  # the database between two control planes
@@ -256,6 +261,10 @@ class Soak:
             t = self.now()
             for f in self.faults:
                 if f.injected_at is None and f.start <= t:
+                    if not self.injector.ready(f):
+                        continue  # tried again next tick
+                    if t - f.start > 1:
+                        f.notes.append(f"deferred {t - f.start:.0f}s")
                     self.injector.inject(f)
                     f.injected_at = time.monotonic()
                     self.log(f"inject {f.kind} {f.target} for {f.duration:.0f}s {' '.join(f.notes)}")

@@ -274,8 +274,11 @@ def _transfer(settings: Settings, key: bytes, w: ContentWork, source: WorkerClie
             target.copy_from(source, w.sha, w.size)
             return
         except WorkerError as exc:
-            if exc.worker == target.url and exc.status is None:
-                raise  # the target is unreachable: retry the job later
+            if exc.worker == target.url and exc.status != 422:
+                # The target is unreachable or refused the copy (its disk full): its failure, not
+                # the source's; retry the job later. Only a 422 (what it received did not hash
+                # to the content) puts the source in doubt.
+                raise
             log.warning("repair of %s from %s failed (%s); trying the next copy", w.sha[:12], source.url, exc)
             w.sources.pop(0)
             source = _good_source(settings, key, w)

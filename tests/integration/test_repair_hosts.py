@@ -6,7 +6,8 @@ counts as good (so the repair goes to the shared queue), one in fact gone from i
 worker and one on a worker that does not answer, and one copy known missing, When the repair
 runs on node-a (which has no file of it), Then it does not declare the content lost: it hands
 the job to node-b, whose run rebuilds the copies from its file. Lost only when no worker and no
-host that has not tried holds it.
+host that has not tried holds it. A target that refuses the copy (its disk full) is the
+target's failure: the repair tries again later and never calls a content with a good copy lost.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, ContentCopy, Job, JobEvent, Shard, StorageWorker
 from pipeline.db.transitions import now, transition
 from pipeline.detection import catalog, completeness, roots
+from pipeline.errors import WorkerError
 from pipeline.integrity.repair import repair, request_repair
 from pipeline.queues import SHARED, host_queue, queues_for
 from pipeline.steps import Send
+from pipeline.store.source import local_source, shard_prefix
 from tests.checkpoints import atomic_save, state_dict
 from tests.processes import KEY, storage_workers, worker_client
 
@@ -84,3 +87,46 @@ def test_a_repair_without_a_source_here_goes_to_the_host_with_the_file(db, tmp_p
             assert s.get(Checkpoint, ckpt.id).host == "node-b"
         held = [worker_client(w).verify([sha])[0]["sha256"] for w in (w1, w2)]
         assert held == ([sha, sha] if file_on_b else [None, None])
+
+
+def test_a_target_that_refuses_the_copy_is_not_a_lost_content(db, tmp_path):
+    """Found by the chaos soak: a repair whose target's disk was full blamed the good source,
+    dropped it and declared the content LOST while that copy was verified."""
+    settings = dataclasses.replace(db, cluster_key=KEY, rf=2)
+    (tmp_path / "runs" / "r").mkdir()
+    path = atomic_save(state_dict(4), tmp_path / "runs" / "r" / "step_4.safetensors")
+    run, ckpt_path = roots.locate(path, settings.roots)
+    detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=settings.shard_size)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "full").mkdir()
+    with storage_workers(tmp_path / "w", 1) as (good,), \
+            storage_workers(tmp_path / "full", 1, args=("--capacity", "100")) as (full,):
+        with session_scope(settings.db_url) as s:
+            ckpt, job, _ = catalog.record(s, detected, lease_seconds=60, detail="test", host=settings.host_id)
+            for a, b in pairwise(["detected", "sharded", "replicated", "verified"]):
+                transition(s, job.id, "store", a, b)
+            for w in (good, full):
+                s.add(StorageWorker(id=w.node_id, url=w.url, source="static", state="up", free_bytes=10**10,
+                                    capacity_bytes=2 * 10**10, last_seen=now()))
+            s.flush()
+            sha = s.scalars(select(Shard.sha256).join(Shard.file).where(Shard.kind == "safetensors")
+                            .order_by(Shard.seq)).first()
+            src = local_source(s, sha, settings.host_id)
+            worker_client(good).put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
+                                          src.length)
+            t = now()
+            s.add(ContentCopy(worker_id=good.node_id, sha256=sha, state="verified", stored_at=t, verified_at=t,
+                              checked_at=t, attempts=0))
+            s.flush()
+            job_id = request_repair(s, settings, sha, "test").id
+        path.unlink()  # rotated: the good copy is the only one
+
+        with pytest.raises(WorkerError) as refused:
+            repair(settings, job_id)
+        assert refused.value.worker == full.url and refused.value.status == 507
+        with session_scope(settings.db_url) as s:
+            job = s.get(Job, job_id)
+            assert job.state == "repairing", (job.state, job.last_error)
+            assert s.scalar(select(ContentCopy.state).where(ContentCopy.sha256 == sha,
+                                                            ContentCopy.worker_id == good.node_id)) == "verified"
+        assert worker_client(good).verify([sha])[0]["sha256"] == sha
