@@ -27,6 +27,12 @@ class Home:
     def exists(self) -> bool:
         return self.path.is_dir()
 
+    @property
+    def source(self) -> str:
+        """How it was found, as ``ckpt config`` says it."""
+        return {"flag": "flag", "env": "env", "found": "the nearest .ckpt upward",
+                "user": "this user's default"}.get(self.how, "new")
+
     def missing(self) -> str:
         """What to say when a command needs an existing home and there is none."""
         if self.how in ("flag", "env"):

@@ -1,8 +1,9 @@
 """Configuration in one place.
 
-A :class:`Settings` is built from defaults, then the roots of a running ``ckpt up``
-(``<home>/up.json``), then ``<home>/config.toml``, then the ``CKPT_*`` environment, then
-explicit overrides (command-line flags). Nothing else in the code base reads ``os.environ``.
+A :class:`Settings` is built from defaults, then ``<home>/config.toml``, then the settings the
+running ``ckpt up`` of the home records (``<home>/effective.toml``, pipeline/effective.py),
+then the ``CKPT_*`` environment, then explicit overrides (command-line flags); relative paths
+are made absolute as they are read. Nothing else in the code base reads ``os.environ``.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import effective, hostid
 from pipeline import home as home_mod
-from pipeline import hostid
 from pipeline.core.retention import Policy
 from pipeline.durable import write_once
 from pipeline.errors import ConfigError
@@ -318,10 +319,23 @@ def _coerce(name: str, raw: Any) -> Any:
 REPLICATION = ("chain", "fanout")
 
 
-def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Build the settings: defaults < ``<home>/config.toml`` < ``CKPT_*`` env < ``overrides``.
+def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, *,
+         recorded: bool = True) -> Settings:
+    """Build the settings (see :func:`explain`)."""
+    return explain(overrides, environ, recorded=recorded)[0]
+
+
+def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, *,
+            recorded: bool = True) -> tuple[Settings, dict[str, str]]:
+    """The settings, and where each value came from: defaults < ``<home>/config.toml`` < what the
+    running ``ckpt up`` records (pipeline/effective.py; not with ``recorded=False``: ``ckpt up``
+    itself) < ``CKPT_*`` env < ``overrides``.
 
     ``overrides`` holds flag values; ``None`` values are ignored so unset flags fall through.
+    Relative paths (roots, restore roots, the roots of ``[roots."<root>"]`` and ``[runs."<glob>"]``
+    tables) become absolute: from this process's directory for flags and env, from the directory
+    that holds the home for config.toml, so that every command and service compares the same
+    paths wherever it runs.
     """
     env = os.environ if environ is None else environ
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -330,17 +344,16 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
     if unknown:
         raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
 
-    home = home_mod.find(overrides.get("home"), env).path
+    found = home_mod.find(overrides.get("home"), env)
+    home = found.path
     values: dict[str, Any] = {}
-    running = home / "up.json"
-    if running.exists():
-        # A running `ckpt up` publishes its roots so other commands (`ckpt store`) share them.
-        try:
-            roots = json.loads(running.read_text()).get("roots")
-        except (OSError, ValueError):
-            roots = None
-        if roots:
-            values["roots"] = _coerce("roots", roots)
+    sources: dict[str, str] = {name: "default" for name in names}
+    here = Path.cwd()
+
+    def put(name: str, raw: Any, source: str, base: Path) -> None:
+        values[name] = _absolute(name, _coerce(name, raw), base)
+        sources[name] = source
+
     config = home / "config.toml"
     if config.exists():
         try:
@@ -349,25 +362,31 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
             raise ConfigError(f"{config}: {exc}") from exc
         for k, v in data.items():
             if k == "roots" and isinstance(v, dict):  # [roots."<root>"] tables: per-root options
-                values["root_options"] = _root_options(v, str(config))
+                put("root_options", _root_options(v, str(config)), "config.toml", home.parent)
                 continue
             if k == "runs" and isinstance(v, dict):  # [runs."<glob>"] tables: per-run retention
-                values["run_options"] = _run_options(v, str(config))
+                put("run_options", _run_options(v, str(config)), "config.toml", home.parent)
                 continue
             if k not in names:
                 raise ConfigError(f"{config}: unknown setting {k!r}")
-            values[k] = _coerce(k, v)
+            put(k, v, "config.toml", home.parent)
         secret = [k for k in ("database_url", "redis_url", "cluster_key") if data.get(k)
                   and (k == "cluster_key" or masked_url(str(data[k])) != str(data[k]))]
         if secret and config.stat().st_mode & 0o077:
             logging.getLogger("ckpt.settings").warning(
                 "%s holds %s and other users can read it: chmod 600 %s", config, " and ".join(secret), config)
+    record = effective.read(home) if recorded else None
+    if record is not None and not record.ignored:
+        for k, v in record.values.items():
+            if k in names and k not in effective.NOT_RECORDED:
+                put(k, v, f"ckpt up ({record.sources.get(k, 'default')})", home.parent)
     for name in names:
         raw = env.get(f"CKPT_{name.upper()}")
         if raw is not None and raw != "":
-            values[name] = _coerce(name, raw)
+            put(name, raw, "env", here)
     for k, v in overrides.items():
-        values[k] = _coerce(k, v)
+        put(k, v, "flag", here)
+    sources["home"] = found.source
     values["home"] = home
     s = Settings(**values)
     if s.rf < 1:
@@ -411,7 +430,32 @@ def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] 
     if s.max_hash_bytes < 0 or not 0 <= s.sparse_ratio < 1:
         raise ConfigError(f"max_hash_bytes must be >= 0 and sparse_ratio in [0, 1), got {s.max_hash_bytes}"
                           f" and {s.sparse_ratio}")
-    return s
+    return s, sources
+
+
+#: Settings that hold paths: a relative one is made absolute as it is read (:func:`explain`).
+PATHS = ("roots", "restore_roots")
+
+
+def absolute_path(path: str, base: Path) -> str:
+    """``path`` (a directory or a glob; ``~`` expanded) from ``base`` when it is relative."""
+    return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+
+def _absolute(name: str, value: Any, base: Path) -> Any:
+    if name in PATHS:
+        return tuple(absolute_path(p, base) for p in value)
+    if name in ("root_options", "run_options") and value:
+        try:
+            tables = json.loads(value)
+        except ValueError:
+            return value  # load() names the mistake
+        if not isinstance(tables, dict):
+            return value
+        # A run glob that starts with a wildcard (``*/llama-*``) matches anywhere: left as it is.
+        return json.dumps({k if name == "run_options" and k.startswith(("*", "?", "["))
+                           else absolute_path(k, base): v for k, v in tables.items()}, sort_keys=True)
+    return value
 
 
 _ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str, "replication": str}

@@ -73,6 +73,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stop_up(up: subprocess.Popen, pids: list[int]) -> None:
+    """Ctrl-C a ``ckpt up``; then kill, by pid, whatever of it (``pids`` seen earlier, and its
+    children now) is still there."""
+    up.send_signal(signal.SIGINT)
+    try:
+        up.wait(timeout=60)
+    finally:
+        for p in [*pids, *descendants(up.pid)]:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 class StorageWorker:
     def __init__(self, data: Path, env: dict[str, str], log: Path, key: str = KEY,
                  args: tuple[str, ...] = ()) -> None:

@@ -22,6 +22,12 @@ def settings_from(args: argparse.Namespace, *, create: bool = False, **flags: An
     ``CKPT_HOME``, the nearest ``.ckpt`` upward, this user's default). Only a command that
     sets a machine up or runs a service (``create``) may start a new home; the others say
     where they looked (unless the control plane is elsewhere: ``CKPT_DATABASE_URL``)."""
+    return explained(args, create=create, **flags)[0]
+
+
+def explained(args: argparse.Namespace, *, create: bool = False, recorded: bool = True,
+              **flags: Any) -> tuple[Settings, dict[str, str]]:
+    """:func:`settings_from`, with where each value came from (pipeline.settings.explain)."""
     found = home.find(getattr(args, "home", None), os.environ)
     if not create and not found.exists and not os.environ.get("CKPT_DATABASE_URL"):
         raise CkptError(found.missing())
@@ -29,7 +35,9 @@ def settings_from(args: argparse.Namespace, *, create: bool = False, **flags: An
     roots = getattr(args, "root", None)
     if roots:
         overrides["roots"] = tuple(roots)
-    return settings_mod.configure(settings_mod.load(overrides))
+    s, sources = settings_mod.explain(overrides, recorded=recorded)
+    sources["home"] = found.source  # --home is passed on as a flag whichever way the home was found
+    return settings_mod.configure(s), sources
 
 
 def add_home_option(parser: argparse.ArgumentParser) -> None:

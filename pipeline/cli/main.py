@@ -12,6 +12,7 @@
     ckpt policy [RUN]                                    what the retention policy keeps, and why
     ckpt gc [--dry-run] [--wait]                         delete unreferenced content from workers
     ckpt dead-letters [--requeue ID|all]                 failed messages
+    ckpt config [--json]                                 each setting and where it came from
     ckpt scheduler | ckpt watch | ckpt migrate           the services ckpt up runs
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -31,11 +33,13 @@ from pipeline.cli.common import (
     HOME_HELP,
     add_home_option,
     control_plane,
+    explained,
     parse_size,
     send,
     settings_from,
     stop_on_signals,
 )
+from pipeline.cli.config_cmd import add_parser as add_config_parser
 from pipeline.cli.progress import wait_job
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
@@ -54,19 +58,15 @@ log = logging.getLogger("ckpt")
 def cmd_up(args: argparse.Namespace) -> int:
     from pipeline.service.supervisor import Supervisor
 
-    s = settings_from(args, create=True)
+    # Not over an earlier `ckpt up`'s record: this one's settings are what it records.
+    s, sources = explained(args, create=True, recorded=False, web_port=args.web_port)
     if not s.roots:
         # Quick start: watch ./checkpoints (a run: each entry in it is one checkpoint).
         import dataclasses
-        import os
 
         s = settings_mod.configure(dataclasses.replace(s, roots=(os.path.abspath("checkpoints"),)))
-    if args.web_port is not None:
-        import dataclasses as _dc
-
-        s = settings_mod.configure(_dc.replace(s, web_port=args.web_port))
     existed = (s.home / "ckpt.db").exists() or (s.home / "config.toml").exists()
-    sup = Supervisor(s, workers=args.workers, processes=args.processes, threads=args.threads)
+    sup = Supervisor(s, sources=sources, workers=args.workers, processes=args.processes, threads=args.threads)
     stop = threading.Event()
 
     def request_stop() -> None:
@@ -104,7 +104,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.server import serve
 
     advertise = s.mdns_interfaces if (s.mdns and not args.no_advertise) else ()
-    serve(args.data, host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
+    serve(os.path.abspath(args.data), host=args.host, port=args.port, key=s.key(), zone=args.zone or "",
           threads=args.threads, capacity=args.capacity, max_skew=s.clock_skew_seconds, max_upload=s.worker_max_upload,
           advertise_on=advertise, urls=tuple(args.url or ()), compress=s.wire_compression)
     return 0
@@ -330,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     web.set_defaults(func=cmd_web)
 
     add_retention_parsers(sub)
+    add_config_parser(sub)
 
     for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
                              ("watch", cmd_watch, "run the watcher on the roots"),

@@ -58,12 +58,13 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
     from pipeline.db.engine import session_scope
     from pipeline.db.models import Checkpoint
+    from pipeline.detection.catalog import resolve_run
     from pipeline.integrity import retention
 
     s = settings_from(args)
     control_plane(s)
     with session_scope(s.db_url, readonly=True) as session:
-        runs = [args.run] if args.run else list(session.scalars(
+        runs = [resolve_run(session, args.run)] if args.run else list(session.scalars(
             select(Checkpoint.run).distinct().order_by(Checkpoint.run)))
         for run in runs:
             policy = s.policy_for(run)

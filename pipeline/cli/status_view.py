@@ -58,7 +58,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.db.migrate import upgrade
 
     upgrade(s.db_url)
-    doc = status(s, all_versions=args.all, run=args.run, state=args.state, before=args.before, limit=args.limit,
+    run = None
+    if args.run:  # a path from here, as the catalog records it
+        from pipeline.db.engine import session_scope
+        from pipeline.detection.catalog import resolve_run
+
+        with session_scope(s.db_url, readonly=True) as session:
+            run = resolve_run(session, args.run)
+    doc = status(s, all_versions=args.all, run=run, state=args.state, before=args.before, limit=args.limit,
                  search=args.search)
     if args.json:
         print(json.dumps(doc, indent=2, default=jsonable))

@@ -280,16 +280,30 @@ def resolve(session: Session, ref: str | int, host: str | None = None) -> Checkp
         c = session.get(Checkpoint, int(text))
         if c is not None:
             return c
-    path = os.path.abspath(os.path.expanduser(text))
-    candidates = {path, str(Path(path).parent.resolve() / Path(path).name)}
     c = session.scalar(
-        select(Checkpoint).where(Checkpoint.path.in_(sorted(candidates)))
+        select(Checkpoint).where(Checkpoint.path.in_(_as_recorded(text)))
         .order_by((Checkpoint.host == host).desc() if host is not None else Checkpoint.id.is_not(None),
                   Checkpoint.current.desc(), Checkpoint.id.desc()).limit(1)
     )
     if c is None:
         raise UnknownCheckpoint(text)
     return c
+
+
+def resolve_run(session: Session, text: str) -> str:
+    """The run directory ``text`` names (a path from the caller's directory: ``runs/llama`` in
+    the project, ``../runs/llama`` below it) as the catalog records it; the absolute path when
+    no checkpoint of it is recorded."""
+    candidates = _as_recorded(text)
+    found = session.scalar(select(Checkpoint.run).where(Checkpoint.run.in_(candidates)).limit(1))
+    return found or candidates[0]
+
+
+def _as_recorded(text: str) -> list[str]:
+    """The absolute path ``text`` names (first), and the same with its parent's links resolved,
+    as a path may be recorded."""
+    path = os.path.abspath(os.path.expanduser(text))
+    return [path, *sorted({str(Path(path).parent.resolve() / Path(path).name)} - {path})]
 
 
 def file_path(ckpt: Checkpoint, f: CheckpointFile) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import effective
 from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
@@ -90,8 +91,11 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, *, workers: int = 3, processes: int = 2, threads: int = 4) -> None:
+    def __init__(self, settings: Settings, *, workers: int = 3, processes: int = 2, threads: int = 4,
+                 sources: dict[str, str] | None = None) -> None:
         self.home = settings.home.resolve()
+        #: where each setting came from, recorded with it (pipeline/effective.py)
+        self.sources = dict(sources or {})
         # The children say here when they are working (pipeline.service.readiness).
         settings = dataclasses.replace(settings, ready_dir=str(self.home / "run" / f"ready-{os.getpid()}"))
         self.settings, self.n_workers, self.processes, self.threads = settings, workers, processes, threads
@@ -173,6 +177,7 @@ class Supervisor:
         if urls:
             # Later children (and this process) find the local workers through CKPT_WORKERS.
             self.settings = _with_workers(self.settings, urls)
+            self.sources["workers"] = "its local storage workers"
             # Only its own workers: a worker recorded earlier (a stranger, one gone) blocks nothing.
             _wait_for(lambda: all(str(a).startswith("w-") for a in probe_all(self.settings, only=tuple(urls))
                                   .answers.values()),
@@ -186,6 +191,7 @@ class Supervisor:
             "children": {c.name: c.proc.pid for c in self.children if c.proc},
         }
         write_private(self.home / "up.json", json.dumps(info, indent=2))
+        effective.write(self.settings, self.sources)  # what every later command of the home sees
         return info
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
@@ -264,6 +270,7 @@ class Supervisor:
             (self.home / "up.json").unlink()
         except FileNotFoundError:
             pass
+        effective.remove(self.home)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from tests.checkpoints import atomic_save, state_dict
-from tests.processes import FAST, KEY, alive, descendants, wait_for
+from tests.processes import FAST, KEY, descendants, stop_up, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -80,10 +79,4 @@ def test_every_command_finds_the_home_from_a_subdirectory_and_from_elsewhere(tmp
         r = ckpt("status", "--home", str(tmp_path / "nothing-here"), cwd=other)
         assert r.returncode == 1 and "no ckpt home at" in r.stderr and not (tmp_path / "nothing-here").exists()
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        finally:
-            for p in [*pids, *descendants(up.pid)]:
-                if alive(p):
-                    os.kill(p, signal.SIGKILL)
+        stop_up(up, pids)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.checkpoints import atomic_save, state_dict
-from tests.processes import FAST, alive, base_env, descendants, wait_for
+from tests.processes import FAST, alive, base_env, descendants, stop_up, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -96,10 +96,4 @@ def test_dramatiq_workers_die_with_a_killed_master(tmp_path):
         wait_for(lambda: json.loads(up_json.read_text())["children"]["dramatiq"] != master, 30,
                  "ckpt up to start a new dramatiq master")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            for p in [*pids, *descendants(proc.pid)]:
-                if alive(p):
-                    os.kill(p, signal.SIGKILL)
+        stop_up(proc, pids)

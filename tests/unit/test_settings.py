@@ -1,23 +1,31 @@
-"""Settings: defaults < running ckpt up < config file < environment < flags."""
+"""Settings: defaults < config file < running ckpt up < environment < flags."""
 from __future__ import annotations
-
-import json
 
 import pytest
 
+from pipeline import effective
 from pipeline.errors import ConfigError
-from pipeline.settings import load
+from pipeline.settings import explain, load
 
 
 def test_precedence(tmp_path):
     home = tmp_path / "h"
     home.mkdir()
-    (home / "up.json").write_text(json.dumps({"roots": ["/from/up"]}))
-    assert load({"home": home}, environ={}).roots == ("/from/up",)
     (home / "config.toml").write_text('rf = 3\nroots = ["/from/config"]\nshard_size = 8192\n')
     s = load({"home": home}, environ={"CKPT_RF": "4"})
     assert (s.rf, s.roots, s.shard_size) == (4, ("/from/config",), 8192)
     assert load({"home": home, "rf": 5}, environ={"CKPT_RF": "4"}).rf == 5
+    # What the running `ckpt up` records comes over config.toml, under this command's env and flags.
+    up = load({"home": home, "roots": ("/from/up",)}, environ={"CKPT_GC_GRACE_SECONDS": "0"})
+    effective.write(up, {"roots": "flag", "gc_grace_seconds": "env", "rf": "config.toml"})
+    s, sources = explain({"home": home}, environ={"CKPT_SHARD_SIZE": "16384"})
+    assert (s.rf, s.roots, s.gc_grace_seconds, s.shard_size) == (3, ("/from/up",), 0.0, 16384)
+    assert (sources["roots"], sources["gc_grace_seconds"], sources["rf"], sources["shard_size"],
+            sources["keep_last"]) == ("ckpt up (flag)", "ckpt up (env)", "ckpt up (config.toml)", "env",
+                                      "ckpt up (default)")
+    assert load({"home": home}, environ={"CKPT_ROOTS": "/mine"}).roots == ("/mine",)
+    assert load({"home": home, "roots": ("/flag",)}, environ={"CKPT_ROOTS": "/mine"}).roots == ("/flag",)
+    assert load({"home": home}, environ={}, recorded=False).roots == ("/from/config",)  # `ckpt up` itself
 
 
 def test_defaults_need_no_servers(tmp_path):
