@@ -31,6 +31,7 @@ from pipeline.db.migrate import upgrade
 from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
 from pipeline.queues import SHARED, host_queue
+from pipeline.service import ports
 from pipeline.service.lifetime import die_with_parent
 from pipeline.service.readiness import ready
 from pipeline.settings import Settings
@@ -163,6 +164,8 @@ class Supervisor:
     def up(self) -> dict:
         if not self.settings.roots:
             raise ConfigError("no watched roots: pass --root DIR (or set CKPT_ROOTS)")
+        if self.settings.web_port and ports.in_use(self.settings.web_host, self.settings.web_port):
+            raise ConfigError(ports.busy_message(self.settings.web_port))  # before anything started
         for root in self.settings.roots:
             if not any(ch in root for ch in "*?["):
                 Path(root).mkdir(parents=True, exist_ok=True)
@@ -207,9 +210,14 @@ class Supervisor:
                 if child.name not in expected and child.name != "web":
                     continue
                 if not child.alive():
+                    if child.name == "web" and ports.in_use(self.settings.web_host, self.settings.web_port):
+                        raise ConfigError(ports.busy_message(self.settings.web_port))
                     raise ConfigError(f"{child.name} exited while starting; see {child.log_path}")
                 if child.name == "web":
-                    if not _answers(web):
+                    # Its own socket first: an answer on the port from another process (a
+                    # second `ckpt up`'s UI) is not this one's.
+                    pids = {child.proc.pid, *_descendants(child.proc.pid)} if child.proc else set()
+                    if not ports.held_by(pids, self.settings.web_port) or not _answers(web):
                         out.append("web")
                 elif child.proc is not None:
                     pids = {child.proc.pid, *_descendants(child.proc.pid)}

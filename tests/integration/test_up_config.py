@@ -1,13 +1,18 @@
 """What a training team meets first (issue 29): relative paths given to ``ckpt up`` mean the same
-from every directory, and the settings ``ckpt up``
+from every directory, a busy web port stops ``ckpt up`` at once, and the settings ``ckpt up``
 runs with are what every later command sees (``<home>/effective.toml``, ``ckpt config``)."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +39,19 @@ def ok(env: dict[str, str], cwd: Path, *args: str) -> str:
     r = ckpt(env, cwd, *args)
     assert r.returncode == 0, f"ckpt {' '.join(args)} in {cwd}: {r.stdout}{r.stderr}"
     return r.stdout
+
+
+@contextlib.contextmanager
+def other_web_ui() -> Iterator[int]:
+    """An HTTP server on a free loopback port in this process: another instance's web UI."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +111,43 @@ def test_later_commands_see_the_settings_ckpt_up_runs_with(project):
     assert "gc_grace_seconds = 60.0 # env" in [" ".join(line.split()) for line in ok(mine, sub, "config").splitlines()]
     record = home / "effective.toml"
     assert stat.S_IMODE(record.stat().st_mode) == 0o600 and KEY not in record.read_text()
+
+
+def test_a_busy_web_port_stops_ckpt_up_at_once(tmp_path):
+    (tmp_path / "runs").mkdir()
+    env = clean_env(tmp_path)
+    with other_web_ui() as port:
+        started = time.monotonic()
+        up = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--root", "runs/*", "--web-port", str(port)],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = up.communicate(timeout=30)
+        finally:
+            if up.poll() is None:
+                for p in [up.pid, *descendants(up.pid)]:
+                    os.kill(p, signal.SIGKILL)
+        assert up.returncode != 0 and time.monotonic() - started < 20, out
+        assert f"port {port} is in use (by pid {os.getpid()}): pass --web-port" in out, out
+        assert "ready" not in out
+        assert not (tmp_path / ".ckpt" / "up.json").exists()
+
+
+def test_ckpt_up_is_not_ready_while_another_process_answers_on_its_web_port(tmp_path):
+    """The port taken between the check and the web UI's bind: gunicorn retries, then exits.
+    The answer on the port is the other process's: never "ready"; the exit is a failure."""
+    from pipeline.errors import ConfigError
+    from pipeline.service.supervisor import Child, Supervisor
+    from pipeline.settings import load
+
+    with other_web_ui() as port:
+        s = load({"home": tmp_path, "web_port": port, "roots": (str(tmp_path / "runs"),)}, environ={})
+        sup = Supervisor(s, processes=0)
+        web = Child("web", [sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(1)"],
+                    dict(os.environ), tmp_path / "web.log")
+        web.start()
+        sup.children.append(web)
+        try:
+            with pytest.raises(ConfigError, match=f"port {port} is in use \\(by pid {os.getpid()}\\)"):
+                sup._wait_ready(timeout=20)
+        finally:
+            sup.shutdown()
