@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 import socket
 import threading
 import time
@@ -35,3 +36,79 @@ def test_a_peer_that_drips_its_answer_does_not_hold_up_the_probe_of_every_worker
         took = time.monotonic() - started
     t.join(30)
     assert took < 6, f"probe_all took {took:.1f} s with CKPT_PROBE_SECONDS=0.5: one dripping peer wedged it"
+
+
+# -- at most one outstanding message per step ----------------------------------------------
+
+import pytest  # noqa: E402
+from dramatiq import Message  # noqa: E402
+
+from pipeline import settings as settings_mod  # noqa: E402
+from pipeline.db.engine import session_scope  # noqa: E402
+from pipeline.db.models import Checkpoint, ContentCopy, Job, StorageWorker  # noqa: E402
+from pipeline.db.transitions import create_job, now, transition  # noqa: E402
+from pipeline.detection import catalog, completeness, roots  # noqa: E402
+from pipeline.steps import Send  # noqa: E402
+from tests.conftest import broker_for  # noqa: E402
+
+
+@pytest.fixture
+def stub(db, process_broker):
+    with broker_for(dataclasses.replace(db, redis_url="stub://")) as b:
+        yield b
+
+
+def _all_queued(broker) -> list[Message]:
+    return [Message.decode(body) for q in broker.queues.values() for body in list(q.queue)]
+
+
+def test_one_batch_naming_a_step_twice_queues_one_message(db, stub):
+    """send_all reads every row's key before it records any: a batch holding the same keyed
+    step twice records two fresh keys (the first overwritten) and enqueues both."""
+    from pipeline.tasks.sending import send_all
+
+    with session_scope(db.db_url) as s:
+        job_id = create_job(s, "scrub", checkpoint_id=None, params={"worker_id": "w1"}).id
+    send_all([Send("scrub", (job_id,)), Send("scrub", (job_id,))])
+    assert len(_all_queued(stub)) == 1, [m.message_id for m in _all_queued(stub)]
+
+
+def _record(s, path, host="node-a"):
+    run, ckpt_path = roots.locate(path, s.roots)
+    detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=s.shard_size)
+    with session_scope(s.db_url) as ses:
+        ckpt, job, _created = catalog.record(ses, detected, lease_seconds=60, detail="test", host=host)
+        transition(ses, job.id, "store", "detected", "sharded")
+        return ckpt.id, job.id
+
+
+def test_a_re_drive_of_two_stores_sharing_content_queues_one_message_per_copy(db, stub, tmp_path):
+    """Two saves with the same bytes (a fine-tune's frozen layers, one model saved in two runs)
+    share their contents and so their pending copies. When both stores' leases end in one tick,
+    expired_work resumes each with replicate(copy) for every pending copy of its contents: the
+    same copy twice in one batch, so two messages per copy per re-drive (N stores: N)."""
+    from pipeline.service.scheduler import expired_work
+    from pipeline.tasks.sending import send_all
+    from tests.checkpoints import atomic_save, state_dict
+
+    s = settings_mod.configure(dataclasses.replace(db, rf=1))
+    for run in ("r1", "r2"):
+        (tmp_path / "runs" / run).mkdir()
+    a = atomic_save(state_dict(7), tmp_path / "runs" / "r1" / "step_1.safetensors")
+    b = atomic_save(state_dict(7), tmp_path / "runs" / "r2" / "step_1.safetensors")
+    (ca, ja), (cb, jb) = _record(s, a), _record(s, b)
+    with session_scope(s.db_url) as ses:
+        ses.add(StorageWorker(id="w1", url="http://127.0.0.1:1", source="static", state="up", last_seen=now()))
+        ses.flush()
+        shas = {sh.sha256 for f in ses.get(Checkpoint, ca).files for sh in f.shards}
+        assert shas == {sh.sha256 for f in ses.get(Checkpoint, cb).files for sh in f.shards}
+        for sha in sorted(shas):
+            ses.add(ContentCopy(sha256=sha, worker_id="w1", state="pending", attempts=0))
+        for j in (ja, jb):
+            ses.get(Job, j).lease_until = now() - timedelta(seconds=5)
+    send_all(expired_work(s))
+    per_copy: dict[int, int] = {}
+    for m in _all_queued(stub):
+        if m.actor_name == "replicate":
+            per_copy[m.args[0]] = per_copy.get(m.args[0], 0) + 1
+    assert per_copy and max(per_copy.values()) == 1, per_copy
