@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
@@ -196,19 +197,30 @@ class Watcher:
 
     def _apply_finished(self) -> float:
         """Apply what the pool finished hashing (on this thread: the watcher's state is its
-        own); seconds until one of those entries needs a new look."""
+        own); seconds until one of those entries needs a new look.
+
+        Every entry taken from the pool is applied: a control-plane error of one (raised by
+        Reports.failed: it ends the scan) is raised only once the others are, else they would be
+        lost (recorded, but unknown to this watcher: hashed again, whole, at the next scan)."""
         next_look = self.settings.scan_interval
         if self._hashing is None:
             return next_look
+        control_plane: SQLAlchemyError | None = None
         for run, key, apply in self._hashing.finished():
             try:
                 wait = apply()
             except Exception as exc:
-                wait = self.reports.failed(Path(run), key, exc)
+                try:
+                    wait = self.reports.failed(Path(run), key, exc)
+                except SQLAlchemyError as err:  # the entry is hashed again once the control plane is back
+                    control_plane = control_plane or err
+                    continue
             else:
                 self.reports.recovered(key)
             if wait is not None:
                 next_look = min(next_look, wait)
+        if control_plane is not None:
+            raise control_plane
         return next_look
 
     def _watch(self, runs: list[Path]) -> None:

@@ -119,36 +119,6 @@ def test_a_re_drive_of_two_stores_sharing_content_queues_one_message_per_copy(db
 
 # -- the watcher: one entry's error is that entry's ----------------------------------------
 
-def test_a_database_error_applying_one_hashed_entry_loses_the_others_finished_with_it(settings):
-    """Entries hashed by the pool are applied in one batch at the start of a scan. One whose
-    recording hit a control-plane error (SQLite 'database is locked' under contention) makes
-    Reports.failed re-raise it: the scan ends, and the batch's other entries, taken out of the
-    pool already, are never applied. Their checkpoints were recorded, but the watcher does not
-    know it: each is hashed again, whole (up to CKPT_MAX_HASH_BYTES per file), at the next scan."""
-    from sqlalchemy.exc import OperationalError
-
-    from pipeline.detection.hashpool import HashPool
-    from pipeline.detection.watcher import Watcher
-
-    upgrade(settings.db_url)
-    w = Watcher(settings, send=lambda sends: None, use_events=False)
-    applied: list[str] = []
-    pool = HashPool(1)
-    w._hashing = pool
-    try:
-        def locked():
-            raise OperationalError("INSERT INTO checkpoints", {}, Exception("database is locked"))
-
-        pool.submit("/runs/a", "/runs/a/step_1", locked)
-        pool.submit("/runs/b", "/runs/b/step_9", lambda: (lambda: applied.append("/runs/b/step_9")))
-        pool.wait_idle()
-        for _ in range(2):  # the scan fails once (the control plane), then works again
-            w._scan(None)
-        assert applied == ["/runs/b/step_9"], "a recorded entry of another run was dropped: it will be hashed again"
-    finally:
-        w.close()
-
-
 def test_a_save_made_while_a_big_checkpoint_is_hashed_at_start_is_detected_meanwhile(settings, tmp_path,
                                                                                        monkeypatch):
     """The watcher's first scan waits for every hash it started (Watcher.run: _scan(wait=True)):
