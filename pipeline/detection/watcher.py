@@ -502,7 +502,11 @@ class Watcher:
         if self.watches is not None:
             self.watches.start()
         try:
-            wait = self._scan(None, wait=True)  # ready once what is already there is recorded
+            # Ready once the first scan looked at every run and handed what it found complete to
+            # the pool; never waiting for those hashes (a big checkpoint at start would leave every
+            # other run unlooked-at, and `ckpt up` unready, until it ends): they are applied as
+            # they end, while the loop scans on.
+            wait = self._scan(None)
             mark_ready(self.settings, "watcher")
             deadline = time.monotonic() + self.settings.scan_interval
             while not self.stopping.is_set():
@@ -522,11 +526,12 @@ class Watcher:
                 self.watches.stop()
             self.close()
 
-    def _scan(self, only: set[Path] | None, *, wait: bool = False) -> float:
-        """A scan that never ends the watcher: an error outside any run (the control plane
-        away) is logged once and the scan tried again at the next interval."""
+    def _scan(self, only: set[Path] | None) -> float:
+        """A scan of the service loop, which never waits for its hashes and never ends the
+        watcher: an error outside any run (the control plane away) is logged once and the scan
+        tried again at the next interval."""
         try:
-            next_look = self.scan(only, wait=wait)
+            next_look = self.scan(only, wait=False)
         except Exception as exc:
             what = f"{type(exc).__name__}: {exc}"
             if problems.kind_of(what) != problems.kind_of(self._scan_error or ""):

@@ -6,9 +6,6 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
-
-from sqlalchemy import select
 
 from pipeline.cluster import membership
 from pipeline.db.migrate import upgrade
@@ -115,51 +112,6 @@ def test_a_re_drive_of_two_stores_sharing_content_queues_one_message_per_copy(db
         if m.actor_name == "replicate":
             per_copy[m.args[0]] = per_copy.get(m.args[0], 0) + 1
     assert per_copy and max(per_copy.values()) == 1, per_copy
-
-
-# -- the watcher: one entry's error is that entry's ----------------------------------------
-
-def test_a_save_made_while_a_big_checkpoint_is_hashed_at_start_is_detected_meanwhile(settings, tmp_path,
-                                                                                       monkeypatch):
-    """The watcher's first scan waits for every hash it started (Watcher.run: _scan(wait=True)):
-    a watcher (re)started beside a big unrecorded checkpoint looks at no run again, reports its
-    host in no more, and is not ready, until that hash ends. A save in another run meanwhile
-    waits for it (a trainer's save_total_limit may delete it before it is ever seen)."""
-    from pipeline.db.models import Checkpoint
-    from pipeline.detection.watcher import Watcher
-    from tests.unit.test_watcher_bounded import safetensors_file
-
-    upgrade(settings.db_url)
-    s = dataclasses.replace(settings, scan_interval=0.2)
-    (tmp_path / "runs" / "a-big").mkdir()
-    (tmp_path / "runs" / "b").mkdir()
-    safetensors_file(tmp_path / "runs" / "a-big" / "step_1.safetensors", 1)
-    real = catalog.hash_checkpoint
-    big_started, release = threading.Event(), threading.Event()
-
-    def hash_checkpoint(run, path, entries, **kw):
-        if Path(run).name == "a-big":  # a big hash: 10 s (released at the end of the test)
-            big_started.set()
-            release.wait(timeout=10)
-        return real(run, path, entries, **kw)
-
-    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
-    w = Watcher(s, lambda sends: None, use_events=False)
-    t = threading.Thread(target=w.run, daemon=True)
-    t.start()
-    try:
-        assert big_started.wait(10)
-        safetensors_file(tmp_path / "runs" / "b" / "step_5.safetensors", 5)  # saved during the big hash
-        deadline, seen = time.monotonic() + 4, False
-        while time.monotonic() < deadline and not seen:
-            with session_scope(s.db_url, readonly=True) as ses:
-                seen = any(Path(c.run).name == "b" for c in ses.scalars(select(Checkpoint)))
-            time.sleep(0.1)
-        assert seen, "run b's new save was not detected in 4 s (scan interval 0.2 s) while run a-big hashed"
-    finally:
-        release.set()
-        w.stop()
-        t.join(20)
 
 
 # -- a stranger's one answer undoes an operator's drain -------------------------------------
