@@ -176,25 +176,3 @@ def test_a_worker_back_from_rejected_is_reconciled_before_its_copies_count(setti
     state, back = _stranger_then_genuine(settings, "up")
     assert state == "up"
     assert back.returned == ["w-00000000000d"], "came back from rejected without a reconcile"
-
-
-# -- host ids: two ids, one queue ------------------------------------------------------------
-
-def test_two_host_ids_never_share_a_queue(settings):
-    """hostid accepts any id of up to 255 characters on one line (CKPT_HOST or host-id), but
-    host_queue folds every character outside [A-Za-z0-9_.-] to '_' and cuts at 100: 'gpu node 1'
-    and 'gpu_node_1' consume one queue. A shard, rotate or restore for one, taken by the other,
-    finds itself on the wrong host and sends itself again to the same queue: with the first
-    host down, the second bounces it forever (no attempt counted: owner_elsewhere and the
-    restore's host check come before begin_step), and require_consumer takes the second's beat
-    for the first's."""
-    from pipeline.queues import host_queue
-    from pipeline.restore import job as restore_job
-
-    upgrade(settings.db_url)
-    s = dataclasses.replace(settings, host="gpu_node_1")
-    with session_scope(s.db_url) as ses:
-        j = create_job(ses, "restore", checkpoint_id=None, params={"dest": "/x", "host": "gpu node 1"}).id
-    bounced = restore_job.restore(s, j)  # runs on gpu_node_1: not its host, sent again...
-    assert bounced == [Send("restore", (j,))]
-    assert host_queue("gpu node 1") != host_queue(s.host_id), "...to the queue it was taken from"
