@@ -18,12 +18,12 @@ hosts were (no host) is any host's, as before.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pipeline import hostid
 from pipeline.db.copies import good_copy
 from pipeline.db.models import (
     Checkpoint,
@@ -40,8 +40,8 @@ SHARED = "ckpt"
 
 
 def host_queue(host: str) -> str:
-    """The queue of the steps that must run on ``host``."""
-    return "ckpt.host." + re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:100]
+    """The queue of the steps that must run on ``host``: one per id (pipeline.hostid.in_queue)."""
+    return "ckpt.host." + hostid.in_queue(host)
 
 
 def depths(client: Any, namespace: str = "dramatiq") -> dict[str, int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
@@ -196,19 +197,30 @@ class Watcher:
 
     def _apply_finished(self) -> float:
         """Apply what the pool finished hashing (on this thread: the watcher's state is its
-        own); seconds until one of those entries needs a new look."""
+        own); seconds until one of those entries needs a new look.
+
+        Every entry taken from the pool is applied: a control-plane error of one (raised by
+        Reports.failed: it ends the scan) is raised only once the others are, else they would be
+        lost (recorded, but unknown to this watcher: hashed again, whole, at the next scan)."""
         next_look = self.settings.scan_interval
         if self._hashing is None:
             return next_look
+        control_plane: SQLAlchemyError | None = None
         for run, key, apply in self._hashing.finished():
             try:
                 wait = apply()
             except Exception as exc:
-                wait = self.reports.failed(Path(run), key, exc)
+                try:
+                    wait = self.reports.failed(Path(run), key, exc)
+                except SQLAlchemyError as err:  # the entry is hashed again once the control plane is back
+                    control_plane = control_plane or err
+                    continue
             else:
                 self.reports.recovered(key)
             if wait is not None:
                 next_look = min(next_look, wait)
+        if control_plane is not None:
+            raise control_plane
         return next_look
 
     def _watch(self, runs: list[Path]) -> None:
@@ -490,7 +502,11 @@ class Watcher:
         if self.watches is not None:
             self.watches.start()
         try:
-            wait = self._scan(None, wait=True)  # ready once what is already there is recorded
+            # Ready once the first scan looked at every run and handed what it found complete to
+            # the pool; never waiting for those hashes (a big checkpoint at start would leave every
+            # other run unlooked-at, and `ckpt up` unready, until it ends): they are applied as
+            # they end, while the loop scans on.
+            wait = self._scan(None)
             mark_ready(self.settings, "watcher")
             deadline = time.monotonic() + self.settings.scan_interval
             while not self.stopping.is_set():
@@ -510,11 +526,12 @@ class Watcher:
                 self.watches.stop()
             self.close()
 
-    def _scan(self, only: set[Path] | None, *, wait: bool = False) -> float:
-        """A scan that never ends the watcher: an error outside any run (the control plane
-        away) is logged once and the scan tried again at the next interval."""
+    def _scan(self, only: set[Path] | None) -> float:
+        """A scan of the service loop, which never waits for its hashes and never ends the
+        watcher: an error outside any run (the control plane away) is logged once and the scan
+        tried again at the next interval."""
         try:
-            next_look = self.scan(only, wait=wait)
+            next_look = self.scan(only, wait=False)
         except Exception as exc:
             what = f"{type(exc).__name__}: {exc}"
             if problems.kind_of(what) != problems.kind_of(self._scan_error or ""):

@@ -1,7 +1,8 @@
 """Readiness of the services ``ckpt up`` starts: each says so once it does its work.
 
 ``ckpt up`` gives its children a directory (the ``ready_dir`` setting); a service writes
-``<name>.<pid>`` there once it is working (the watcher after its first scan, the scheduler
+``<name>.<pid>`` there once it is working (the watcher after its first scan, which hands the
+checkpoints it found complete to its hashers and does not wait for them; the scheduler
 after its first tick, each Dramatiq worker process once booted), and ``ckpt up`` prints
 "ready" only when every one of them did and the web UI answers HTTP.
 """

@@ -16,7 +16,9 @@ from sqlalchemy import func, select
 from pipeline import hostid
 from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
+from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, Job, TrainingHost
+from pipeline.db.transitions import create_job
 from pipeline.detection.watcher import Watcher
 from pipeline.errors import ConfigError
 from pipeline.queues import host_queue, queues_for
@@ -88,6 +90,44 @@ def test_a_broken_host_id_file_says_what_to_do(tmp_path, text):
     (home / hostid.FILE).write_text(text)
     with pytest.raises(ConfigError, match="host-id must hold this host's id on one line"):
         hostid.host_id(home)
+
+
+def test_two_host_ids_never_share_a_queue(settings):
+    """hostid accepts any id of up to 255 characters on one line (CKPT_HOST or host-id); host_queue
+    folded every character outside [A-Za-z0-9_.-] to '_' and cut at 100: 'gpu node 1' and
+    'gpu_node_1' consumed one queue. A shard, rotate or restore for one, taken by the other,
+    finds itself on the wrong host and sends itself again to the same queue: with the first
+    host down, the second bounced it forever (no attempt counted: owner_elsewhere and the
+    restore's host check come before begin_step), and require_consumer took the second's beat
+    for the first's."""
+    from pipeline.restore import job as restore_job
+
+    upgrade(settings.db_url)
+    s = dataclasses.replace(settings, host="gpu_node_1")
+    with session_scope(s.db_url) as ses:
+        j = create_job(ses, "restore", checkpoint_id=None, params={"dest": "/x", "host": "gpu node 1"}).id
+    bounced = restore_job.restore(s, j)  # runs on gpu_node_1: not its host, sent again...
+    assert bounced == [Send("restore", (j,))]
+    assert host_queue("gpu node 1") != host_queue(s.host_id), "...to the queue it was taken from"
+
+def test_plain_ids_keep_their_queue_and_no_two_ids_share_one(tmp_path, caplog):
+    import re
+
+    plain = ["node-a", "gpu_node_1", "h7.example.org", "x" * 100]
+    assert [host_queue(h) for h in plain] == [f"ckpt.host.{h}" for h in plain]  # deployed queues stay
+    odd = ["gpu node 1", "gpu_node_1..", "a..b", "x" * 101, "x" * 102, "gpu/node/1", "gpu\tnode 1", "ñode",
+           "gpu_node_1.." + hostid.in_queue("gpu node 1").rpartition("..")[2]]
+    queues = [host_queue(h) for h in plain + odd]
+    assert len(set(queues)) == len(queues), queues
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]{1,110}", q) for q in queues)  # a Dramatiq queue name, a Redis key
+    assert host_queue("gpu node 1").startswith("ckpt.host.gpu_node_1..")  # still readable
+    with caplog.at_level("WARNING", logger="ckpt.hostid"):
+        for _ in range(2):
+            assert hostid.host_id(tmp_path, "rack 4 node 2") == "rack 4 node 2"  # CKPT_HOST: kept as it is
+            assert hostid.host_id(tmp_path, "rack-4-node-3") == "rack-4-node-3"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said  # once per process, for the id that is not plain only
+    assert "'rack 4 node 2' (CKPT_HOST)" in said[0] and host_queue("rack 4 node 2") in said[0], said
 
 
 def test_two_machines_reporting_under_one_id_are_named_in_the_log(db, caplog):

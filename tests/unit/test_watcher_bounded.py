@@ -16,6 +16,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,12 @@ from safetensors.numpy import save_file
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
+from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, DetectionProblem
 from pipeline.detection import catalog
 from pipeline.detection.hashpool import HashPool
 from pipeline.detection.watcher import Watcher
+from pipeline.service import readiness
 
 TB = 1000**4
 
@@ -153,6 +156,50 @@ def test_a_big_checkpoint_being_hashed_does_not_delay_another_runs(db, tmp_path,
     with session_scope(db.db_url) as s:
         assert sorted(Path(c.run).name for c in s.scalars(select(Checkpoint))) == ["a-big", "b-small"]
     assert big.stat().st_size > 64 * 1024 * 1024
+
+
+def test_a_save_made_while_a_big_checkpoint_is_hashed_at_start_is_detected_meanwhile(settings, tmp_path,
+                                                                                       monkeypatch):
+    """The watcher's first scan waited for every hash it started: a watcher (re)started beside a
+    big unrecorded checkpoint looked at no run again, reported its host in no more, and was not
+    ready, until that hash ended. A save in another run meanwhile waited for it (a trainer's
+    save_total_limit may delete it before it is ever seen). Now it is ready, and scans on, once
+    the first scan handed its work to the pool."""
+    upgrade(settings.db_url)
+    s = dataclasses.replace(settings, scan_interval=0.2, ready_dir=str(tmp_path / "ready"))
+    (tmp_path / "runs" / "a-big").mkdir()
+    (tmp_path / "runs" / "b").mkdir()
+    safetensors_file(tmp_path / "runs" / "a-big" / "step_1.safetensors", 1)
+    real = catalog.hash_checkpoint
+    big_started, release = threading.Event(), threading.Event()
+
+    def hash_checkpoint(run, path, entries, **kw):
+        if Path(run).name == "a-big":  # a big hash: 10 s (released at the end of the test)
+            big_started.set()
+            release.wait(timeout=10)
+        return real(run, path, entries, **kw)
+
+    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
+    w = Watcher(s, lambda sends: None, use_events=False)
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        assert big_started.wait(10)
+        deadline = time.monotonic() + 4
+        while not readiness.ready(tmp_path / "ready", "watcher") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert readiness.ready(tmp_path / "ready", "watcher") == 1, "not ready while the big hash goes on"
+        safetensors_file(tmp_path / "runs" / "b" / "step_5.safetensors", 5)  # saved during the big hash
+        deadline, seen = time.monotonic() + 4, False
+        while time.monotonic() < deadline and not seen:
+            with session_scope(s.db_url, readonly=True) as ses:
+                seen = any(Path(c.run).name == "b" for c in ses.scalars(select(Checkpoint)))
+            time.sleep(0.1)
+        assert seen, "run b's new save was not detected in 4 s (scan interval 0.2 s) while run a-big hashed"
+    finally:
+        release.set()
+        w.stop()
+        t.join(20)
 
 
 def test_the_pool_serves_runs_in_turn_one_checkpoint_each():

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from pipeline.db.engine import session_scope
+from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, DetectionProblem
 from pipeline.detection import completeness, faults
+from pipeline.detection.hashpool import HashPool
 from pipeline.detection.watcher import Watcher
 from tests.checkpoints import atomic_save, state_dict
 
@@ -180,6 +183,31 @@ def test_an_entry_answering_eio_is_reported_once_and_retried_while_its_run_goes_
     with session_scope(db.db_url) as s:
         assert sorted(c.name for c in s.scalars(select(Checkpoint))) == [bad.name, good.name]
         assert s.scalars(select(DetectionProblem)).all() == []
+
+
+def test_a_database_error_applying_one_hashed_entry_keeps_the_others_finished_with_it(settings):
+    """Entries hashed by the pool are applied in one batch at the start of a scan. One whose
+    recording hit a control-plane error (SQLite 'database is locked' under contention) ends the
+    scan, but only once the batch's other entries, taken out of the pool already, are applied:
+    else their checkpoints are recorded without the watcher knowing it, and each is hashed
+    again, whole (up to CKPT_MAX_HASH_BYTES per file), at the next scan."""
+    upgrade(settings.db_url)
+    w = Watcher(settings, send=lambda sends: None, use_events=False)
+    applied: list[str] = []
+    pool = HashPool(1)
+    w._hashing = pool
+    try:
+        def locked():
+            raise OperationalError("INSERT INTO checkpoints", {}, Exception("database is locked"))
+
+        pool.submit("/runs/a", "/runs/a/step_1", locked)
+        pool.submit("/runs/b", "/runs/b/step_9", lambda: (lambda: applied.append("/runs/b/step_9")))
+        pool.wait_idle()
+        for _ in range(2):  # the scan fails once (the control plane), then works again
+            w._scan(None)
+        assert applied == ["/runs/b/step_9"], "a recorded entry of another run was dropped: it will be hashed again"
+    finally:
+        w.close()
 
 
 def test_a_run_whose_watch_hits_the_inotify_limit_is_reported_once_and_still_detected(db, tmp_path, caplog):
