@@ -14,7 +14,8 @@ import hashlib
 import logging
 import re
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -57,7 +58,7 @@ def _ask(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | st
 def _challenge(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | str, bool]:
     nonce = secrets.token_hex(16)
     try:
-        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=timeout).status(nonce)
+        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=timeout).status(nonce, within=timeout)
     except UntrustedAnswer as exc:  # not signed with the cluster key: a stranger
         return url, str(exc), True
     except WorkerError as exc:
@@ -107,9 +108,7 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
         urls.setdefault(url, source)
     if only is not None:
         urls = {u.rstrip("/"): urls.get(u.rstrip("/"), "static") for u in only}
-    key = settings.key()
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        answers = list(pool.map(lambda u: _ask(u, key, settings.probe_seconds), urls))
+    answers = _gather(list(urls), settings.key(), settings.probe_seconds)
     result = ProbeResult()
     t = now()
     with session_scope(settings.db_url) as s:
@@ -121,6 +120,26 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
                 log.exception("recording what storage worker %s answered failed", url)
                 result.answers[url] = f"could not record its answer: {exc}"
     return result
+
+
+#: How long past a probe's own deadline its answer is waited for (the thread's start, its end).
+GRACE_SECONDS = 1.0
+
+
+def _gather(urls: list[str], key: bytes, seconds: float) -> list[tuple[str, dict[str, Any] | str, bool]]:
+    """Every worker's answer (:func:`_ask`), asked all at once. Each exchange ends by itself
+    within ``seconds`` (WorkerClient.status's deadline); a thread still not done a moment later
+    is not waited for: its peer is recorded as not answering in time and the thread, a daemon
+    nobody joins, ends when it ends (it keeps neither the others' answers nor a shutdown waiting)."""
+    futures: dict[str, Future[tuple[str, dict[str, Any] | str, bool]]] = {}
+    for url in urls:
+        future: Future[tuple[str, dict[str, Any] | str, bool]] = Future()
+        futures[url] = future
+        threading.Thread(target=lambda u=url, f=future: f.set_result(_ask(u, key, seconds)),
+                         name=f"probe {url}", daemon=True).start()
+    done, _late = wait(futures.values(), timeout=seconds + GRACE_SECONDS)
+    return [f.result() if f in done else (url, f"storage worker {url}: no full answer within {seconds:g} s", False)
+            for url, f in futures.items()]
 
 
 def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | str, rejected: bool,
