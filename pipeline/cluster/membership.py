@@ -3,10 +3,12 @@
 Workers come from the static list (``CKPT_WORKERS``), from ``ckpt up``, or from mDNS
 discovery (recorded as ``candidate``). Every probe is a status request carrying a fresh
 nonce: a worker is admitted (``up``) only if it answers with a proof computed from the
-cluster key; one that cannot is ``rejected`` and never receives a shard (docs/design.md, invariant 5).
+cluster key; one that cannot is ``rejected`` and never receives a shard (docs/design.md, invariant 5):
+at once if it was never admitted, once it proved nothing for ``worker_down_seconds`` if it was (one
+stranger's answer at its URL is no more than a missed probe), never if an operator drains it.
 A worker whose disk is above the high watermark is ``full`` (it keeps and serves its
-copies, gets no new ones). A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back is
-reconciled (pipeline.integrity.reconcile) before its copies count again.
+copies, gets no new ones). A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back
+(from ``down`` or ``rejected``) is reconciled (pipeline.integrity.reconcile) before its copies count again.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import UntrustedAnswer, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import WorkerState
+from pipeline.states import COUNTING_WORKERS, WorkerState
 
 log = logging.getLogger("ckpt.membership")
 
@@ -162,9 +164,17 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
                 log.info("forgetting %s at %s, found on mDNS: %s", w.id, url, reason)
                 s.delete(w)
                 continue
-            if w.state != WorkerState.REJECTED:
+            if w.state in COUNTING_WORKERS and not _silent(settings, w, t):
+                # One stranger's answer at its URL (another service bound the port during a
+                # restart) is no more evidence its copies are gone than one missed probe: they
+                # count until it proves nothing for worker_down_seconds, as for 'down'.
+                w.last_error = reason
+                continue
+            if workers.may(w, WorkerState.REJECTED) and w.state != WorkerState.REJECTED:
                 log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
-            workers.set_state(s, w, WorkerState.REJECTED, error=reason)
+                if w.state in COUNTING_WORKERS:
+                    result.went_down.append(w.id)
+            workers.observe(s, w, WorkerState.REJECTED, error=reason)  # an operator's drain stays
         return
     if isinstance(answer, dict):
         node = str(answer["node_id"])
@@ -187,7 +197,7 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
         w.used_bytes = int(answer.get("used", 0))
         live = WorkerState.FULL if is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark) else WorkerState.UP
         if workers.may(w, live):  # never out of an operator's draining or removable
-            if w.state == WorkerState.DOWN:
+            if w.state in (WorkerState.DOWN, WorkerState.REJECTED):  # its copies count again once reconciled
                 result.returned.append(node)
             if w.state not in (WorkerState.UP, WorkerState.FULL):
                 log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
@@ -202,8 +212,12 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
     result.answers[url] = answer
     for w in rows:
         w.last_error = answer
-        silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-        if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
+        if w.state in COUNTING_WORKERS and _silent(settings, w, t):
             workers.set_state(s, w, WorkerState.DOWN)
             result.went_down.append(w.id)
             log.warning("storage worker %s at %s is down: %s", w.id, url, answer)
+
+
+def _silent(settings: Settings, w: StorageWorker, t: datetime) -> bool:
+    """Whether ``w`` proved nothing for ``worker_down_seconds``."""
+    return w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)

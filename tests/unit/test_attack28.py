@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -13,14 +12,12 @@ from dramatiq import Message
 from sqlalchemy import select
 
 from pipeline import settings as settings_mod
-from pipeline.cluster import membership
 from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, ContentCopy, Job, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
 from pipeline.steps import Send
-from tests.bad_peers import _head, serving
 from tests.conftest import broker_for
 
 # -- at most one outstanding message per step ----------------------------------------------
@@ -160,70 +157,6 @@ def test_a_save_made_while_a_big_checkpoint_is_hashed_at_start_is_detected_meanw
         release.set()
         w.stop()
         t.join(20)
-
-
-# -- a stranger's one answer undoes an operator's drain -------------------------------------
-
-def _header(head: bytes, name: str) -> str:
-    for line in head.split(b"\r\n"):
-        k, _, v = line.partition(b":")
-        if k.strip().lower() == name.lower().encode():
-            return v.strip().decode()
-    return ""
-
-
-def _stranger_then_genuine(settings, start: str):
-    """A worker row in ``start``; one probe answered 403 by a stranger at its URL, then one
-    answered by the real worker: its state after, and the second probe's result."""
-    import json
-
-    from pipeline.cluster import auth
-    from pipeline.db.models import StorageWorker
-    from tests.bad_peers import request_id
-
-    upgrade(settings.db_url)
-    key, node = settings.key(), "w-00000000000d"
-    mode = ["stranger"]
-
-    def answer(conn: socket.socket, stop: threading.Event) -> None:
-        head = _head(conn)
-        if mode[0] == "stranger":
-            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-            return
-        doc = {"node_id": node, "capacity": 10**12, "free": 10**12, "used": 0,
-               "proof": auth.proof(key, node, _header(head, auth.URL_HEADER), _header(head, auth.NONCE_HEADER))}
-        body = json.dumps(doc).encode()
-        headers = auth.sign_response(key, node, request_id(head), 200, auth.body_digest(body))
-        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n".encode()
-                     + "".join(f"{k}: {v}\r\n" for k, v in headers).encode() + b"\r\n" + body)
-
-    with serving(answer) as url:
-        with session_scope(settings.db_url) as s:
-            s.add(StorageWorker(id=node, url=url, source="static", state=start, last_seen=now()))
-        membership.probe_all(settings)
-        mode[0] = "genuine"
-        back = membership.probe_all(settings)
-    with session_scope(settings.db_url, readonly=True) as s:
-        state = s.get(StorageWorker, node).state
-    return state, back
-
-
-def test_one_stranger_answer_at_a_draining_workers_url_cancels_the_drain(settings):
-    """A draining worker (an operator's decision, which a probe never overrides) whose port
-    answers one probe with a 403 (another service bound it during a restart) becomes
-    'rejected'; the next probe of the real worker admits it 'up' from there: the drain is gone,
-    the worker takes new copies, and nothing says so. Same from 'removable'."""
-    state, _ = _stranger_then_genuine(settings, "draining")
-    assert state == "draining", f"the operator's drain became {state!r} after one stranger answer"
-
-
-def test_a_worker_back_from_rejected_is_reconciled_before_its_copies_count(settings):
-    """'up' -> 'rejected' (one 403 from whatever held its port) -> 'up': its copies, uncounted
-    meanwhile, count again at once; unlike a return from 'down', no reconcile is asked
-    (ProbeResult.returned names only workers that were 'down')."""
-    state, back = _stranger_then_genuine(settings, "up")
-    assert state == "up"
-    assert back.returned == ["w-00000000000d"], "came back from rejected without a reconcile"
 
 
 # -- host ids: two ids, one queue ------------------------------------------------------------
