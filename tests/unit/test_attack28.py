@@ -4,85 +4,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
-import pytest
-from dramatiq import Message
 from sqlalchemy import select
 
-from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
-from pipeline.db.models import Checkpoint, ContentCopy, Job, StorageWorker
-from pipeline.db.transitions import create_job, now, transition
-from pipeline.detection import catalog, completeness, roots
+from pipeline.db.models import Checkpoint
+from pipeline.db.transitions import create_job
+from pipeline.detection import catalog
 from pipeline.steps import Send
-from tests.conftest import broker_for
-
-# -- at most one outstanding message per step ----------------------------------------------
-
-@pytest.fixture
-def stub(db, process_broker):
-    with broker_for(dataclasses.replace(db, redis_url="stub://")) as b:
-        yield b
-
-
-def _all_queued(broker) -> list[Message]:
-    return [Message.decode(body) for q in broker.queues.values() for body in list(q.queue)]
-
-
-def test_one_batch_naming_a_step_twice_queues_one_message(db, stub):
-    """send_all reads every row's key before it records any: a batch holding the same keyed
-    step twice records two fresh keys (the first overwritten) and enqueues both."""
-    from pipeline.tasks.sending import send_all
-
-    with session_scope(db.db_url) as s:
-        job_id = create_job(s, "scrub", checkpoint_id=None, params={"worker_id": "w1"}).id
-    send_all([Send("scrub", (job_id,)), Send("scrub", (job_id,))])
-    assert len(_all_queued(stub)) == 1, [m.message_id for m in _all_queued(stub)]
-
-
-def _record(s, path, host="node-a"):
-    run, ckpt_path = roots.locate(path, s.roots)
-    detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=s.shard_size)
-    with session_scope(s.db_url) as ses:
-        ckpt, job, _created = catalog.record(ses, detected, lease_seconds=60, detail="test", host=host)
-        transition(ses, job.id, "store", "detected", "sharded")
-        return ckpt.id, job.id
-
-
-def test_a_re_drive_of_two_stores_sharing_content_queues_one_message_per_copy(db, stub, tmp_path):
-    """Two saves with the same bytes (a fine-tune's frozen layers, one model saved in two runs)
-    share their contents and so their pending copies. When both stores' leases end in one tick,
-    expired_work resumes each with replicate(copy) for every pending copy of its contents: the
-    same copy twice in one batch, so two messages per copy per re-drive (N stores: N)."""
-    from pipeline.service.scheduler import expired_work
-    from pipeline.tasks.sending import send_all
-    from tests.checkpoints import atomic_save, state_dict
-
-    s = settings_mod.configure(dataclasses.replace(db, rf=1))
-    for run in ("r1", "r2"):
-        (tmp_path / "runs" / run).mkdir()
-    a = atomic_save(state_dict(7), tmp_path / "runs" / "r1" / "step_1.safetensors")
-    b = atomic_save(state_dict(7), tmp_path / "runs" / "r2" / "step_1.safetensors")
-    (ca, ja), (cb, jb) = _record(s, a), _record(s, b)
-    with session_scope(s.db_url) as ses:
-        ses.add(StorageWorker(id="w1", url="http://127.0.0.1:1", source="static", state="up", last_seen=now()))
-        ses.flush()
-        shas = {sh.sha256 for f in ses.get(Checkpoint, ca).files for sh in f.shards}
-        assert shas == {sh.sha256 for f in ses.get(Checkpoint, cb).files for sh in f.shards}
-        for sha in sorted(shas):
-            ses.add(ContentCopy(sha256=sha, worker_id="w1", state="pending", attempts=0))
-        for j in (ja, jb):
-            ses.get(Job, j).lease_until = now() - timedelta(seconds=5)
-    send_all(expired_work(s))
-    per_copy: dict[int, int] = {}
-    for m in _all_queued(stub):
-        if m.actor_name == "replicate":
-            per_copy[m.args[0]] = per_copy.get(m.args[0], 0) + 1
-    assert per_copy and max(per_copy.values()) == 1, per_copy
-
 
 # -- the watcher: one entry's error is that entry's ----------------------------------------
 
@@ -122,7 +53,6 @@ def test_a_save_made_while_a_big_checkpoint_is_hashed_at_start_is_detected_meanw
     a watcher (re)started beside a big unrecorded checkpoint looks at no run again, reports its
     host in no more, and is not ready, until that hash ends. A save in another run meanwhile
     waits for it (a trainer's save_total_limit may delete it before it is ever seen)."""
-    from pipeline.db.models import Checkpoint
     from pipeline.detection.watcher import Watcher
     from tests.unit.test_watcher_bounded import safetensors_file
 
