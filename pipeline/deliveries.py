@@ -3,7 +3,8 @@
 Delivery is at least once, and the scheduler re-drives every step whose lease expired. A
 message of a step it re-drives is *keyed*: its Dramatiq message id (``<actor>.<uuid>``) is
 recorded on the row it works for before it is enqueued (``jobs.sent_key`` for a job's step;
-``copies.sent_key`` for a ``replicate``, on the copy and on every copy of its chain). Then:
+``copies.sent_key`` for a ``replicate``, on the copy and on every copy of its chain), only if
+the row still holds the key read when the message was decided on (:func:`record`). Then:
 
 - a delivery whose key is not its row's (another message was sent for the step since) is
   *stale*: it is dropped before it does any work or counts an attempt (:func:`is_current`);
@@ -23,6 +24,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from pipeline.db.engine import rowcount
 from pipeline.db.models import ContentCopy, Job
 from pipeline.steps import Send
 
@@ -56,14 +58,26 @@ def row_key(session: Session, send: Send) -> str | None:
     return None
 
 
-def record(session: Session, send: Send, key: str, at: datetime) -> None:
-    """Record ``key`` as the one message of ``send``'s step (before it is enqueued)."""
+def record(session: Session, send: Send, key: str, at: datetime, *, read: str | None) -> bool:
+    """Record ``key`` as the one message of ``send``'s step (before it is enqueued), if its row
+    still holds ``read``, the key :func:`row_key` read when the message was decided on; False if
+    another message was recorded for the step since (in this batch, or by another scheduler or
+    step): that one is the step's, and this one must not be sent."""
     if send.actor in KEYED_JOBS:
-        session.execute(update(Job).where(Job.id == int(send.args[0])).values(sent_key=key, sent_at=at)
-                        .execution_options(synchronize_session=False))
-    elif send.actor == "replicate":
-        session.execute(update(ContentCopy).where(ContentCopy.id.in_(copy_ids(send.args)))
-                        .values(sent_key=key, sent_at=at).execution_options(synchronize_session=False))
+        return bool(rowcount(session.execute(
+            update(Job).where(Job.id == int(send.args[0]), Job.sent_key.is_not_distinct_from(read))
+            .values(sent_key=key, sent_at=at).execution_options(synchronize_session=False))))
+    if send.actor == "replicate":
+        own, *chain = copy_ids(send.args)
+        if not rowcount(session.execute(
+                update(ContentCopy).where(ContentCopy.id == own, ContentCopy.sent_key.is_not_distinct_from(read))
+                .values(sent_key=key, sent_at=at).execution_options(synchronize_session=False))):
+            return False
+        if chain:
+            session.execute(update(ContentCopy).where(ContentCopy.id.in_(chain))
+                            .values(sent_key=key, sent_at=at).execution_options(synchronize_session=False))
+        return True
+    return True
 
 
 def outstanding(send: Send, key: str | None, queued: Callable[[str], bool]) -> bool:

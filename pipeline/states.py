@@ -283,7 +283,7 @@ READABLE_WORKERS: frozenset[str] = frozenset({_W.UP.value, _W.FULL.value, _W.DRA
 #: Workers a scrub re-hashes.
 SCRUBBED_WORKERS: frozenset[str] = READABLE_WORKERS
 #: States an operator decided: a probe does not override them (:data:`WORKER_MOVES` has no
-#: edge from them to ``up``, ``full`` or ``down``).
+#: edge from them to ``up``, ``full``, ``down`` or ``rejected``).
 STICKY_WORKERS: frozenset[str] = frozenset({_W.DRAINING.value, _W.REMOVABLE.value})
 
 #: The state a worker row is created in: discovery and membership record what they found;
@@ -296,8 +296,10 @@ WORKER_INITIAL = _W.CANDIDATE
 #: membership admits (``up``, ``full``), rejects, or finds a worker silent or replaced at its URL
 #: (``down``); replicate and verify find one unreachable (``down``) or full (a 507); an operator
 #: drains one (``ckpt worker drain``), and the scheduler marks it ``removable`` once drained.
-#: The sticky rule is this table: from ``draining`` and ``removable`` only the operator's next step
-#: and a failed cluster-key challenge (``rejected``: a stranger answers there) lead anywhere.
+#: The sticky rule is this table: from ``draining`` only the scheduler's ``removable`` (drained)
+#: leads anywhere, and nothing leaves ``removable``. A failed cluster-key challenge there (a
+#: stranger answering at its URL, maybe once) is recorded as its error, never as a state that
+#: the next good probe would turn into ``up``, cancelling the drain.
 WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
     _W.CANDIDATE: frozenset({_W.UP, _W.FULL, _W.DOWN, _W.REJECTED, _W.DRAINING}),
     _W.UP: frozenset({_W.FULL, _W.DOWN, _W.REJECTED, _W.DRAINING}),
@@ -305,8 +307,8 @@ WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
     _W.DOWN: frozenset({_W.UP, _W.FULL, _W.REJECTED, _W.DRAINING}),
     # A rejected worker proves the key again (admitted), or replicate and verify find it unreachable.
     _W.REJECTED: frozenset({_W.UP, _W.FULL, _W.DOWN, _W.DRAINING}),
-    _W.DRAINING: frozenset({_W.REMOVABLE, _W.REJECTED}),
-    _W.REMOVABLE: frozenset({_W.REJECTED}),
+    _W.DRAINING: frozenset({_W.REMOVABLE}),
+    _W.REMOVABLE: frozenset(),
 }
 
 

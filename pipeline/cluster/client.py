@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,9 @@ IO_TIMEOUT = 600.0
 STALL_SECONDS = 60.0
 #: Clock differences up to this are left to the worker's skew bound.
 CLOCK_TOLERANCE = 30.0
+#: The most a status answer may hold: a worker's is a few hundred bytes (counters, never a
+#: list of shards: the inventory is paged); a peer sending more is not a storage worker.
+STATUS_MAX_BYTES = 1 << 20
 #: Per worker URL: what to add to this process's clock to sign (learned from 401s).
 _CLOCK_OFFSETS: dict[str, float] = {}
 log = logging.getLogger("ckpt.client")
@@ -50,13 +54,15 @@ class WorkerClient:
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _connect(self) -> http.client.HTTPConnection:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=CONNECT_TIMEOUT, blocksize=1 << 20)
+    def _connect(self, within: float | None = None) -> http.client.HTTPConnection:
+        """A connection to the worker; ``within``: seconds left for the whole exchange."""
+        wait = CONNECT_TIMEOUT if within is None else max(0.001, min(CONNECT_TIMEOUT, within))
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=wait, blocksize=1 << 20)
         try:
             conn.connect()
         except PEER_FAULTS as exc:
             conn.close()
-            raise WorkerError(self.url, f"cannot connect ({describe(exc, CONNECT_TIMEOUT)})") from None
+            raise WorkerError(self.url, f"cannot connect ({describe(exc, wait)})") from None
         conn.sock.settimeout(self.timeout)
         return conn
 
@@ -110,22 +116,34 @@ class WorkerClient:
         return True
 
     def _exchange(self, method: str, path: str, body: bytes | None = None,
-                  extra: dict[str, str] | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+                  extra: dict[str, str] | None = None, *, within: float | None = None,
+                  limit: int | None = None) -> tuple[http.client.HTTPResponse, bytes]:
         """One signed request; the response, authenticated, and its whole body.
 
         Refused because this process's clock is off the worker's, it is signed again once,
-        with the worker's time.
+        with the worker's time. ``within``: seconds the whole exchange may take, connecting
+        included (the socket's timeout bounds each receive only: a peer sending a byte now and
+        then would hold it forever); ``limit``: the most bytes its body may hold.
         """
+        deadline = None if within is None else time.monotonic() + within
         for _ in range(2):
-            conn = self._connect()
+            late = WorkerError(self.url, f"{method} {path} failed (no full answer within {within or 0:g} s)")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise late
+            conn = self._connect(left)
             headers = self._headers(method, path, extra, body)
+            cutoff = _Cutoff(conn, left)
             try:
                 conn.request(method, path, body=body, headers=headers)
                 resp = conn.getresponse()
-                data = resp.read()
+                data = _read(self.url, f"{method} {path}", resp, limit)
+                if cutoff.fired:  # a body read to the connection's end, ended by the cutoff
+                    raise late
             except PEER_FAULTS as exc:
-                raise self._failed(f"{method} {path}", exc) from None
+                raise (late if cutoff.fired else self._failed(f"{method} {path}", exc)) from None
             finally:
+                cutoff.cancel()
                 conn.close()
             self._authentic(headers, resp, None if method == "HEAD" else data, f"{method} {path}")
             if not self._learn_clock(resp):
@@ -147,11 +165,13 @@ class WorkerClient:
 
     # -- API ---------------------------------------------------------------------------
 
-    def status(self, nonce: str | None = None) -> dict[str, Any]:
+    def status(self, nonce: str | None = None, *, within: float | None = None) -> dict[str, Any]:
         """The worker's status; with ``nonce``, it includes the worker's proof that it holds the
-        cluster key, bound to its node id, this client's URL for it and the nonce."""
+        cluster key, bound to its node id, this client's URL for it and the nonce. ``within``:
+        seconds the whole exchange may take (a probe); the answer holds at most
+        :data:`STATUS_MAX_BYTES`."""
         extra = {auth.NONCE_HEADER: nonce, auth.URL_HEADER: self.url} if nonce is not None else None
-        resp, data = self._exchange("GET", "/v1/status", extra=extra)
+        resp, data = self._exchange("GET", "/v1/status", extra=extra, within=within, limit=STATUS_MAX_BYTES)
         doc = _decode(self.url, "GET", "/v1/status", resp.status, data, (200,))[1]
         if not isinstance(doc, dict) or doc.get("node_id") != resp.getheader(auth.RESPONDER_HEADER):
             raise WorkerError(self.url, "status answer is not a storage worker's", resp.status)
@@ -428,6 +448,52 @@ class Upload:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class _Cutoff:
+    """Ends a connection ``within`` seconds from now (None: never) unless cancelled first: a
+    shutdown wakes whatever waits on its socket, so no receive outlives the exchange's deadline."""
+
+    def __init__(self, conn: http.client.HTTPConnection, within: float | None) -> None:
+        self.conn, self.fired = conn, False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        if within is not None:
+            self._timer = threading.Timer(within, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._timer is None or self.conn.sock is None:
+                return
+            self.fired = True
+            try:
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+
+def _read(url: str, what: str, resp: http.client.HTTPResponse, limit: int | None) -> bytes:
+    """``resp``'s whole body, refused (this worker's error) past ``limit`` bytes before more is read."""
+    if limit is None:
+        return resp.read()
+    too_big = f"more than the {limit:,} bytes such an answer holds"
+    length = resp.getheader("Content-Length") or ""
+    if length.isdigit() and int(length) > limit:
+        raise WorkerError(url, f"{what} declared {int(length):,} bytes, {too_big}", resp.status)
+    data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise WorkerError(url, f"{what} answered {too_big}", resp.status)
+    if resp.length:  # a read of so many bytes returns what came before the end: cut short
+        raise http.client.IncompleteRead(data, resp.length)
+    return data
 
 
 def _decode(url: str, method: str, path: str, status: int, data: bytes, ok: tuple[int, ...]) -> tuple[int, Any]:

@@ -3,10 +3,12 @@
 Workers come from the static list (``CKPT_WORKERS``), from ``ckpt up``, or from mDNS
 discovery (recorded as ``candidate``). Every probe is a status request carrying a fresh
 nonce: a worker is admitted (``up``) only if it answers with a proof computed from the
-cluster key; one that cannot is ``rejected`` and never receives a shard (docs/design.md, invariant 5).
+cluster key; one that cannot is ``rejected`` and never receives a shard (docs/design.md, invariant 5):
+at once if it was never admitted, once it proved nothing for ``worker_down_seconds`` if it was (one
+stranger's answer at its URL is no more than a missed probe), never if an operator drains it.
 A worker whose disk is above the high watermark is ``full`` (it keeps and serves its
-copies, gets no new ones). A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back is
-reconciled (pipeline.integrity.reconcile) before its copies count again.
+copies, gets no new ones). A worker unseen for ``worker_down_seconds`` is ``down``; one that comes back
+(from ``down`` or ``rejected``) is reconciled (pipeline.integrity.reconcile) before its copies count again.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import hashlib
 import logging
 import re
 import secrets
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,7 +33,7 @@ from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import UntrustedAnswer, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import WorkerState
+from pipeline.states import COUNTING_WORKERS, WorkerState
 
 log = logging.getLogger("ckpt.membership")
 
@@ -57,7 +60,7 @@ def _ask(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | st
 def _challenge(url: str, key: bytes, timeout: float) -> tuple[str, dict[str, Any] | str, bool]:
     nonce = secrets.token_hex(16)
     try:
-        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=timeout).status(nonce)
+        doc = WorkerClient(url, key, auth.ANY_NODE, timeout=timeout).status(nonce, within=timeout)
     except UntrustedAnswer as exc:  # not signed with the cluster key: a stranger
         return url, str(exc), True
     except WorkerError as exc:
@@ -107,9 +110,7 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
         urls.setdefault(url, source)
     if only is not None:
         urls = {u.rstrip("/"): urls.get(u.rstrip("/"), "static") for u in only}
-    key = settings.key()
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        answers = list(pool.map(lambda u: _ask(u, key, settings.probe_seconds), urls))
+    answers = _gather(list(urls), settings.key(), settings.probe_seconds)
     result = ProbeResult()
     t = now()
     with session_scope(settings.db_url) as s:
@@ -121,6 +122,26 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
                 log.exception("recording what storage worker %s answered failed", url)
                 result.answers[url] = f"could not record its answer: {exc}"
     return result
+
+
+#: How long past a probe's own deadline its answer is waited for (the thread's start, its end).
+GRACE_SECONDS = 1.0
+
+
+def _gather(urls: list[str], key: bytes, seconds: float) -> list[tuple[str, dict[str, Any] | str, bool]]:
+    """Every worker's answer (:func:`_ask`), asked all at once. Each exchange ends by itself
+    within ``seconds`` (WorkerClient.status's deadline); a thread still not done a moment later
+    is not waited for: its peer is recorded as not answering in time and the thread, a daemon
+    nobody joins, ends when it ends (it keeps neither the others' answers nor a shutdown waiting)."""
+    futures: dict[str, Future[tuple[str, dict[str, Any] | str, bool]]] = {}
+    for url in urls:
+        future: Future[tuple[str, dict[str, Any] | str, bool]] = Future()
+        futures[url] = future
+        threading.Thread(target=lambda u=url, f=future: f.set_result(_ask(u, key, seconds)),
+                         name=f"probe {url}", daemon=True).start()
+    done, _late = wait(futures.values(), timeout=seconds + GRACE_SECONDS)
+    return [f.result() if f in done else (url, f"storage worker {url}: no full answer within {seconds:g} s", False)
+            for url, f in futures.items()]
 
 
 def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | str, rejected: bool,
@@ -143,9 +164,17 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
                 log.info("forgetting %s at %s, found on mDNS: %s", w.id, url, reason)
                 s.delete(w)
                 continue
-            if w.state != WorkerState.REJECTED:
+            if w.state in COUNTING_WORKERS and not _silent(settings, w, t):
+                # One stranger's answer at its URL (another service bound the port during a
+                # restart) is no more evidence its copies are gone than one missed probe: they
+                # count until it proves nothing for worker_down_seconds, as for 'down'.
+                w.last_error = reason
+                continue
+            if workers.may(w, WorkerState.REJECTED) and w.state != WorkerState.REJECTED:
                 log.warning("storage worker %s at %s rejected: %s", w.id, url, reason)
-            workers.set_state(s, w, WorkerState.REJECTED, error=reason)
+                if w.state in COUNTING_WORKERS:
+                    result.went_down.append(w.id)
+            workers.observe(s, w, WorkerState.REJECTED, error=reason)  # an operator's drain stays
         return
     if isinstance(answer, dict):
         node = str(answer["node_id"])
@@ -168,7 +197,7 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
         w.used_bytes = int(answer.get("used", 0))
         live = WorkerState.FULL if is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark) else WorkerState.UP
         if workers.may(w, live):  # never out of an operator's draining or removable
-            if w.state == WorkerState.DOWN:
+            if w.state in (WorkerState.DOWN, WorkerState.REJECTED):  # its copies count again once reconciled
                 result.returned.append(node)
             if w.state not in (WorkerState.UP, WorkerState.FULL):
                 log.info("storage worker %s at %s admitted (%s)", node, url, w.source)
@@ -183,8 +212,12 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
     result.answers[url] = answer
     for w in rows:
         w.last_error = answer
-        silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-        if w.state in (WorkerState.UP, WorkerState.FULL) and silent:
+        if w.state in COUNTING_WORKERS and _silent(settings, w, t):
             workers.set_state(s, w, WorkerState.DOWN)
             result.went_down.append(w.id)
             log.warning("storage worker %s at %s is down: %s", w.id, url, answer)
+
+
+def _silent(settings: Settings, w: StorageWorker, t: datetime) -> bool:
+    """Whether ``w`` proved nothing for ``worker_down_seconds``."""
+    return w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)

@@ -341,6 +341,13 @@ class Scheduler:
             return
         settings = self.settings
         probe = self._part("probing the storage workers", lambda: probe_all(settings)) or ProbeResult()
+        # The probe may have taken as long as the lease (CKPT_PROBE_SECONDS and a moment per
+        # exchange): renewed before anything is acted on, or, taken by another scheduler
+        # meanwhile, nothing is (that one's tick does it).
+        if not acquire_lock(settings, LEADER, self.holder, ttl):
+            log.warning("scheduler %s lost the lead while probing the storage workers; standing by", self.holder)
+            self.leader = False
+            return
         self._part("reconciling returned workers", lambda: self.send(reconcile_returned(settings, probe.returned)))
         self._part("re-driving expired work", lambda: self.send(expired_work(settings)))
         if probe.went_down or self.clock() - self._last_sweep >= settings.tick_seconds * 10:

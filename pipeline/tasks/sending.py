@@ -1,19 +1,21 @@
 """Sending the messages a step returns: routed, keyed, never piled up (docs/design.md, "Deliveries").
 
-Every message leaves through :func:`send_all`, after the deciding transaction committed. For
-each message, in order:
+Every message leaves through :func:`send_all`, after the deciding transaction committed. A
+batch's repeats are dropped first (:func:`distinct`); then for each message, in order:
 
 1. route it (pipeline/queues.py);
 2. a queue whose consumer went silent (pipeline/consumers.py: its host is down) gets nothing;
    the jobs the message works for show ``waiting for host H since T`` (``jobs.waiting_for``,
    ``blocked_reason``) and the scheduler sends it once the host's consumer beats again;
 3. a keyed step (pipeline/deliveries.py) whose message is still in its queue gets no second one;
-4. otherwise a fresh key is recorded on its row, then the message is enqueued under that key,
-   and the jobs it works for stop waiting.
+4. otherwise a fresh key is recorded on its row, if the row still holds the key read in step 3
+   (compare-and-set: else another sender keyed the step meanwhile, and this message is not sent),
+   then the message is enqueued under that key, and the jobs it works for stop waiting.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from typing import Any
 
@@ -38,6 +40,7 @@ log = logging.getLogger("ckpt.tasks")
 def send_all(sends: list[Send]) -> None:
     """Enqueue ``sends``, each on the queue of the host whose files it touches (queues.py),
     at most one message per keyed step, none to a host that is down."""
+    sends = distinct(sends)
     if not sends:
         return
     broker = dramatiq.get_broker()
@@ -46,28 +49,43 @@ def send_all(sends: list[Send]) -> None:
         routed = [(item, queues_for(s, item)) for item in sends]
         silent = consumers.silent(s, settings, {q for _, qs in routed for q in qs})
         keys = {i: deliveries.row_key(s, item) for i, (item, _) in enumerate(routed) if item.actor in deliveries.KEYED}
-    plan: list[tuple[Send, str, str | None]] = []
+    plan: list[tuple[int, Send, str, str | None]] = []
     held: list[tuple[Send, consumers.Silent]] = []
     for i, (item, queues) in enumerate(routed):
         for queue in queues:
             if queue in silent:
                 held.append((item, silent[queue]))
             elif i not in keys:
-                plan.append((item, queue, None))
+                plan.append((i, item, queue, None))
             elif not deliveries.outstanding(item, keys[i], functools.partial(
                     queued, broker, queue, silent_ms=int(settings.lease_seconds * 1000))):
-                plan.append((item, queue, deliveries.new_key(item.actor)))
+                plan.append((i, item, queue, deliveries.new_key(item.actor)))
     with session_scope(settings.db_url) as s:
         t = now()
-        for item, _queue, key in plan:
-            if key is not None:
-                deliveries.record(s, item, key, t)
+        # Recorded only where the row still holds the key read above: a step another sender
+        # keyed meanwhile (a second scheduler, a step sending itself again) is that one's.
+        sent = [(item, queue, key) for i, item, queue, key in plan
+                if key is None or deliveries.record(s, item, key, t, read=keys[i])]
         # Sent, or its message is still queued for a live consumer: not waiting for a host.
         _stop_waiting(s, [item for item, queues in routed if not silent.keys() & set(queues)])
         for item, why in held:
             _wait(s, item, why)
-    for item, queue, key in plan:
+    for item, queue, key in sent:
         _enqueue(broker, item, queue, key)
+
+
+def distinct(sends: list[Send]) -> list[Send]:
+    """``sends`` with each message once, in order: a batch may name a step twice (stores that
+    share contents re-driven in one tick each resume the same pending copies), and its queue
+    follows from its actor and arguments."""
+    seen: set[str] = set()
+    out = []
+    for item in sends:
+        name = item.actor + json.dumps(item.args, sort_keys=True, default=str)
+        if name not in seen:
+            seen.add(name)
+            out.append(item)
+    return out
 
 
 def _enqueue(broker: dramatiq.Broker, item: Send, queue: str, key: str | None) -> None:

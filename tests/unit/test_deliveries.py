@@ -159,3 +159,91 @@ def test_a_clock_that_runs_ahead_does_not_find_every_consumer_silent(db, broker)
     assert len(_queued(broker)) == 1
     with session_scope(db.db_url) as s:
         assert s.get(Job, job_id).waiting_for is None
+
+
+# -- one batch, one message per step ---------------------------------------------------------
+
+def _all_queued(broker) -> list[Message]:
+    return [Message.decode(body) for q in broker.queues.values() for body in list(q.queue)]
+
+
+def test_one_batch_naming_a_step_twice_queues_one_message(db, broker):
+    """send_all read every row's key before it recorded any: a batch holding the same keyed
+    step twice recorded two fresh keys (the first overwritten) and enqueued both."""
+    job_id = _scrub_job(db)
+    _send([Send("scrub", (job_id,)), Send("scrub", (job_id,))])
+    queued = _all_queued(broker)
+    assert len(queued) == 1, [m.message_id for m in queued]
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job_id).sent_key == queued[0].message_id
+
+
+def _record(s, path, host="node-a"):
+    from pipeline.db.transitions import transition
+    from pipeline.detection import catalog, completeness, roots
+
+    run, ckpt_path = roots.locate(path, s.roots)
+    detected = catalog.hash_checkpoint(run, ckpt_path, completeness.inspect(ckpt_path), shard_size=s.shard_size)
+    with session_scope(s.db_url) as ses:
+        ckpt, job, _created = catalog.record(ses, detected, lease_seconds=60, detail="test", host=host)
+        transition(ses, job.id, "store", "detected", "sharded")
+        return ckpt.id, job.id
+
+
+def test_a_re_drive_of_two_stores_sharing_content_queues_one_message_per_copy(db, broker, tmp_path):
+    """Two saves with the same bytes (a fine-tune's frozen layers, one model saved in two runs)
+    share their contents and so their pending copies. When both stores' leases end in one tick,
+    expired_work resumes each with replicate(copy) for every pending copy of its contents: the
+    same copy twice in one batch, so two messages per copy per re-drive (N stores: N)."""
+    from pipeline import settings as settings_mod
+    from pipeline.db.models import Checkpoint, ContentCopy, StorageWorker
+    from tests.checkpoints import atomic_save, state_dict
+
+    s = settings_mod.configure(dataclasses.replace(db, rf=1))
+    for run in ("r1", "r2"):
+        (tmp_path / "runs" / run).mkdir()
+    a = atomic_save(state_dict(7), tmp_path / "runs" / "r1" / "step_1.safetensors")
+    b = atomic_save(state_dict(7), tmp_path / "runs" / "r2" / "step_1.safetensors")
+    (ca, ja), (cb, jb) = _record(s, a), _record(s, b)
+    with session_scope(s.db_url) as ses:
+        ses.add(StorageWorker(id="w1", url="http://127.0.0.1:1", source="static", state="up", last_seen=now()))
+        ses.flush()
+        shas = {sh.sha256 for f in ses.get(Checkpoint, ca).files for sh in f.shards}
+        assert shas == {sh.sha256 for f in ses.get(Checkpoint, cb).files for sh in f.shards}
+        for sha in sorted(shas):
+            ses.add(ContentCopy(sha256=sha, worker_id="w1", state="pending", attempts=0))
+        for j in (ja, jb):
+            ses.get(Job, j).lease_until = now() - timedelta(seconds=5)
+    _send(expired_work(s))
+    per_copy: dict[int, int] = {}
+    for m in _all_queued(broker):
+        if m.actor_name == "replicate":
+            per_copy[m.args[0]] = per_copy.get(m.args[0], 0) + 1
+    assert per_copy and max(per_copy.values()) == 1, per_copy
+
+
+def test_a_step_keyed_by_another_sender_meanwhile_is_not_sent_again(db, broker, monkeypatch):
+    """Two senders (two schedulers in one tick, a re-drive beside a step sending itself) both
+    read the step's key as it was, then each recorded its own and enqueued: two messages. A key
+    is recorded only where the row still holds the one read, so the second sends nothing."""
+    job_id = _scrub_job(db)
+    real = deliveries.outstanding
+    raced = []
+
+    def outstanding(send, key, queued):
+        if not raced:  # between this sender's read and its write, another sends the step
+            raced.append(True)
+            _send([Send("scrub", (job_id,))])
+        return real(send, key, queued)
+
+    monkeypatch.setattr(deliveries, "outstanding", outstanding)
+    _send([Send("scrub", (job_id,))])
+    queued = _all_queued(broker)
+    assert len(queued) == 1, [m.message_id for m in queued]
+    with session_scope(db.db_url) as s:
+        assert s.get(Job, job_id).sent_key == queued[0].message_id
+
+
+def test_a_batch_naming_an_unkeyed_message_twice_queues_it_once(db, broker):
+    _send([Send("rotate_run", ("/runs/a",)), Send("rotate_run", ("/runs/a",)), Send("rotate_run", ("/runs/b",))])
+    assert sorted(m.args[0] for m in _all_queued(broker)) == ["/runs/a", "/runs/b"]

@@ -145,9 +145,10 @@ def test_a_copy_is_verified_only_from_a_held_state_and_nothing_enters_trimmed():
 
 
 def test_the_sticky_rule_is_in_the_table():
-    """A probe (up, full, down) never moves a worker out of an operator's decision."""
+    """A probe (up, full, down, rejected) never moves a worker out of an operator's decision."""
     for sticky in states.STICKY_WORKERS:
-        assert not WORKER_MOVES[WorkerState(sticky)] & {WorkerState.UP, WorkerState.FULL, WorkerState.DOWN}
+        assert not WORKER_MOVES[WorkerState(sticky)] & {WorkerState.UP, WorkerState.FULL, WorkerState.DOWN,
+                                                          WorkerState.REJECTED}
     assert states.WORKER_INITIAL == WorkerState.CANDIDATE
 
 
@@ -247,8 +248,9 @@ def test_a_worker_moves_only_along_its_table(db):
         assert not workers.observe(s, w, WorkerState.DOWN, error="connection refused")  # sticky
         assert (w.state, w.last_error) == ("draining", "connection refused")
         assert workers.set_state(s, w, WorkerState.REMOVABLE, error=None)
-        assert workers.observe(s, w, WorkerState.REJECTED, error="a stranger answers")
-        assert s.scalar(select(StorageWorker.state).where(StorageWorker.id == "w9")) == "rejected"
+        assert not workers.observe(s, w, WorkerState.REJECTED, error="a stranger answers")  # sticky too
+        assert (w.state, w.last_error) == ("removable", "a stranger answers")
+        assert s.scalar(select(StorageWorker.state).where(StorageWorker.id == "w9")) == "removable"
 
 
 # --- the property: random histories of moves ---------------------------------------------------

@@ -4,6 +4,7 @@ short; key holders answering the wrong shape. Each call raises WorkerError for t
 probing, records it as that peer's answer), and nothing else escapes."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -13,8 +14,9 @@ import pytest
 from pipeline.cluster import membership
 from pipeline.cluster.client import WorkerClient
 from pipeline.cluster.faults import Stalled, send_all
+from pipeline.db.migrate import upgrade
 from pipeline.errors import WorkerError
-from tests.bad_peers import KINDS, bad_peer, serving, signed
+from tests.bad_peers import KINDS, _head, bad_peer, serving, signed
 
 KEY = b"peer-faults-key"
 SHA = "ab" * 32
@@ -157,3 +159,103 @@ def test_a_slow_link_that_keeps_moving_is_never_cut():
         sender.close()
         receiver.close()
         reader.join(30)
+
+
+# -- a probe's answer: bounded in time and size, whatever the peer does -----------------------
+
+def _drip(conn: socket.socket, stop: threading.Event) -> None:
+    """An HTTP answer that never ends: one byte of its declared body every 0.2 s, so no
+    single receive ever waits as long as the probe's timeout."""
+    _head(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+    while not stop.wait(0.2):
+        conn.sendall(b"x")
+
+
+def _drip_head(conn: socket.socket, stop: threading.Event) -> None:
+    """The same, one byte of a header line at a time."""
+    _head(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    while not stop.wait(0.2):
+        conn.sendall(b"x")
+
+
+def _endless(conn: socket.socket, stop: threading.Event) -> None:
+    """A body with no length that never ends, sent as fast as it is taken."""
+    _head(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+    chunk = b"y" * 65536
+    while not stop.is_set():
+        conn.sendall(chunk)
+
+
+def _huge(conn: socket.socket, stop: threading.Event) -> None:
+    """A declared length no status answer has."""
+    _head(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n" + b"z" * 4096)
+    stop.wait()
+
+
+def test_a_peer_that_drips_its_answer_does_not_hold_up_the_probe_of_every_worker(settings):
+    """CKPT_PROBE_SECONDS bounds each receive, not the exchange: a stranger on a worker's port
+    that drips a byte every 0.2 s keeps probe_all (and with it the scheduler's whole tick:
+    re-drives, rotation, repair) from returning, and no other worker's answer is recorded."""
+    upgrade(settings.db_url)
+    with serving(_drip) as url:
+        s = dataclasses.replace(settings, probe_seconds=0.5, workers=(url, "http://127.0.0.1:1"))
+        done: list[membership.ProbeResult] = []
+        t = threading.Thread(target=lambda: done.append(membership.probe_all(s)), daemon=True)
+        started = time.monotonic()
+        t.start()
+        t.join(6)
+        took = time.monotonic() - started
+    t.join(30)
+    assert took < 6, f"probe_all took {took:.1f} s with CKPT_PROBE_SECONDS=0.5: one dripping peer wedged it"
+    assert "no full answer within 0.5 s" in done[0].answers[url], done[0].answers
+    assert "cannot connect" in done[0].answers["http://127.0.0.1:1"], done[0].answers
+
+
+@pytest.mark.parametrize("peer", [_drip, _drip_head], ids=["body", "head"])
+def test_a_status_exchange_ends_at_its_deadline_however_its_bytes_trickle(peer):
+    with serving(peer) as url:
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="no full answer within 0.6 s") as caught:
+            WorkerClient(url, KEY, NODE, timeout=5).status("nonce", within=0.6)
+        took = time.monotonic() - started
+    assert caught.value.worker == url
+    assert took < 2, f"the exchange took {took:.1f} s with a 0.6 s deadline"
+
+
+@pytest.mark.parametrize("peer", [_endless, _huge], ids=["endless", "declared"])
+def test_a_status_answer_larger_than_any_workers_is_refused_unread(peer):
+    """A status answer is a few hundred bytes: one that goes on (or says it will) for more than
+    STATUS_MAX_BYTES is refused once that much came, never read whole into memory."""
+    with serving(peer) as url:
+        with pytest.raises(WorkerError, match="more than the 1,048,576 bytes") as caught:
+            WorkerClient(url, KEY, NODE, timeout=5).status("nonce", within=30)
+    assert caught.value.worker == url
+
+
+def test_a_probe_thread_stuck_past_its_deadline_is_not_waited_for(settings, monkeypatch):
+    """Should an exchange outlive its own deadline anyway, probe_all records that peer as not
+    answering in time and every other one as it answered, without waiting for it."""
+    upgrade(settings.db_url)
+    release = threading.Event()
+    real = membership._ask
+
+    def ask(url, key, timeout):
+        if url.endswith(":2"):
+            release.wait(30)
+        return real(url, key, timeout)
+
+    monkeypatch.setattr(membership, "_ask", ask)
+    s = dataclasses.replace(settings, probe_seconds=0.3, workers=("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    try:
+        started = time.monotonic()
+        result = membership.probe_all(s)
+        took = time.monotonic() - started
+    finally:
+        release.set()
+    assert took < 0.3 + membership.GRACE_SECONDS + 1, took
+    assert result.answers["http://127.0.0.1:2"] == "storage worker http://127.0.0.1:2: no full answer within 0.3 s"
+    assert "cannot connect" in result.answers["http://127.0.0.1:1"], result.answers

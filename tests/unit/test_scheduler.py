@@ -10,6 +10,7 @@ from datetime import timedelta
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
 from pipeline.db.transitions import create_job, now
+from pipeline.service import scheduler
 from pipeline.service.scheduler import (
     acquire_lock,
     expired_work,
@@ -90,3 +91,27 @@ def test_a_leader_lock_written_by_a_fast_clock_is_taken_over(db):
     with session_scope(db.db_url) as s:
         s.get(Lock, "scheduler").expires_at = now() + timedelta(days=2)
     assert acquire_lock(db, "scheduler", "b", ttl=30)
+
+
+def test_a_leader_whose_lock_lapsed_while_it_probed_acts_on_nothing(db, monkeypatch):
+    """A probe may take as long as the leader lock's lease (CKPT_PROBE_SECONDS per exchange):
+    if another scheduler took the lock meanwhile, this one must not go on to re-drive, rotate
+    or repair beside it."""
+    from pipeline.cluster.membership import ProbeResult
+    from pipeline.db.models import Lock
+
+    with session_scope(db.db_url) as s:
+        _job(s, "store", "detected", expired=True)
+    sent: list[Send] = []
+    sched = scheduler.Scheduler(db, sent.extend)
+
+    def probe(settings) -> ProbeResult:  # outlasts the lease; another scheduler takes over
+        with session_scope(db.db_url) as s:
+            s.get(Lock, scheduler.LEADER).expires_at = now() - timedelta(seconds=1)
+        assert acquire_lock(db, scheduler.LEADER, "another-host:1", ttl=10)
+        return ProbeResult()
+
+    monkeypatch.setattr(scheduler, "probe_all", probe)
+    sched.tick()
+    assert sent == [], "a scheduler that no longer leads re-drove work"
+    assert sched.leader is False
