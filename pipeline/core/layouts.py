@@ -169,7 +169,11 @@ def nested_run(name: str, subdirs: list[str], run: str) -> str | None:
     least two folders of digits alone, such as Orbax's ``100/``) is a run one level down (the
     default root ``checkpoints`` with a Trainer writing to ``checkpoints/hf-run``): recorded
     whole it would be one checkpoint that grows with every save, and rotating it would delete
-    the run. It is never recorded; the reason names the fix (a glob root over the runs)."""
+    the run. It is never recorded; the reason names the fix (a glob root over the runs). An entry
+    whose own name has a step is a checkpoint whatever it holds: the Trainer under DeepSpeed saves
+    ``checkpoint-500/global_step500/``."""
+    if step_of(name) is not None:
+        return None
     named = sorted((d for d in subdirs if step_of(d) is not None), key=lambda d: step_of(d) or 0)
     if not named or (all(d.isdigit() for d in named) and len(named) < 2):
         return None

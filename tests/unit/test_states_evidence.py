@@ -154,3 +154,14 @@ def test_workers_on_one_disk_report_one_filesystem_counted_once(db, three_worker
         u = capacity.usage(s, db)
     assert (u.workers, u.filesystems) == (3, 1)
     assert u.capacity == disk.total
+
+
+def test_what_is_a_run_one_level_down():
+    from pipeline.core.layouts import nested_run
+
+    assert "holds checkpoint-N folders" in nested_run("hf-run", ["checkpoint-2", "runs"], "/c")
+    assert "holds global_stepN folders" in nested_run("ds-run", ["global_step5"], "/c")
+    assert nested_run("checkpoint-500", ["global_step500"], "/c") is None  # the Trainer under DeepSpeed
+    assert nested_run("iter_0000500", ["mp_rank_00", "mp_rank_01"], "/c") is None  # Megatron's ranks
+    assert nested_run("model", ["0"], "/c") is None  # one folder of digits is no run
+    assert "holds N folders" in nested_run("orbax-run", ["100", "200"], "/c")
