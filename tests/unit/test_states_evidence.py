@@ -59,8 +59,9 @@ def test_a_checkpoint_the_trainer_deleted_is_deleted_by_the_trainer_not_rotated(
     rows = {c["name"]: c for c in status(db)["checkpoints"]}
     assert (rows["checkpoint-2"]["state"], rows["checkpoint-2"]["local_copy"]) == ("verified", "deleted by the trainer")
     assert rows["checkpoint-4"]["local_copy"] == "kept"
-    line = next(x for x in status_text(db, capsys).splitlines() if x.endswith("checkpoint-2"))
-    assert "deleted by the trainer" in line and "rotated" not in line, line
+    if db.db_url.startswith("sqlite"):  # `ckpt status` reads the home's own database
+        line = next(x for x in status_text(db, capsys).splitlines() if x.endswith("checkpoint-2"))
+        assert "deleted by the trainer" in line and "rotated" not in line, line
 
 
 def _stuck_dcp(out: Path) -> None:
