@@ -67,6 +67,8 @@ class Usage:
     stored: int          # content size x sent copies, as the control plane knows it
     garbage: int         # stored bytes of condemned content (freed by the running collections)
     workers: int
+    #: Filesystems those workers are on: each counted once (:func:`filesystems`).
+    filesystems: int
     full_workers: int
     days_until_full: float | None
     #: The forecast in words: when it fills at the recent rate, or why there is none.
@@ -91,22 +93,54 @@ def stored_bytes(session: Session) -> tuple[int, int]:
     return sum(by_state.values()), by_state.get(ContentState.CONDEMNED.value, 0)
 
 
+@dataclass(frozen=True)
+class Filesystem:
+    """One filesystem the workers are on, counted once however many workers share it."""
+
+    capacity: int
+    free: int
+    used: int        # what the workers on it report their shards use
+    workers: tuple[str, ...]
+
+
+def filesystems(workers: Sequence[StorageWorker]) -> list[Filesystem]:
+    """The filesystems ``workers`` are on, by the identity each reports (a worker that does not
+    say is a filesystem of its own). Three workers on one 270 GB disk (`ckpt up`) are 270 GB, not
+    811: the capacity of a filesystem is its size, or the sum of the shares its workers were
+    given (``ckpt worker --capacity``) when smaller; its free bytes likewise; its used bytes the
+    sum of each worker's shards (each holds its own files)."""
+    groups: dict[str, list[StorageWorker]] = {}
+    for w in workers:
+        groups.setdefault(w.filesystem or f"worker:{w.id}", []).append(w)
+    out = []
+    for members in groups.values():
+        capacity, free = sum(w.capacity_bytes for w in members), sum(w.free_bytes for w in members)
+        fs = [w for w in members if w.fs_capacity_bytes is not None]
+        if fs:
+            capacity = min(capacity, max(w.fs_capacity_bytes or 0 for w in fs))
+            free = min(free, min(w.fs_free_bytes or 0 for w in fs))
+        out.append(Filesystem(capacity=capacity, free=free, used=sum(w.used_bytes for w in members),
+                              workers=tuple(sorted(w.id for w in members))))
+    return out
+
+
 def usage(session: Session, settings: Settings) -> Usage:
     workers = list(session.scalars(select(StorageWorker).where(
         StorageWorker.state.in_(sorted(states.READABLE_WORKERS)))))
-    capacity = sum(w.capacity_bytes for w in workers)
-    used = sum(w.used_bytes for w in workers)
+    disks = filesystems(workers)
+    capacity = sum(d.capacity for d in disks)
+    used = sum(d.used for d in disks)
     stored, garbage = stored_bytes(session)
-    limit = int(sum(w.capacity_bytes * settings.high_watermark - (w.capacity_bytes - w.free_bytes - w.used_bytes)
-                    for w in workers))  # the watermark minus what others keep on the same disks
+    limit = int(sum(d.capacity * settings.high_watermark - max(0, d.capacity - d.free - d.used)
+                    for d in disks))  # the watermark minus what others keep on the same disks
     since = now() - RATE_WINDOW
     samples = [(at, u) for at, u in session.execute(
         select(CapacitySample.at, CapacitySample.used_bytes).where(CapacitySample.at >= since)
         .order_by(CapacitySample.at))]
     if samples:
         samples.append((now(), used))
-    return Usage(used=used, capacity=capacity, free=sum(w.free_bytes for w in workers), stored=stored,
-                 garbage=garbage, workers=len(workers),
+    return Usage(used=used, capacity=capacity, free=sum(d.free for d in disks), stored=stored,
+                 garbage=garbage, workers=len(workers), filesystems=len(disks),
                  full_workers=sum(1 for w in workers if w.state == states.WorkerState.FULL),
                  days_until_full=(days := days_until_full(samples, limit)), limit=limit,
                  forecast=forecast(samples, days))

@@ -9,6 +9,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
+from pipeline.core import health as health_of
 from pipeline.core.health import shard_health, worker_healths
 from pipeline.db import hosts
 from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard
@@ -22,7 +23,7 @@ from pipeline.db.models import (
     TrainingHost,
 )
 from pipeline.db.transitions import latest_store_ids, now
-from pipeline.detection import problems
+from pipeline.detection import problems, waits
 from pipeline.settings import Settings
 from pipeline.states import JobKind, StoreState
 
@@ -36,9 +37,10 @@ def replica_counts(session: Session, checkpoint_ids: list[int]) -> dict[int, int
     return {cid: n for cid, n in rows}
 
 
-def checkpoint_health(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:
-    """Per checkpoint: its worst shard health and the count of shards in each health."""
-    out: dict[int, dict[str, Any]] = {}
+def shard_counts(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, int]]:
+    """Per checkpoint: the count of its shards in each shard health (the checkpoint's own
+    health is pipeline.core.health.checkpoint_health of these and its state)."""
+    out: dict[int, dict[str, int]] = {}
     if not ckpts:
         return out
     since = fresh_after(settings.freshness_seconds)
@@ -54,8 +56,6 @@ def checkpoint_health(session: Session, settings: Settings, ckpts: list[Checkpoi
         h = shard_health(cells[sha], settings.rf, local[cid])
         entry = out.setdefault(cid, {"healthy": 0, "under-replicated": 0, "lost": 0})
         entry[h] += 1
-    for entry in out.values():
-        entry["health"] = "lost" if entry["lost"] else ("under-replicated" if entry["under-replicated"] else "healthy")
     return out
 
 
@@ -83,26 +83,27 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
     """What `ckpt status`, the web UI and the API show of each checkpoint."""
     jobs = store_jobs_of(session, [c.id for c in ckpts]) if jobs is None else jobs
     counts = replica_counts(session, [c.id for c in ckpts])
-    health = checkpoint_health(session, settings, ckpts)
+    health = shard_counts(session, settings, ckpts)
     silent = silent_hosts(session, {c.host for c in ckpts if c.host})
     out = []
     for c in ckpts:
         job, h = jobs.get(c.id), health.get(c.id, {})
+        state = job.state if job else "unknown"
         blocked = job.blocked_reason if job else None
         if job is not None and c.host in silent and job.state in states.ACTIVE[JobKind.STORE]:
             blocked = f"waiting for host {c.host}: {silent[c.host]} (its files are there)"
         out.append({
             "id": c.id, "path": c.path, "run": c.run, "name": c.name, "version": c.version, "step": c.step,
             "total_bytes": c.total_bytes, "local_present": c.local_present, "detected_at": c.detected_at,
+            "local_gone": c.local_gone, "local_copy": health_of.local_copy(c.local_present, c.local_gone),
             "current": c.current, "layout": c.layout, "completed_by": c.completed_by,
             "pinned": c.pinned, "pin_note": c.pin_note, "metrics": c.metrics or {},
             "written_at": datetime.fromtimestamp(c.mtime, tz=UTC),
-            "state": job.state if job else "unknown", "job_id": job.id if job else None,
+            "state": state, "job_id": job.id if job else None,
             "blocked_reason": blocked, "host": c.host,
             "disk_changed": c.disk_changed, "disk_changed_at": c.disk_changed_at,
             "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
-            "health": h.get("health", "unprotected"),
-            "shards": {k: v for k, v in h.items() if k != "health"},
+            "health": health_of.checkpoint_health(state, h), "shards": h,
         })
     return out
 
@@ -254,7 +255,8 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
            before: int | None = None, limit: int = 50, search: str | None = None) -> dict[str, Any]:
     """Everything ``ckpt status`` shows: runs, one page of checkpoints (the current versions,
     every version with ``all_versions``; newest first; ``search``: whose path holds that text),
-    unfinished jobs, storage workers, capacity, detection problems and the runs whose
+    unfinished jobs, storage workers, capacity, detection problems, the entries waiting to be
+    recorded (pipeline.detection.waits) and the runs whose
     protection through their trainer is degraded."""
     from pipeline import capacity
 
@@ -274,6 +276,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "capacity": usage.as_dict(),
             "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),
+            "waiting": waits.listed(s, now(), [run] if run else None),
             "degraded": degraded_runs(settings),
             "this_host": {"id": settings.host_id, "label": settings.host_label},
             "hosts": [dataclasses.asdict(h) for h in hosts.listed(s, settings)],

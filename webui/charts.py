@@ -107,17 +107,33 @@ def protection_chart(transfers: list[dict[str, Any]]) -> str:
 
 def capacity_chart(history: list[dict[str, Any]], limit: int | None = None) -> str:
     """Lines over time: bytes the storage workers hold (blue) and the control plane's stored
-    copies (green); a dashed line at the high watermark when it is known."""
+    copies (green). The axis is scaled to the data, in the unit that suits them (1.3 GB used of a
+    700 GB watermark is a curve, not a flat line at the bottom); the high watermark is a dashed
+    line when it falls on that scale, else said in words at the top."""
     if len(history) < 2:
         return _empty("The usage history starts with the scheduler (a sample every 10 minutes).",
                       "no usage history yet")
     top = max(max(h["used"], h["stored"]) for h in history)
-    f = _Frame(history[0]["at"], history[-1]["at"], max(top, limit or 0) / 1e9, "GB", "cluster usage over time")
+    near = bool(limit) and (limit or 0) <= 1.5 * top  # the watermark shown on the data's scale
+    unit, size = _byte_unit(max(top, limit or 0) if near else top)
+    f = _Frame(history[0]["at"], history[-1]["at"], max(top, (limit or 0) if near else 0) / size, unit,
+               "cluster usage over time")
     for key, cls in (("used", "line-used"), ("stored", "line-stored")):
-        points = " ".join(f'{f.x(h["at"]):.1f},{f.y(h[key] / 1e9):.1f}' for h in history)
+        points = " ".join(f'{f.x(h["at"]):.1f},{f.y(h[key] / size):.1f}' for h in history)
         f.parts.append(f'<polyline class="{cls}" fill="none" points="{points}"><title>{key}</title></polyline>')
-    if limit:
-        y = f.y(limit / 1e9)
+    if limit and near:
+        y = f.y(limit / size)
         f.parts.append(f'<line class="watermark" x1="{LEFT}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}">'
                        f'<title>high watermark: {limit / 1e9:,.1f} GB</title></line>')
+    elif limit:
+        f.parts.append(f'<text x="{W - RIGHT}" y="14" class="label" text-anchor="end">high watermark at '
+                       f'{limit / 1e9:,.1f} GB, far above this scale</text>')
     return f.done()
+
+
+def _byte_unit(top: float) -> tuple[str, float]:
+    """The unit a chart of bytes up to ``top`` reads best in, and its size."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if top >= size:
+            return unit, size
+    return "kB", 1e3

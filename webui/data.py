@@ -13,7 +13,7 @@ from sqlalchemy import ColumnElement, Text, and_, cast, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
-from pipeline.core.health import shard_health, worker_healths
+from pipeline.core.health import checkpoint_health, shard_health, worker_healths
 from pipeline.db import hosts as db_hosts
 from pipeline.db.copies import content_copies, fresh_after, good_copy, held_per_worker
 from pipeline.db.engine import session_scope
@@ -28,6 +28,7 @@ from pipeline.db.models import (
     StorageWorker,
 )
 from pipeline.db.transitions import now
+from pipeline.detection import waits
 from pipeline.errors import UnknownCheckpoint, UnknownJob, UnknownRun
 from pipeline.settings import Settings
 from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
@@ -77,7 +78,7 @@ def run(settings: Settings, name: str, *, state: str | None = None, search: str 
         for r in rows:
             r["protected"] = r["state"] in states.PROTECTED
         return {"summary": summary, "usage": capacity.per_run(s, [name]).get(name, {"unique": 0, "shared": 0}),
-                "checkpoints": rows, "more": len(found) > limit}
+                "checkpoints": rows, "more": len(found) > limit, "waiting": waits.listed(s, now(), [name])}
 
 
 def paged(rows: list[dict[str, Any]], page: int, limit: int | None = None) -> tuple[list[dict[str, Any]], bool]:
@@ -127,7 +128,8 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
                     "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
                     "first_tensor": sh.tensors[0] if sh.tensors else None, "replicas": reps,
-                    "health": shard_health(list(per_worker[sh.sha256].values()), settings.rf, c.local_present),
+                    "health": checkpoint_health(out["state"], {shard_health(list(per_worker[sh.sha256].values()),
+                                                                           settings.rf, c.local_present): 1}),
                 })
             files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
                           "shards": shards})
@@ -148,10 +150,12 @@ def health(settings: Settings, *, problems_only: bool = False, before: int | Non
     """The shard health matrix: one column per storage worker, one row per shard, grouped by
     checkpoint (newest first, ``limit`` checkpoints a page, ids below ``before``), with the
     counts of the page. ``problems_only``: only shards that are not healthy, and the
-    checkpoints holding them."""
+    checkpoints holding them. A released checkpoint (forgotten, vanished) is owed no copy: not
+    shown, not counted (pipeline.core.health.checkpoint_health)."""
     since = fresh_after(settings.freshness_seconds)
     with session_scope(settings.db_url, readonly=True) as s:
-        q = select(Checkpoint).where(Checkpoint.current.is_(True)).order_by(Checkpoint.id.desc())
+        q = select(Checkpoint).where(Checkpoint.current.is_(True), Checkpoint.released_at.is_(None)
+                                     ).order_by(Checkpoint.id.desc())
         if before:
             q = q.where(Checkpoint.id < before)
         if problems_only:  # the checkpoints whose health is not plain: read by pages, not all at once
@@ -207,7 +211,7 @@ def _matrix(c: Checkpoint, per_worker: dict[str, dict[str, str]], workers: list[
                          "cells": [copies.get(w, "") for w in workers]})
     if not rows:
         return None
-    worst = "lost" if counts["lost"] else "under-replicated" if counts["under-replicated"] else "healthy"
+    worst = checkpoint_health(c.store_state or "unknown", counts)
     return {"id": c.id, "name": c.name, "path": c.path, "run": c.run, "rows": rows, "counts": counts, "health": worst}
 
 
@@ -360,12 +364,14 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
         last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
         found_problems = problem_dicts(s)
+        waiting = waits.listed(s, now())
         summaries = run_summaries(s, settings, facts=facts)
         usage = capacity.usage(s, settings)
         run_usage = capacity.per_run(s)
         chart = capacity.history(s, limit=400)
     return {
-        "runs": summaries, "problems": found_problems, "capacity": usage.as_dict(), "run_usage": run_usage,
+        "runs": summaries, "problems": found_problems, "waiting": waiting, "capacity": usage.as_dict(),
+        "run_usage": run_usage,
         "degraded": degraded_runs(settings),
         "capacity_history": chart,
         "vanished_unprotected": by_state.get(StoreState.VANISHED, 0),

@@ -2,7 +2,9 @@
 
     GET    /v1/status              node id, API version, zone, capacity, free, shard count, the shards
                                    that crossed compressed ("zstd": received_/sent_ shards, raw, wire), every
-                                   upload it took ("uploads": shards and raw bytes, held ones included), and
+                                   upload it took ("uploads": shards and raw bytes, held ones included), the
+                                   filesystem its shards are on ("filesystem": id, capacity, free: workers
+                                   on one disk report one id, and the cluster counts it once), and
                                    with X-Ckpt-Nonce and X-Ckpt-Url a proof that this worker, reached
                                    at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
@@ -169,6 +171,7 @@ class WorkerApp:
                 "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
+                "filesystem": self.store.filesystem(),
                 "zstd": dict(self.wire), "uploads": dict(self.uploads),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")

@@ -29,6 +29,29 @@ BLOCK = 4 * 1024 * 1024
 NET_BLOCK = 1024 * 1024
 
 
+def machine_id() -> str:
+    """This kernel's identity: its boot id (containers on one host share it, as they share its
+    device numbers), else the machine id, else the hostname."""
+    for source in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(source) as f:
+                found = f.read().strip()
+        except OSError:
+            continue
+        if found:
+            return found
+    import socket
+
+    return socket.gethostname()
+
+
+def filesystem_id(path: str) -> str:
+    """Who holds ``path``'s filesystem: the kernel (:func:`machine_id`; a device number is only
+    unique on one host), the device number and statvfs's filesystem id."""
+    fsid = getattr(os.statvfs(path), "f_fsid", 0)
+    return f"{machine_id()}:{os.stat(path).st_dev}:{fsid}"
+
+
 def valid_name(name: str) -> bool:
     return bool(SHARD_NAME.match(name))
 
@@ -94,6 +117,13 @@ class ShardStore:
 
     def capacity_bytes(self) -> int:
         return self.capacity or shutil.disk_usage(self.root).total
+
+    def filesystem(self) -> dict[str, int | str]:
+        """The filesystem the shards are on: an identity the same for every worker on it
+        (:func:`filesystem_id`), its size and its free bytes. Several workers on one disk (``ckpt
+        up`` runs three) report one filesystem, and the cluster counts its capacity once."""
+        usage = shutil.disk_usage(self.root)
+        return {"id": filesystem_id(self.root), "capacity": usage.total, "free": usage.free}
 
     def put(self, name: str, body: BinaryIO, length: int) -> PutResult:
         """Store ``length`` bytes read from ``body`` as shard ``name``.

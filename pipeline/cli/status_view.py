@@ -8,6 +8,7 @@ from datetime import datetime
 from pipeline import states
 from pipeline.cli.common import settings_from
 from pipeline.cli.progress import age
+from pipeline.core.health import ALARMING
 from pipeline.core.retention import recency
 from pipeline.db.transitions import now
 from pipeline.states import WorkerState
@@ -22,16 +23,16 @@ def _checkpoint_table(rows: list[dict], t: datetime) -> None:
     if not rows:
         return
     rows = sorted(rows, key=lambda c: recency(c["written_at"].timestamp(), c["step"], c["id"]), reverse=True)
-    print(f"    {'ID':>6}  {'STEP':>8}  {'WRITTEN':>11}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<7} "
+    print(f"    {'ID':>6}  {'STEP':>8}  {'WRITTEN':>11}  {'STATE':<11} {'REPLICAS':<14} {'HEALTH':<17} {'LOCAL':<22} "
           f"{'SIZE':>10}  NAME")
     for c in rows:
         reps = f"{c['replicas_verified']}/{c['replicas_wanted']} verified"
-        health = c["health"].upper() if c["health"] == "lost" else c["health"]
-        local = "kept" if c["local_present"] else "rotated"
-        state = "VANISHED" if c["state"] == "vanished" else c["state"]
+        # pipeline.core.health: the one health label (only an alarming one shouts) and local copy
+        health = c["health"].upper() if c["health"] in ALARMING else c["health"]
         step = "-" if c["step"] is None else str(c["step"])
         written = age((t - c["written_at"]).total_seconds()) + " ago"
-        print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {state:<11} {reps:<14} {health:<17} {local:<7} "
+        local = c["local_copy"]
+        print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {c['state']:<11} {reps:<14} {health:<17} {local:<22} "
               f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['name']}" + ("" if c["current"] else "  (older version)"))
         if c.get("disk_changed"):
             print(f"            !! CHANGED ON DISK, not protected: {c['disk_changed']}")
@@ -49,6 +50,17 @@ def _degraded(rows: list[dict], t: datetime) -> None:
               f"{age((t - d['last']).total_seconds())} ago): {d['cause']}")
     if rows:
         print()
+
+
+def _waiting(rows: list[dict]) -> None:
+    """The entries the watcher sees but does not record yet (pipeline.detection.waits)."""
+    if not rows:
+        return
+    print(f"\nwaiting to be recorded ({len(rows)}):")
+    for w in rows:
+        left = (f"recorded in {age(w['left_s'])} if nothing changes" if w["left_s"] is not None
+                else f"incomplete for {age(w['waited_s'])}")
+        print(f"  {w['path']}: {left}: {w['reason']}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -93,8 +105,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if r["behind"]:
             print(f"    !! {r['behind']}")
         if r["vanished_unprotected"]:
-            print(f"    !! {r['vanished_unprotected']} checkpoint(s) vanished unprotected "
-                  "(deleted before their copies were verified)")
+            print(f"    warning: deleted before it was protected: {r['vanished_unprotected']} checkpoint(s) (by the "
+                  "trainer's own rotation, such as save_total_limit, or by hand, before their copies were verified)")
         if r.get("changed_on_disk"):
             print(f"    !! {r['changed_on_disk']} checkpoint(s) CHANGED ON DISK, the new content NOT PROTECTED "
                   "(saved again at the same path and not complete yet; a restore by path refuses them)")
@@ -109,7 +121,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     _degraded(doc["degraded"], t)
     cap = doc["capacity"]
     forecast = cap["forecast"]
-    print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['workers']} worker(s), "
+    print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['filesystems']} disk(s) of "
+          f"{cap['workers']} worker(s) (each disk counted once), "
           f"high watermark at {gb(cap['limit'])}; {forecast}"
           + (f"; {cap['full_workers']} worker(s) FULL" if cap["full_workers"] else "")
           + (f"; {gb(cap['garbage'])} being collected" if cap["garbage"] else ""))
@@ -120,6 +133,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"\nnot protected ({len(doc['problems'])}):")
         for prob in doc["problems"]:
             print(f"  {prob['path']}: {prob['reason']}")
+    _waiting(doc["waiting"])
     lost = [c for c in doc["checkpoints"] if c["health"] == "lost"]
     if lost:
         print(f"\n!!! {len(lost)} checkpoint(s) have LOST shards (no copy matches the manifest): "

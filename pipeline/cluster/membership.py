@@ -91,6 +91,10 @@ def _malformed(doc: dict[str, Any]) -> str | None:
         return "'used' is not a byte count"
     if not isinstance(doc.get("zone", ""), str) or len(doc.get("zone", "")) > 64:
         return "'zone' is not a short text"
+    fs = doc.get("filesystem")
+    if fs is not None and not (isinstance(fs, dict) and isinstance(fs.get("id"), str) and 0 < len(fs["id"]) <= 255
+                               and all(type(fs.get(k)) is int and fs[k] >= 0 for k in ("capacity", "free"))):
+        return "'filesystem' is not an id with a capacity and free bytes"
     return None
 
 
@@ -195,6 +199,9 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
                 result.went_down.append(other.id)
         w.capacity_bytes, w.free_bytes = int(answer["capacity"]), int(answer["free"])
         w.used_bytes = int(answer.get("used", 0))
+        fs = answer.get("filesystem")  # an older worker does not say: counted alone
+        w.filesystem, w.fs_capacity_bytes, w.fs_free_bytes = (
+            (fs["id"], int(fs["capacity"]), int(fs["free"])) if fs else (None, None, None))
         live = WorkerState.FULL if is_full(w.capacity_bytes, w.free_bytes, settings.high_watermark) else WorkerState.UP
         if workers.may(w, live):  # never out of an operator's draining or removable
             if w.state in (WorkerState.DOWN, WorkerState.REJECTED):  # its copies count again once reconciled

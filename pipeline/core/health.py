@@ -7,10 +7,12 @@ re-hashed within the freshness window), ``stale`` (a good copy, re-hashed longer
 worker that cannot be read), ``pending`` (not stored yet).
 Per shard: ``healthy`` (RF good copies), ``under-replicated``, or ``lost`` (no good copy
 and no local copy to rebuild from).
+Per checkpoint, the one label every view shows (docs/design.md, section 3, "What every view says
+of a checkpoint"): :func:`checkpoint_health` and :func:`local_copy`.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from pipeline.core.copies import Copy, good_workers, is_good
@@ -70,3 +72,38 @@ def shard_health(replicas: list[str], rf: int, local_copy: bool) -> str:
     if good == 0 and not local_copy:
         return "lost"
     return "under-replicated"
+
+
+#: The health of a checkpoint that no longer holds its content (pipeline.states.RELEASED): it is
+#: owed no copy, so no shard of it is lost or under-replicated, whatever its copies are now.
+#: Forgotten (the remote retention policy, `ckpt forget`) and superseded ones say what they are;
+#: a vanished one (its local copy deleted before it was protected) was never protected.
+RELEASED_HEALTH: dict[str, str] = {"forgotten": "forgotten", "superseded": "superseded", "vanished": "unprotected"}
+#: Checkpoint healths that call for a person (shown red or orange); the others are shown grey
+#: or green.
+ALARMING = ("lost", "under-replicated")
+
+
+def checkpoint_health(state: str, shards: Mapping[str, int]) -> str:
+    """The one health label of a checkpoint (or of one of its shards), used by ``ckpt status``,
+    every page, the API and /metrics: from its store ``state`` and the count of its shards in
+    each shard health (:func:`shard_health`; empty: no shard recorded yet)."""
+    if state in RELEASED_HEALTH:
+        return RELEASED_HEALTH[state]
+    for h in ("lost", "under-replicated", "healthy"):
+        if shards.get(h):
+            return h
+    return "unprotected"
+
+
+#: Why a local copy is gone (``checkpoints.local_gone``), in words.
+LOCAL_GONE = {"rotated": "rotated", "deleted": "deleted by the trainer", "replaced": "replaced"}
+
+
+def local_copy(present: bool, gone: str | None) -> str:
+    """What became of a checkpoint's local copy, from the evidence recorded when it went: our
+    rotation ("rotated"), the watcher finding it deleted ("deleted by the trainer": its own
+    rotation such as ``save_total_limit``, or a person), new content at its path ("replaced")."""
+    if present:
+        return "kept"
+    return LOCAL_GONE.get(gone or "", "gone")

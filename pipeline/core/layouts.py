@@ -163,6 +163,27 @@ def step_of(name: str) -> int | None:
     return None
 
 
+def nested_run(name: str, subdirs: list[str], run: str) -> str | None:
+    """Why an entry of a run is a run itself, or None. An entry holding folders named like
+    checkpoints (``checkpoint-500/``, ``global_step500/``, ``iter_0000500/``, ``step_5/``; at
+    least two folders of digits alone, such as Orbax's ``100/``) is a run one level down (the
+    default root ``checkpoints`` with a Trainer writing to ``checkpoints/hf-run``): recorded
+    whole it would be one checkpoint that grows with every save, and rotating it would delete
+    the run. It is never recorded; the reason names the fix (a glob root over the runs). An entry
+    whose own name has a step is a checkpoint whatever it holds: the Trainer under DeepSpeed saves
+    ``checkpoint-500/global_step500/``."""
+    if step_of(name) is not None:
+        return None
+    named = sorted((d for d in subdirs if step_of(d) is not None), key=lambda d: step_of(d) or 0)
+    if not named or (all(d.isdigit() for d in named) and len(named) < 2):
+        return None
+    kind = re.sub(r"\d+", "N", named[0])
+    glob = run.rstrip("/") + "/*"
+    return (f"{name!r} holds {kind} folders ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}): it is a "
+            f"run, not a checkpoint; watch the runs in {run} with --root {glob!r} "
+            "(or that glob in config.toml)")
+
+
 # -- the layouts -------------------------------------------------------------------------
 
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")

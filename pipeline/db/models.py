@@ -97,6 +97,11 @@ class Checkpoint(Base):
     mtime: Mapped[float] = mapped_column(Float)
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     local_present: Mapped[bool] = mapped_column(Boolean, default=True)
+    #: Why its local copy is gone (``local_present`` false), from the code that saw it go:
+    #: "rotated" (our rotation deleted it, RF verified copies remaining), "deleted" (the watcher
+    #: found it gone: the trainer's own rotation, a person, a move), "replaced" (new content at its
+    #: path superseded it). None while it is present, or when nothing recorded why.
+    local_gone: Mapped[str | None] = mapped_column(String(16), nullable=True)
     detected_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     #: The newest version recorded at its path: what `ckpt status`, "latest" and a restore
     #: by path mean. Older versions are superseded (their store job says so).
@@ -245,6 +250,13 @@ class StorageWorker(Base):
     free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     #: Bytes its shards take (the worker's own count).
     used_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    #: The filesystem its shards are on, as it reports it (boot id of its kernel, st_dev,
+    #: statvfs f_fsid): workers on one disk count its capacity once (pipeline/capacity.py).
+    #: None: it did not say (an older worker), counted alone.
+    filesystem: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    #: That filesystem's own size and free bytes (its capacity_bytes may be a share of it).
+    fs_capacity_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    fs_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     last_seen: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
@@ -358,6 +370,30 @@ class DetectionProblem(Base):
     reason: Mapped[str] = mapped_column(Text)
     first_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class DetectionWait(Base):
+    """An entry the watcher sees but does not record yet: its writer may still be at work (an
+    incomplete layout) or it waits out the root's quiet period. Shown with the time left; kept
+    so that how long it has waited survives a watcher's restart (docs/design.md, section 2)."""
+
+    __tablename__ = "detection_waits"
+    __table_args__ = (UniqueConstraint("host", "path", name="uq_detection_waits_host_path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    path: Mapped[str] = mapped_column(String(4096))
+    run: Mapped[str] = mapped_column(String(4096), index=True)
+    #: Why it is not recorded yet (the layout's words), as when its files last changed.
+    reason: Mapped[str] = mapped_column(Text)
+    #: The newest modification time of its files (ns): the same value after a restart means
+    #: nothing changed meanwhile, so ``since`` goes on.
+    newest_ns: Mapped[int] = mapped_column(BigInteger)
+    #: Since when nothing in it changed (its files' newest change, as the watcher first saw it).
+    since: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: When the quiet period ends and it is recorded if nothing changes (a layout we cannot
+    #: judge); None: it waits for its writer's last file.
+    ready_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
 
 
 class TrainingHost(Base):

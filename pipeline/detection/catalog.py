@@ -189,7 +189,7 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
     if existing is not None:
         _claim(session, d.parts, existing.id)
         existing.current = True
-        existing.local_present = True
+        existing.local_present, existing.local_gone = True, None
         _completed_again(existing, d)
         job = latest_store_job(session, existing.id)
         # Saved again with the same bytes after it was superseded, vanished or forgotten: a new
@@ -259,7 +259,8 @@ def _supersede_others(session: Session, path: str, host: str | None, keep: int |
     for old in session.scalars(select(Checkpoint).where(Checkpoint.path == path, Checkpoint.current.is_(True),
                                                         on_host(host), Checkpoint.id != (keep or -1))):
         old.current = False
-        old.local_present = False
+        if old.local_present:
+            old.local_present, old.local_gone = False, "replaced"
         job = latest_store_job(session, old.id)
         if job is not None and states.allowed(JobKind.STORE, job.state, S.SUPERSEDED):
             transition(session, job.id, JobKind.STORE, job.state, S.SUPERSEDED, detail=f"new content at {path}")
@@ -316,7 +317,7 @@ def mark_vanished(session: Session, ckpt: Checkpoint) -> None:
     A checkpoint that was not protected yet ends ``vanished``: nothing is left to protect,
     and status says so loudly; a protected one keeps its remote copies.
     """
-    ckpt.local_present = False
+    ckpt.local_present, ckpt.local_gone = False, "deleted"
     ckpt.disk_changed_at = ckpt.disk_changed = None
     job = latest_store_job(session, ckpt.id)
     if job is None:

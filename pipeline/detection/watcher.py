@@ -25,12 +25,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
-from pipeline.core.layouts import Entry, Verdict, judge, resave_in_progress
+from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress
 from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
-from pipeline.detection import catalog, completeness, faults, ondisk, parts, problems, roots
+from pipeline.detection import catalog, completeness, faults, ondisk, parts, problems, roots, waits
 from pipeline.detection.events import Watches
 from pipeline.detection.hashpool import Apply, HashPool
 from pipeline.detection.reports import Reports, shown
@@ -61,6 +61,8 @@ class Watcher:
         self.parts: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = {}
         #: path -> (newest change seen, when it was first seen): writers at work, and stalled ones
         self.waiting: dict[str, tuple[int, float]] = {}
+        #: path -> (newest change, reason's kind) as last written to ``detection_waits`` (waits.py)
+        self._waits_written: dict[str, tuple[int, str]] = {}
         self.reports = Reports(settings)        # what is not protected, and why: each said once
         self._hashing: HashPool | None = None
         self._scan_error: str | None = None     # the error the last scan failed with, as logged
@@ -103,6 +105,11 @@ class Watcher:
         with session_scope(self.settings.db_url) as s:
             problems.clear_all(s, host)
             self.changes.load(s)
+            # How long each entry has waited goes on across a restart (its files unchanged).
+            waited = waits.load(s, host)
+            waits.clear(s, host, [p for p in waited if not os.path.lexists(p)])
+            self.waiting.update({p: w for p, w in waited.items() if os.path.lexists(p)})
+            self._waits_written.update({p: (ns, "") for p, (ns, _since) in self.waiting.items()})
             # Locked (PostgreSQL): a rotation deciding right now commits first, then is seen.
             # Only this host's: another host's checkpoints are on a disk this one cannot see.
             for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.local_present.is_(True), catalog.on_host(host))
@@ -254,8 +261,7 @@ class Watcher:
         gone = [p for p in self.known if os.path.dirname(p) == str(run) and p not in present]
         parts_gone = [p for p in self.parts if os.path.dirname(p) == str(run) and p not in present]
         fixed = [p for p in self.reports.reported if os.path.dirname(p) == str(run) and p not in present]
-        for path in [p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present]:
-            self.waiting.pop(path, None)
+        self._unwait([p for p in self.waiting if os.path.dirname(p) == str(run) and p not in present])
         if not gone and not fixed and not parts_gone:
             return
         with session_scope(self.settings.db_url) as s:
@@ -295,6 +301,10 @@ class Watcher:
         """:meth:`consider`; the hashing by ``pool`` when given (returns at once; the pool
         tells when it is done)."""
         key = str(path)
+        if (nested := self._nested_run(run, path)) is not None:  # said once (Reports), never recorded
+            self._unwait([key])
+            self.reports.problem(run, key, nested)
+            return None
         try:
             # A symlinked entry is here only if it stays inside its root (roots.entries_in).
             found = completeness.examine(path, commit_marker=options.commit_marker, follow_link=path.is_symlink())
@@ -312,6 +322,7 @@ class Watcher:
             recorded = self._recorded(key)  # `ckpt store` may have recorded a version since
         if recorded == sig:
             self.changes.seen(key, None)  # the files on disk are the recorded version
+            self._unwait([key])
             return None
         verdict, remote = found.verdict, None
         if verdict.kind == "incomplete" and verdict.layout == "torch-dcp":
@@ -329,6 +340,7 @@ class Watcher:
             if again:
                 verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
+            self._unwait([key])
             self.reports.problem(run, key, verdict.reason)
             return None
         age = time.time() - found.newest_ns / 1e9
@@ -339,10 +351,12 @@ class Watcher:
             # A writer still at work. One that makes no progress for a whole quiet period is reported.
             first = self.waiting.setdefault(key, (found.newest_ns, time.time()))
             if first[0] != found.newest_ns:
-                self.waiting[key] = (found.newest_ns, time.time())
+                first = self.waiting[key] = (found.newest_ns, time.time())
             elif verdict.kind == "incomplete" and time.time() - first[1] >= max(options.quiet_seconds,
                                                                               self.settings.settle_seconds):
                 self.reports.problem(run, key, f"incomplete for {time.time() - first[1]:.0f} s: {verdict.reason}")
+            self._wait(run, key, first, verdict,
+                       found.newest_ns / 1e9 + options.quiet_seconds if verdict.kind == "quiet" else None)
             if verdict.kind == "quiet":
                 return max(0.05, options.quiet_seconds - age)
             return max(self.settings.settle_seconds, 0.05)
@@ -355,6 +369,15 @@ class Watcher:
             return None
         return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
                                                       options, tree_ns), pool)
+
+    @staticmethod
+    def _nested_run(run: Path, path: Path) -> str | None:
+        """Why the entry ``path`` is a run one level down (pipeline.core.layouts.nested_run)."""
+        try:
+            subdirs = [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+        except (NotADirectoryError, FileNotFoundError):
+            return None
+        return nested_run(path.name, subdirs, str(run))
 
     def _too_costly(self, entries: tuple[completeness.FileEntry, ...]) -> str | None:
         return completeness.too_costly(entries, max_bytes=self.settings.max_hash_bytes,
@@ -407,9 +430,29 @@ class Watcher:
             self.changes.forget(key)  # record() cleared the flag
             for rel in found.links:  # recorded without them: say so, once
                 self.reports.problem(run, f"{key}/{rel}", LINK_INSIDE)
-            self.waiting.pop(key, None)
+            self._unwait([key])
             self.reports.reported.pop(key, None)
         return recorded
+
+    def _wait(self, run: Path, key: str, first: tuple[int, float], verdict: Verdict, ready_at: float | None) -> None:
+        """Write the wait of ``key`` (pipeline.detection.waits) when it starts, its files change or
+        its reason changes kind: never at every scan."""
+        reason = verdict.reason or "complete once nothing in it changed for the root's quiet period"
+        written = (first[0], problems.kind_of(reason))
+        if self._waits_written.get(key) == written:
+            return
+        with session_scope(self.settings.db_url) as s:
+            waits.record(s, self.settings.host_id, key, str(run), reason, first[0], first[1], ready_at)
+        self._waits_written[key] = written
+
+    def _unwait(self, keys: list[str]) -> None:
+        """``keys`` wait no longer (recorded, malformed, gone): forget them, and their rows."""
+        for key in keys:
+            self.waiting.pop(key, None)
+        written = [key for key in keys if self._waits_written.pop(key, None) is not None]
+        if written:
+            with session_scope(self.settings.db_url) as s:
+                waits.clear(s, self.settings.host_id, written)
 
     def _recorded(self, key: str) -> catalog.Signature | None:
         """The signature of the current version at ``key`` on this host, from the database

@@ -180,7 +180,7 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
                 trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
-                ckpt.local_present = False
+                ckpt.local_present, ckpt.local_gone = False, "rotated"
                 if state != S.VERIFIED:  # forgotten, or rotated before: it stays as it is
                     job.blocked_reason = None
                     why = ("collected with the next garbage collection: it was forgotten" if state == S.FORGOTTEN

@@ -148,6 +148,42 @@ def test_0005_fills_each_checkpoints_state_from_its_newest_store_job(db):
     assert shown == {1: "verified", 2: "replicated", 3: None}
 
 
+def test_0013_says_why_each_local_copy_went_from_the_evidence_its_jobs_left(db):
+    """Existing databases: a local copy our rotation removed is "rotated", one the watcher found
+    gone "deleted" (the last of the two wins: restored after its rotation, then deleted by the
+    trainer), one without such history by its state; a present one says nothing."""
+
+    cfg = alembic_config(db.db_url)
+    with get_engine(db.db_url).connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0012")
+        conn.commit()
+        for i in range(1, 8):
+            insert_checkpoint(conn, i)
+        conn.execute(text("UPDATE checkpoints SET local_present = :no WHERE id <> 7"), {"no": False})
+        states = {1: "rotated", 2: "verified", 3: "rotated", 4: "vanished", 5: "superseded", 6: "forgotten",
+                  7: "verified"}
+        insert_jobs(conn, [(i, "store", i, st) for i, st in states.items()])
+        for k, st in states.items():
+            conn.execute(text("UPDATE checkpoints SET store_state = :s WHERE id = :i"), {"s": st, "i": k})
+        events = [(1, "local copy removed; 2+ verified replicas remain"),
+                  (2, "local copy vanished from /r/c2"),
+                  (3, "local copy removed; 2+ verified replicas remain"), (3, "local copy vanished from /r/c3"),
+                  (6, "local copy removed by the local policy; 2+ verified replicas remained (collected ...)")]
+        for n, (job, detail) in enumerate(events, start=1):
+            conn.execute(text("INSERT INTO job_events (id, job_id, at, from_state, to_state, detail) VALUES"
+                              " (:n, :j, '2026-11-21 00:00:00', 'verified', 'verified', :d)"),
+                         {"n": n, "j": job, "d": detail})
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+        gone = dict(conn.execute(text("SELECT id, local_gone FROM checkpoints")).all())
+        for table in ("job_events", "jobs", "checkpoints"):
+            conn.execute(text(f"DELETE FROM {table}"))
+        conn.commit()
+    assert gone == {1: "rotated", 2: "deleted", 3: "deleted", 4: "deleted", 5: "replaced", 6: "rotated", 7: None}
+
+
 def test_the_heads_read_from_the_files_are_alembics():
     from alembic.script import ScriptDirectory
 
