@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from sqlalchemy import Select, select
 from sqlalchemy.exc import IntegrityError
@@ -46,6 +47,9 @@ class ContentWork:
     sources: list[tuple[str, str]] = field(default_factory=list)  # (worker id, url): readable copies
     fix_in_place: list[tuple[str, str, str]] = field(default_factory=list)  # (worker id, url, state)
     need: int = 0  # new copies to place on other workers
+    #: Sources dropped because they did not answer (not proof that their copy is gone): with
+    #: one of them, "no source left" is a retry later, never LOST.
+    unreachable: list[str] = field(default_factory=list)
 
 
 def request_repair(session: Session, settings: Settings, sha: str, reason: str) -> Job | None:
@@ -118,7 +122,7 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
         sha = str(job.sha256 or job.params["sha256"])
 
     key = settings.key()
-    fixed, lost = 0, False
+    fixed, lost, unreachable = 0, False, list[str]()
     # One copy can outlast the lease (a slow link): kept by time meanwhile.
     with leased(settings, [job_id]):
         for w in _passes(settings, sha):
@@ -130,10 +134,14 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                     with session_scope(settings.db_url) as s:
                         target = place_one(s, one(s, Content, sha)).worker_id
                         url = one(s, StorageWorker, target).url
-                    _rebuild_on(settings, key, w, target, url, quarantine_first=False)
+                    try:
+                        _rebuild_on(settings, key, w, target, url, quarantine_first=False)
+                    except BaseException:
+                        _give_back(settings, target, sha)
+                        raise
                     fixed += 1
-            except _NoSource:
-                lost = True
+            except _NoSource as exc:
+                lost, unreachable = True, list(exc.args[0]) if exc.args else []
                 for bad_worker, url, state in w.fix_in_place:  # every bad copy is set aside, none deleted
                     if state == CopyState.CORRUPT:
                         _quarantine(key, bad_worker, url, w.sha)
@@ -144,6 +152,11 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
         if lost and (handed := _hand_over(s, settings, job_id, sha)):
             return handed
+        if lost and unreachable:
+            # A copy whose worker did not answer (killed, restarting, partitioned) may be fine:
+            # not LOST, retried (found by the chaos soak: a repair while its only source restarted).
+            raise WorkerError(unreachable[0], f"no reachable good copy of {sha[:12]} now ({len(unreachable)} "
+                                              "did not answer): the repair is retried")
         if lost:
             detail = f"LOST: no copy and no local file matches content {sha[:12]} ({_users(s, sha)})"
             transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.LOST, detail=detail, last_error=detail)
@@ -156,6 +169,15 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
             .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True)).distinct().limit(20)))
     log.info("content %s repaired: %d copies rebuilt", sha[:12], fixed)
     return sends + [Send("rotate_run", (run,)) for run in runs]
+
+
+def _give_back(settings: Settings, worker_id: str, sha: str) -> None:
+    """A copy placed for this repair that it could not fill (its worker refused or failed, or no
+    source was left) is given up, so that the next try may choose that worker again: a pending
+    row nobody fills would keep it out of this content's placements for good (one per worker)."""
+    with session_scope(settings.db_url) as s:
+        move(s, on(worker_id, sha), CopyState.ABANDONED, from_={CopyState.PENDING},
+             error="the repair that placed it could not fill it")
 
 
 def _wake_stores(s: Session, settings: Settings, sha: str) -> list[Send]:
@@ -210,7 +232,12 @@ def _passes(settings: Settings, sha: str) -> Iterator[ContentWork]:
 
 
 class _NoSource(Exception):
-    """Raised when every candidate source turned out bad while rebuilding."""
+    """Raised when no candidate source is left while rebuilding: its argument lists the
+    sources dropped because they did not answer (an empty list: every one was proven bad)."""
+
+
+def _no_source(w: ContentWork) -> NoReturn:
+    raise _NoSource(w.unreachable)
 
 
 def _good_source(settings: Settings, key: bytes, w: ContentWork) -> WorkerClient | None:
@@ -221,6 +248,7 @@ def _good_source(settings: Settings, key: bytes, w: ContentWork) -> WorkerClient
         try:
             (answer,) = client.verify([w.sha])
         except (WorkerError, ValueError):
+            w.unreachable.append(url)
             w.sources.pop(0)
             continue
         if answer["sha256"] == w.sha:
@@ -280,11 +308,13 @@ def _transfer(settings: Settings, key: bytes, w: ContentWork, source: WorkerClie
                 # to the content) puts the source in doubt.
                 raise
             log.warning("repair of %s from %s failed (%s); trying the next copy", w.sha[:12], source.url, exc)
+            if exc.worker == source.url and exc.status is None:
+                w.unreachable.append(source.url)
             w.sources.pop(0)
             source = _good_source(settings, key, w)
     src = w.source
     if src is None:
-        raise _NoSource()
+        _no_source(w)
     try:
         target.put_range(w.sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset, src.length)
     except WorkerError as exc:
@@ -293,7 +323,7 @@ def _transfer(settings: Settings, key: bytes, w: ContentWork, source: WorkerClie
         if source_matches(src.path, src.kind, src.tensors, src.offset, src.length, w.sha):
             raise  # damaged on the way, the local copy is fine: the retry sends it again
         w.source = None  # the local copy no longer holds the content
-        raise _NoSource() from None
+        _no_source(w)
     except (OSError, CkptError):
         w.source = None
-        raise _NoSource() from None
+        _no_source(w)

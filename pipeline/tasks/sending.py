@@ -10,7 +10,9 @@ batch's repeats are dropped first (:func:`distinct`); then for each message, in 
 3. a keyed step (pipeline/deliveries.py) whose message is still in its queue gets no second one;
 4. otherwise a fresh key is recorded on its row, if the row still holds the key read in step 3
    (compare-and-set: else another sender keyed the step meanwhile, and this message is not sent),
-   then the message is enqueued under that key, and the jobs it works for stop waiting.
+   then the message is enqueued under that key, and the jobs it works for stop waiting;
+5. an unkeyed "look again" message (rotation: pipeline/tasks/waiting.py) is enqueued only if
+   none for the same arguments waits in that queue.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pipeline.db.models import Job
 from pipeline.db.transitions import note, now
 from pipeline.queues import queues_for
 from pipeline.steps import Send
+from pipeline.tasks import waiting
 from pipeline.tasks.broker import queued
 from pipeline.tasks.failures import job_ids_for
 
@@ -70,8 +73,10 @@ def send_all(sends: list[Send]) -> None:
         _stop_waiting(s, [item for item, queues in routed if not silent.keys() & set(queues)])
         for item, why in held:
             _wait(s, item, why)
+    ttl_ms = int(max(60.0, 4 * settings.lease_seconds) * 1000)
     for item, queue, key in sent:
-        _enqueue(broker, item, queue, key)
+        if waiting.claim(broker, queue, item.actor, item.args, ttl_ms):
+            _enqueue(broker, item, queue, key)
 
 
 def distinct(sends: list[Send]) -> list[Send]:

@@ -247,3 +247,33 @@ def test_a_step_keyed_by_another_sender_meanwhile_is_not_sent_again(db, broker, 
 def test_a_batch_naming_an_unkeyed_message_twice_queues_it_once(db, broker):
     _send([Send("rotate_run", ("/runs/a",)), Send("rotate_run", ("/runs/a",)), Send("rotate_run", ("/runs/b",))])
     assert sorted(m.args[0] for m in _all_queued(broker)) == ["/runs/a", "/runs/b"]
+
+
+def test_a_look_again_message_waits_once_per_queue_and_arguments(db, broker):
+    """Found by the chaos soak: every finished repair and every sweep sent a ``rotate_run`` for
+    the runs it touched; with the host's consumer busy on a slow link, 97 piled up in its queue."""
+    for _ in range(5):
+        _send([Send("rotate_run", ("/runs/a",))])
+        _send([Send("rotate_run", ("/runs/b",))])
+    assert sorted(m.args[0] for m in _all_queued(broker)) == ["/runs/a", "/runs/b"]
+    broker.queues["ckpt"].get()  # one is taken: a request made now is sent (its run may have changed)
+    _send([Send("rotate_run", ("/runs/a",)), Send("rotate_run", ("/runs/b",))])
+    assert len(_all_queued(broker)) == 2
+
+
+def test_a_look_again_message_waits_once_in_redis_and_is_sent_again_once_a_worker_starts_on_it(
+        db, redis_server, process_broker):
+    from pipeline.tasks.middleware import Deliveries
+
+    redis_server.flushall()
+    settings = dataclasses.replace(db, redis_url=f"unix://{redis_server.socket_file}")
+    with broker_for(settings) as rb:
+        for _ in range(5):
+            _send([Send("rotate_run", ("/runs/a",))])
+        assert rb.client.llen(f"{rb.namespace}:ckpt") == 1
+        (mid,) = rb.client.lrange(f"{rb.namespace}:ckpt", 0, -1)
+        message = Message.decode(rb.client.hget(f"{rb.namespace}:ckpt.msgs", mid))
+        Deliveries().before_process_message(rb, MessageProxy(message))  # a worker starts on it
+        _send([Send("rotate_run", ("/runs/a",))])
+        _send([Send("rotate_run", ("/runs/a",))])
+        assert rb.client.llen(f"{rb.namespace}:ckpt") == 2
