@@ -155,14 +155,13 @@ def compact(doc: dict) -> None:
             by = r["by_state"]
             total = r["checkpoints"] - by.get(states.StoreState.FORGOTTEN.value, 0)
             protected = sum(n for state, n in by.items() if state in states.PROTECTED)
-            problems = _run_problems(doc, r)
             rows.append((r["run"], f"{newest} {r['newest_state']}", f"{protected}/{total}",
-                         "; ".join(problems) if problems else "-"))
+                         "; ".join(_run_problems(doc, r)) or "-"))
         w_run = max(len("RUN"), *(len(x[0]) for x in rows))
         w_new = max(len("NEWEST"), *(len(x[1]) for x in rows))
         print(f"{'RUN':<{w_run}}  {'NEWEST':<{w_new}}  {'PROTECTED':>9}  PROBLEMS")
-        for run, newest, protected, problems in rows:
-            print(f"{run:<{w_run}}  {newest:<{w_new}}  {protected:>9}  {problems}")
+        for run, newest, counted, said in rows:
+            print(f"{run:<{w_run}}  {newest:<{w_new}}  {counted:>9}  {said}")
     if doc["degraded"]:
         print()
     _degraded(doc["degraded"], t)

@@ -51,7 +51,6 @@ def print_workers(rows: list[dict[str, Any]]) -> None:
 
 def cmd_workers(args: argparse.Namespace) -> int:
     from pipeline import operations
-
     from pipeline.db.migrate import upgrade
 
     s = settings_from(args)

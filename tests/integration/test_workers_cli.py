@@ -24,7 +24,8 @@ def test_drain_wait_remove_and_the_compact_status(make_cluster):
     assert listed.returncode == 0, listed.stderr
     rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:] if line.startswith("w-")}
     assert set(rows) == {w.node_id for w in cluster.workers} and all(r[1] == "up" for r in rows.values())
-    assert re.search(r"\bw-\w+\s+up\s+-\s+[\d.,]+ (bytes|kB|MB|GB)\s+[\d.,]+ (kB|MB|GB|TB)\s+[1-9]\d*\s+", listed.stdout)
+    size = r"[\d.,]+ (bytes|kB|MB|GB|TB)"
+    assert re.search(rf"\bw-\w+\s+up\s+-\s+{size}\s+{size}\s+[1-9]\d*\s+", listed.stdout), listed.stdout
 
     status = cluster.cli("status")
     lines = status.stdout.splitlines()
