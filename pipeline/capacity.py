@@ -29,6 +29,7 @@ from pipeline.db.models import (
 from pipeline.db.transitions import now
 from pipeline.settings import Settings
 from pipeline.states import COUNTING_WORKERS, DAMAGED, PLACED, ContentState
+from pipeline.units import human_bytes
 
 SAMPLE_SECONDS = 600.0
 RATE_WINDOW = timedelta(days=3)
@@ -224,10 +225,3 @@ def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> 
     return (f"cluster full: needs {human_bytes(need)} more on {workers} distinct workers, and {only}"
             f"{placeable} of {total} workers take new copies (high watermark {settings.high_watermark:.0%}); "
             "it goes on when a worker has room (after `ckpt gc`, or a new worker)")
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} bytes"

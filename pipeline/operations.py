@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import dramatiq.errors
 import redis.exceptions
+from sqlalchemy.orm import Session
 
 from pipeline import states
-from pipeline.db import hosts, workers
+from pipeline.db import copies, hosts, workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
@@ -25,6 +27,7 @@ from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
 from pipeline.steps import Send
 from pipeline.store.early import EarlySends
+from pipeline.units import human_bytes
 
 log = logging.getLogger("ckpt.operations")
 
@@ -101,11 +104,85 @@ def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool
 def drain(settings: Settings, worker_id: str) -> None:
     """Copy ``worker_id``'s shards to other workers, then mark it removable (the scheduler does both)."""
     with session_scope(settings.db_url) as s:
-        w = s.get(StorageWorker, worker_id)
-        if w is None:
-            raise CkptError(f"no storage worker {worker_id!r}; `ckpt status` lists them")
+        w = known_worker(s, worker_id)
         if workers.may(w, states.WorkerState.DRAINING):  # draining already, or drained: nothing changes
             workers.set_state(s, w, states.WorkerState.DRAINING)
+
+
+def known_worker(s: Session, worker_id: str) -> StorageWorker:
+    """The storage worker ``worker_id``, or an error that says where the ids are."""
+    w = s.get(StorageWorker, worker_id)
+    if w is None:
+        raise CkptError(f"no worker {worker_id}; `ckpt workers` lists them")
+    return w
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """Where a drain is: the worker's state, the contents it holds, and how many of them (and
+    their bytes) still need its copy (fewer than RF good copies elsewhere)."""
+
+    state: str
+    held: int
+    left: int
+    left_bytes: int
+
+
+def drain_progress(settings: Settings, worker_id: str) -> DrainProgress:
+    with session_scope(settings.db_url, readonly=True) as s:
+        w = known_worker(s, worker_id)
+        held, left, size = copies.short_without(s, worker_id, settings.rf)
+        return DrainProgress(w.state, held, left, size)
+
+
+def undrain(settings: Settings, worker_id: str) -> str:
+    """Cancel a drain (or a finished one): the worker goes back to ``down`` and rejoins at its next
+    good probe like any worker that returns (reconciled, then its copies count). Its earlier state."""
+    with session_scope(settings.db_url) as s:
+        w = known_worker(s, worker_id)
+        was = w.state
+        if was not in states.STICKY_WORKERS:
+            raise CkptError(f"storage worker {worker_id} is {was}, not draining: nothing to undrain")
+        workers.set_state(s, w, states.WorkerState.DOWN, operator=True,
+                          error="undrained: rejoins at its next good probe, once reconciled")
+        return was
+
+
+@dataclass(frozen=True)
+class Removal:
+    worker_id: str
+    url: str
+    state: str
+    copies: int
+    #: Contents with fewer than RF good copies without it (the repair sweep copies them).
+    short: int
+
+
+def remove(settings: Settings, worker_id: str, *, answers: Callable[[str, str], bool]) -> Removal:
+    """Forget a storage worker. Refused while it holds the only copy of any live content (drain it
+    first), or while it still answers at its URL (``answers(url, worker_id)``): the next probe or
+    discovery would find it again, as a new worker holding files nobody knows of."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        w = known_worker(s, worker_id)
+        url, state = w.url, w.state
+        _held, only, only_bytes = copies.short_without(s, worker_id, 1)
+    if only:
+        how = (f"bring it back up, then drain it: `ckpt workers drain {worker_id} --wait`" if state not in
+               states.READABLE_WORKERS else f"drain it first: `ckpt workers drain {worker_id} --wait`")
+        raise CkptError(f"storage worker {worker_id} ({state}) holds the only good copy of {only} content(s) "
+                        f"({human_bytes(only_bytes)}): removing it would lose them; {how}, then remove it")
+    if answers(url, worker_id):
+        raise CkptError(f"storage worker {worker_id} still answers at {url}: stop it first (and take its URL out "
+                        "of CKPT_WORKERS), else the next probe finds it again; then remove it")
+    with session_scope(settings.db_url) as s:
+        w = known_worker(s, worker_id)
+        _held, short, _size = copies.short_without(s, worker_id, settings.rf)
+        _held, only, _size = copies.short_without(s, worker_id, 1)
+        if only:  # a copy elsewhere went bad meanwhile
+            raise CkptError(f"storage worker {worker_id} now holds the only good copy of {only} content(s); "
+                            f"drain it first: `ckpt workers drain {worker_id} --wait`")
+        n = workers.remove(s, w)
+    return Removal(worker_id, url, state, n, short)
 
 
 def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,

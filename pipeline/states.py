@@ -312,6 +312,17 @@ WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
+#: The operator's undrain (``ckpt workers undrain``), the one way out of ``draining`` and
+#: ``removable``: back to ``down``, never straight to a state whose copies count. The next good
+#: probe then brings it back like any worker that returns (reconciled before its copies count
+#: again, its surplus trimmed). Only :func:`pipeline.db.workers.set_state` with ``operator=True``
+#: takes these edges; a probe or a request (``observe``) never does, so the sticky rule holds.
+UNDRAIN_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
+    _W.DRAINING: frozenset({_W.DOWN}),
+    _W.REMOVABLE: frozenset({_W.DOWN}),
+}
+
+
 def worker_may(current: str, target: str) -> bool:
     """Whether :data:`WORKER_MOVES` lets a worker in ``current`` be set to ``target`` (a repeat may)."""
     return current == target or target in WORKER_MOVES[WorkerState(current)]

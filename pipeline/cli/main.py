@@ -5,8 +5,9 @@
     ckpt worker --data DIR --port P [--host H]           a storage worker daemon
     ckpt store PATH [--wait]                             protect a checkpoint now
     ckpt restore ID|PATH --to DEST [--host H] [--wait]   give a checkpoint back (on host H)
-    ckpt status [--json] [--all]                         runs, checkpoints, jobs, capacity
+    ckpt status [--verbose] [--json] [--all]             one line per run; --verbose: every table
     ckpt scrub [--wait]                                  re-hash every copy now
+    ckpt workers [drain ID [--wait] | undrain ID | remove ID]   the storage workers
     ckpt pin ID [--note T] | ckpt unpin ID               keep a checkpoint whatever the policy
     ckpt forget ID... [--dry-run]                        stop keeping checkpoints remotely
     ckpt policy [RUN]                                    what the retention policy keeps, and why
@@ -43,6 +44,7 @@ from pipeline.cli.config_cmd import add_parser as add_config_parser
 from pipeline.cli.progress import wait_job
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
+from pipeline.cli.workers_cmd import add_parser as add_workers_parser
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
 
@@ -111,15 +113,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _worker_action(s: Settings, action: list[str]) -> int:
+    """``ckpt worker drain ID``, kept for scripts: ``ckpt workers drain ID``."""
     from pipeline import operations
     from pipeline.db.migrate import upgrade
 
     if len(action) != 2 or action[0] != "drain":
-        raise CkptError(f"unknown worker action {' '.join(action)!r}; try `ckpt worker drain ID`")
+        raise CkptError(f"unknown worker action {' '.join(action)!r}; try `ckpt workers drain ID`")
     upgrade(s.db_url)
     operations.drain(s, action[1])
     print(f"storage worker {action[1]} is draining: its shards are copied to other workers; "
-          "`ckpt status` shows it as removable when it is done")
+          f"`ckpt workers drain {action[1]} --wait` follows it until it is removable")
     return 0
 
 
@@ -308,7 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--timeout", type=float, default=24 * 3600.0)
     sc.set_defaults(func=cmd_scrub)
 
-    s = sub.add_parser("status", help="runs, checkpoints, jobs and storage workers")
+    s = sub.add_parser("status", help="cluster health and one line per run; --verbose: every table")
+    s.add_argument("--verbose", "-l", dest="detail", action="store_true",
+                   help="runs with their checkpoints, capacity, problems, jobs, hosts and workers (what a filter "
+                        "or --before shows too)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--all", action="store_true", help="every version of each checkpoint, not only the current one")
     s.add_argument("--run", help="only this run directory")
@@ -330,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     web.set_defaults(func=cmd_web)
 
     add_retention_parsers(sub)
+    add_workers_parser(sub)
     add_config_parser(sub)
 
     for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),

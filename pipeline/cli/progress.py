@@ -8,6 +8,7 @@ from typing import TextIO
 from pipeline import states
 from pipeline.errors import CkptError
 from pipeline.settings import Settings
+from pipeline.units import human_bytes
 
 
 def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -> int:
@@ -65,9 +66,9 @@ class Progress:
             return
         frac = min(1.0, done / total)
         width = 30
-        rate = done / max(1e-6, time.monotonic() - self.started) / 1e6
+        rate = done / max(1e-6, time.monotonic() - self.started)
         self.stream.write(f"\r  {state:<10} [{'#' * int(frac * width):<{width}}] {frac:6.1%} "
-                          f"{done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s")
+                          f"{human_bytes(done)}/{human_bytes(total)} {human_bytes(rate)}/s")
         self.stream.flush()
 
     def line(self, text: str) -> None:

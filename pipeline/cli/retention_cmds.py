@@ -5,10 +5,7 @@ import argparse
 
 from pipeline.cli.common import control_plane, settings_from
 from pipeline.cli.progress import wait_job
-
-
-def gb(n: int) -> str:
-    return f"{n / 1e9:,.2f} GB"
+from pipeline.units import human_bytes
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
@@ -39,7 +36,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
     verdicts = operations.forget(s, args.checkpoint, dry_run=args.dry_run)
     verb = "would forget" if args.dry_run else "forgot"
     for v in verdicts:
-        print(f"{verb} checkpoint {v.checkpoint_id}: {v.path} ({gb(v.bytes)})")
+        print(f"{verb} checkpoint {v.checkpoint_id}: {v.path} ({human_bytes(v.bytes)})")
     print(("they would" if args.dry_run else "they") + " no longer be restorable. " + LAST_COPY.format(
         grace=s.gc_grace_seconds, keep=s.keep_last))
     return 0
@@ -73,7 +70,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
             for v in verdicts:
                 mark = "keep  " if v.keep else "forget"
                 print(f"  {mark} {v.checkpoint_id:>6}  step {v.step if v.step is not None else '-':>8}  "
-                      f"{gb(v.bytes):>11}  {v.why}  {v.path}")
+                      f"{human_bytes(v.bytes):>11}  {v.why}  {v.path}")
             if any(not v.keep for v in verdicts):
                 print("  forgotten checkpoints are no longer restorable. " + LAST_COPY.format(
                     grace=s.gc_grace_seconds, keep=s.keep_last))
@@ -91,11 +88,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print("nothing to collect: every content on the workers is referenced by a kept checkpoint "
                   f"(or was released less than {s.gc_grace_seconds:.0f} s ago)")
         for f in result.freed:
-            print(f"storage worker {f.worker_id} ({f.state}): would delete {f.copies} copies, {gb(f.bytes)}")
+            print(f"storage worker {f.worker_id} ({f.state}): would delete {f.copies} copies, {human_bytes(f.bytes)}")
         if result.freed:
-            print(f"total: {sum(f.copies for f in result.freed)} copies, {gb(sum(f.bytes for f in result.freed))}")
+            freed = sum(f.bytes for f in result.freed)
+            print(f"total: {sum(f.copies for f in result.freed)} copies, {human_bytes(freed)}")
         return 0
-    print(f"marked {result.condemned} contents ({gb(result.condemned_bytes)}) as garbage")
+    print(f"marked {result.condemned} contents ({human_bytes(result.condemned_bytes)}) as garbage")
     if not result.jobs:
         print("no storage worker holds garbage")
         return 0

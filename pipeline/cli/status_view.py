@@ -12,10 +12,7 @@ from pipeline.core.health import ALARMING
 from pipeline.core.retention import recency
 from pipeline.db.transitions import now
 from pipeline.states import WorkerState
-
-
-def gb(n: int) -> str:
-    return f"{n / 1e9:,.2f} GB"
+from pipeline.units import human_bytes
 
 
 def _checkpoint_table(rows: list[dict], t: datetime) -> None:
@@ -33,7 +30,7 @@ def _checkpoint_table(rows: list[dict], t: datetime) -> None:
         written = age((t - c["written_at"]).total_seconds()) + " ago"
         local = c["local_copy"]
         print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {c['state']:<11} {reps:<14} {health:<17} {local:<22} "
-              f"{c['total_bytes'] / 1e6:>8.1f}MB  {c['name']}" + ("" if c["current"] else "  (older version)"))
+              f"{human_bytes(c['total_bytes']):>10}  {c['name']}" + ("" if c["current"] else "  (older version)"))
         if c.get("disk_changed"):
             print(f"            !! CHANGED ON DISK, not protected: {c['disk_changed']}")
         if c.get("blocked_reason"):
@@ -82,6 +79,97 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=jsonable))
         return 0
+    # A filter or a page asks for the checkpoint table: the full view.
+    if args.detail or args.all or args.run or args.state or args.search or args.before:
+        full(doc)
+    else:
+        compact(doc)
+    return 0
+
+
+def _run_problems(doc: dict, r: dict) -> list[str]:
+    """What is wrong with one run, in a few words each (the full view says each at length)."""
+    out = []
+    if r["behind"]:
+        out.append("protection BEHIND")
+    lost = sum(1 for c in doc["checkpoints"] if c["run"] == r["run"] and c["health"] == "lost")
+    if lost:
+        out.append(f"{lost} LOST")
+    failed = r["by_state"].get(states.StoreState.FAILED.value, 0)
+    if failed:
+        out.append(f"{failed} failed")
+    if r.get("changed_on_disk"):
+        out.append(f"{r['changed_on_disk']} CHANGED ON DISK")
+    if r["vanished_unprotected"]:
+        out.append(f"{r['vanished_unprotected']} deleted before protected")
+    unprotected = sum(1 for p in doc["problems"] if p["run"] == r["run"])
+    if unprotected:
+        out.append(f"{unprotected} not protected")
+    if any(d["run"] == r["run"] for d in doc["degraded"]):
+        out.append("trainer protection degraded")
+    return out
+
+
+def _cluster_line(doc: dict) -> str:
+    """One line of cluster health: workers, capacity, unfinished work, and what needs a look."""
+    ws = doc["workers"]
+    live = sum(1 for w in ws if w["state"] in states.COUNTING_WORKERS)
+    listed = [w for w in ws if w["state"] != WorkerState.REMOVABLE]
+    others: dict[str, int] = {}
+    for w in listed:
+        if w["state"] not in states.COUNTING_WORKERS:
+            others[w["state"]] = others.get(w["state"], 0) + 1
+    cap = doc["capacity"]
+    jobs = [j for j in doc["jobs"] if j["state"] in states.ACTIVE[j["kind"]]]
+    failed_jobs = [j for j in doc["jobs"] if j["state"] == "failed"]
+    alarms = []
+    if not live:
+        alarms.append("no storage worker up")
+    alarms += [f"{n} worker(s) {state.upper() if state in ('down', 'rejected') else state}"
+               for state, n in sorted(others.items())]
+    if cap["full_workers"]:
+        alarms.append(f"{cap['full_workers']} worker(s) FULL")
+    lost = sum(1 for c in doc["checkpoints"] if c["health"] == "lost")
+    if lost:
+        alarms.append(f"{lost} checkpoint(s) LOST")
+    if failed_jobs:
+        alarms.append(f"{len(failed_jobs)} failed job(s)")
+    if doc["problems"]:
+        alarms.append(f"{len(doc['problems'])} not protected")
+    health = "healthy" if not alarms else "ATTENTION: " + ", ".join(alarms)
+    return (f"cluster: {health} | {live} of {len(listed)} storage worker(s) up | {human_bytes(cap['used'])} used of "
+            f"{human_bytes(cap['capacity'])} | {len(jobs)} job(s) running")
+
+
+def compact(doc: dict) -> None:
+    """One line of cluster health, then one line per run."""
+    t = now()
+    print(_cluster_line(doc))
+    if not doc["runs"]:
+        print("runs: none yet (a checkpoint written under a watched root starts one)")
+    else:
+        rows = []
+        for r in doc["runs"]:
+            newest = r["newest_name"] + (f" (step {r['newest_step']})" if r["newest_step"] is not None
+                                         and str(r["newest_step"]) not in r["newest_name"] else "")
+            by = r["by_state"]
+            total = r["checkpoints"] - by.get(states.StoreState.FORGOTTEN.value, 0)
+            protected = sum(n for state, n in by.items() if state in states.PROTECTED)
+            rows.append((r["run"], f"{newest} {r['newest_state']}", f"{protected}/{total}",
+                         "; ".join(_run_problems(doc, r)) or "-"))
+        w_run = max(len("RUN"), *(len(x[0]) for x in rows))
+        w_new = max(len("NEWEST"), *(len(x[1]) for x in rows))
+        print(f"{'RUN':<{w_run}}  {'NEWEST':<{w_new}}  {'PROTECTED':>9}  PROBLEMS")
+        for run, newest, counted, said in rows:
+            print(f"{run:<{w_run}}  {newest:<{w_new}}  {counted:>9}  {said}")
+    if doc["degraded"]:
+        print()
+    _degraded(doc["degraded"], t)
+    print("(`ckpt status --verbose`: every checkpoint, problem and job; `ckpt workers`: the storage workers)")
+
+
+def full(doc: dict) -> None:
+    """Everything: runs with their checkpoints, capacity, problems, jobs, hosts and workers."""
     t = now()
     by_run: dict[str, list[dict]] = {}
     for c in doc["checkpoints"]:
@@ -96,7 +184,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             point = f"newest protected {step}, written {age(r['protected_age_s'])} ago"
         u = usage.get(r["run"], {"unique": 0, "shared": 0})
         print(f"  {r['run']}: {r['checkpoints']} checkpoint(s); {point}; "
-              f"stores {gb(u['unique'])} unique + {gb(u['shared'])} shared")
+              f"stores {human_bytes(u['unique'])} unique + {human_bytes(u['shared'])} shared")
         if r["policy_set"]:
             print(f"    remote retention: {r['policy']}")
         else:
@@ -121,11 +209,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     _degraded(doc["degraded"], t)
     cap = doc["capacity"]
     forecast = cap["forecast"]
-    print(f"capacity: {gb(cap['used'])} used of {gb(cap['capacity'])} on {cap['filesystems']} disk(s) of "
+    print(f"capacity: {human_bytes(cap['used'])} used of {human_bytes(cap['capacity'])} on "
+          f"{cap['filesystems']} disk(s) of "
           f"{cap['workers']} worker(s) (each disk counted once), "
-          f"high watermark at {gb(cap['limit'])}; {forecast}"
+          f"high watermark at {human_bytes(cap['limit'])}; {forecast}"
           + (f"; {cap['full_workers']} worker(s) FULL" if cap["full_workers"] else "")
-          + (f"; {gb(cap['garbage'])} being collected" if cap["garbage"] else ""))
+          + (f"; {human_bytes(cap['garbage'])} being collected" if cap["garbage"] else ""))
     if doc["next_before"]:
         print(f"  ... older checkpoints: `ckpt status --before {doc['next_before']}` (or --limit N, --run RUN, "
               "--state STATE, --search TEXT)")
@@ -156,5 +245,5 @@ def cmd_status(args: argparse.Namespace) -> int:
         failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]
         why = f"  ({w['last_error']})" if failing else ""
         print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} "
-              f"used {gb(w['used_bytes'])}, free {gb(w['free_bytes'])} of {gb(w['capacity_bytes'])}" + why)
-    return 0
+              f"used {human_bytes(w['used_bytes'])}, free {human_bytes(w['free_bytes'])} "
+              f"of {human_bytes(w['capacity_bytes'])}" + why)

@@ -228,3 +228,10 @@ def _record(s: Session, settings: Settings, url: str, answer: dict[str, Any] | s
 def _silent(settings: Settings, w: StorageWorker, t: datetime) -> bool:
     """Whether ``w`` proved nothing for ``worker_down_seconds``."""
     return w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
+
+
+def answers_as(settings: Settings, url: str, node_id: str, timeout: float = 5.0) -> bool:
+    """Whether the worker ``node_id`` answers at ``url`` now, proving the cluster key (one probe,
+    recorded nowhere): a worker about to be forgotten that would be found again."""
+    _url, answer, rejected = _ask(url, settings.key(), min(timeout, settings.probe_seconds))
+    return not rejected and isinstance(answer, dict) and answer.get("node_id") == node_id

@@ -303,3 +303,28 @@ def good_counts(session: Session, shas: Iterable[str]) -> dict[str, int]:
 __all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_after", "good_copies_per_shard",
            "good_copy", "good_count", "good_counts", "held_per_worker", "live_candidates", "move", "new_copy", "on",
            "place", "place_one", "placed_count", "shard_copies", "shas_on"]
+
+
+def short_without(session: Session, worker_id: str, wanted: int) -> tuple[int, int, int]:
+    """``(held, short, short_bytes)``: the live contents ``worker_id`` holds a sent copy of, and
+    how many of them (and their bytes) have fewer than ``wanted`` good copies on other workers.
+
+    ``wanted`` = RF: what a drain still has to move (0 short: the worker is drained);
+    ``wanted`` = 1: the contents of which it holds the only copy (removing it loses them)."""
+    its_content = (select(ContentCopy.sha256, Content.size).join(Content, Content.sha256 == ContentCopy.sha256)
+                   .where(ContentCopy.worker_id == worker_id, ContentCopy.state.in_(sorted(SENT)),
+                          Content.state == ContentState.LIVE.value).subquery())
+    elsewhere = (
+        select(ContentCopy.sha256, func.count(ContentCopy.worker_id).label("n"))
+        .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(ContentCopy.sha256.in_(select(its_content.c.sha256)), ContentCopy.worker_id != worker_id,
+               good_copy())
+        .group_by(ContentCopy.sha256)
+    ).subquery()
+    held = int(session.scalar(select(func.count()).select_from(its_content)) or 0)
+    short, size = session.execute(
+        select(func.count(), func.coalesce(func.sum(its_content.c.size), 0))
+        .select_from(its_content.outerjoin(elsewhere, elsewhere.c.sha256 == its_content.c.sha256))
+        .where(func.coalesce(elsewhere.c.n, 0) < wanted)).one()
+    return held, int(short), int(size)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Final
 
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from pipeline.db.models import StorageWorker
+from pipeline.db.engine import rowcount
+from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.errors import InvalidMove
-from pipeline.states import WORKER_INITIAL, WorkerState, worker_may
+from pipeline.states import UNDRAIN_MOVES, WORKER_INITIAL, WorkerState, worker_may
 
 
 class _Keep:
@@ -37,14 +39,17 @@ def may(worker: StorageWorker, to: str) -> bool:
     return worker_may(worker.state, to)
 
 
-def set_state(session: Session, worker: StorageWorker, to: str, *, error: str | None | _Keep = KEEP) -> bool:
+def set_state(session: Session, worker: StorageWorker, to: str, *, error: str | None | _Keep = KEEP,
+              operator: bool = False) -> bool:
     """Move ``worker`` to ``to``; True if it moved (False: it was there already).
 
     ``error`` becomes its ``last_error`` (None clears it; by default it is kept). Raises
     :class:`~pipeline.errors.InvalidMove` for a move :data:`~pipeline.states.WORKER_MOVES` lacks.
+    ``operator``: an operator's undrain, which may also take :data:`~pipeline.states.UNDRAIN_MOVES`.
     """
     target = WorkerState(to)
-    if not worker_may(worker.state, target):
+    undrain = operator and target in UNDRAIN_MOVES.get(WorkerState(worker.state), frozenset())
+    if not undrain and not worker_may(worker.state, target):
         raise InvalidMove(f"storage worker {worker.id}", worker.state, target)
     if not isinstance(error, _Keep):
         worker.last_error = error
@@ -65,4 +70,12 @@ def observe(session: Session, worker: StorageWorker, to: str, *, error: str | No
     return set_state(session, worker, to, error=error)
 
 
-__all__ = ["KEEP", "add", "may", "observe", "set_state"]
+def remove(session: Session, worker: StorageWorker) -> int:
+    """Forget ``worker`` and its copy rows (an operator's ``ckpt workers remove``, after
+    :func:`pipeline.operations.remove` checked that nothing depends on it); how many copy rows went."""
+    gone = session.execute(delete(ContentCopy).where(ContentCopy.worker_id == worker.id))
+    session.delete(worker)
+    return rowcount(gone)
+
+
+__all__ = ["KEEP", "add", "may", "observe", "remove", "set_state"]

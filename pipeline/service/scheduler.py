@@ -26,13 +26,20 @@ from pipeline import capacity, consumers, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.db import workers
-from pipeline.db.copies import contents_of, good_copies_per_shard, good_copy, just, move, place, shas_of
+from pipeline.db.copies import (
+    contents_of,
+    good_copies_per_shard,
+    just,
+    move,
+    place,
+    shas_of,
+    short_without,
+)
 from pipeline.db.engine import rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
     CheckpointPart,
-    Content,
     ContentCopy,
     Job,
     Lock,
@@ -303,19 +310,8 @@ def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
         for w in s.scalars(select(StorageWorker).where(StorageWorker.state == WorkerState.DRAINING)):
-            its_content = (select(ContentCopy.sha256).join(Content, Content.sha256 == ContentCopy.sha256)
-                           .where(ContentCopy.worker_id == w.id, ContentCopy.state.in_(sorted(states.SENT)),
-                                  Content.state == ContentState.LIVE).subquery())
-            elsewhere = (
-                select(ContentCopy.sha256, func.count(ContentCopy.worker_id).label("n"))
-                .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-                .join(Content, Content.sha256 == ContentCopy.sha256)
-                .where(ContentCopy.sha256.in_(select(its_content.c.sha256)), good_copy())
-                .group_by(ContentCopy.sha256)
-            ).subquery()
-            total = s.scalar(select(func.count()).select_from(its_content))
-            covered = s.scalar(select(func.count()).select_from(elsewhere).where(elsewhere.c.n >= settings.rf))
-            if covered == total:
+            total, short, _size = short_without(s, w.id, settings.rf)
+            if not short:
                 workers.set_state(s, w, WorkerState.REMOVABLE, error=None)
                 log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",
                          w.id, total)

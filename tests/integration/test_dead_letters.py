@@ -49,7 +49,7 @@ def test_a_store_the_cluster_cannot_place_waits_and_goes_on_when_a_worker_joins(
 
     job = cluster.wait_job(job_id, ("waiting",), timeout=60)
     assert "cluster full" in job.blocked_reason and "on 4 distinct workers, and only 3 of 3" in job.blocked_reason
-    r = cluster.cli("status")
+    r = cluster.cli("status", "--verbose")
     assert "waiting" in r.stdout and "cluster full" in r.stdout, r.stdout
     row = next(line for line in r.stdout.splitlines() if line.endswith("step_1.safetensors"))
     assert re.match(r"\s*\d+\s+1\s+\d+ s ago\s+waiting\s", row), row  # its step, how long ago it was written

@@ -96,7 +96,7 @@ def test_relative_roots_are_absolute_and_every_command_resolves_paths_from_its_o
 def test_later_commands_see_the_settings_ckpt_up_runs_with(project):
     project_dir, env, home = project
     sub = project_dir / "notebooks"
-    assert "remote retention: last 2" in ok(env, sub, "status")
+    assert "remote retention: last 2" in ok(env, sub, "status", "--verbose")
     assert ": remote retention last 2" in ok(env, sub, "policy")
     assert "released less than 0 s ago" in ok(env, sub, "gc", "--dry-run")
     lines = [" ".join(line.split()) for line in ok(env, sub, "config").splitlines()]

@@ -8,8 +8,10 @@ from pipeline.db.migrate import upgrade
 from tests.webui.test_checkpoint_list import _many
 
 
-def status_text(settings, capsys, *args: str) -> str:
-    parsed = build_parser().parse_args(["--home", str(settings.home), "status", *args])
+def status_text(settings, capsys, *args: str, verbose: bool = True) -> str:
+    """``ckpt status`` (``--verbose``: the full view, with every table) as it prints."""
+    parsed = build_parser().parse_args(["--home", str(settings.home), "status", *args,
+                                        *(["--verbose"] if verbose else [])])
     assert parsed.func(parsed) == 0
     return capsys.readouterr().out
 
@@ -37,3 +39,33 @@ def test_search_and_run_filter_the_checkpoints(settings, capsys):
     assert re.findall(r"^\s+(\d+)\s+\d+\s", found, re.M) == ["9"]
     only = status_text(settings, capsys, "--run", f"{root}alpha")
     assert f"{root}beta" not in only and len(re.findall(r"checkpoint-\d+$", only, re.M)) == 5
+
+
+def test_status_is_one_line_per_run_under_a_line_of_cluster_health(settings, capsys):
+    from datetime import timedelta
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import StorageWorker
+    from pipeline.db.transitions import now
+
+    upgrade(settings.db_url)
+    _many(settings, runs=("alpha", "beta"), per_run=5)  # steps 0..400; step 0 failed in each
+    with session_scope(settings.db_url) as s:
+        for wid, state in (("w1", "up"), ("w2", "up"), ("w3", "down")):
+            s.add(StorageWorker(id=wid, url=f"http://127.0.0.1:1/{wid}", source="static", state=state,
+                                capacity_bytes=270_550_000_000, free_bytes=80 * 10**9, used_bytes=201_300_000,
+                                last_seen=now() - timedelta(seconds=3)))
+    root = settings.roots[0].rstrip("*")
+    out = status_text(settings, capsys, verbose=False)
+    lines = out.splitlines()
+    assert lines[0].startswith("cluster: ATTENTION: 1 worker(s) DOWN, 2 failed job(s) | 2 of 3 storage worker(s) up")
+    assert re.search(r"\| [\d.,]+ (bytes|kB|MB|GB|TB) used of [\d.,]+ (bytes|kB|MB|GB|TB) \|", lines[0]), lines[0]
+    assert re.split(r"\s{2,}", lines[1]) == ["RUN", "NEWEST", "PROTECTED", "PROBLEMS"]
+    runs = [re.split(r"\s{2,}", line) for line in lines[2:4]]
+    assert runs == [[f"{root}alpha", "checkpoint-400 verified", "4/5", "1 failed"],
+                    [f"{root}beta", "checkpoint-400 verified", "4/5", "1 failed"]]
+    assert "checkpoint-300" not in out and "storage workers:" not in out  # the tables are --verbose's
+    full = status_text(settings, capsys)
+    assert "checkpoint-300" in full and "storage workers:" in full and "used 201.3 MB, free 80.0 GB of 270.6 GB" in full
+    # a filter asks for the checkpoints: the full view
+    assert "checkpoint-300" in status_text(settings, capsys, "--run", f"{root}alpha", verbose=False)

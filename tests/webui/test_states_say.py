@@ -126,7 +126,7 @@ def test_workers_on_one_disk_count_it_once(client, web_settings, capsys):
     # the watermark minus what others keep on the disk (70 GB less 1.5 GB of shards)
     assert u.limit == int(270 * GB * web_settings.high_watermark - (70 * GB - 3 * GB // 2))
 
-    assert "used of 270.00 GB on 1 disk(s) of 3 worker(s)" in status_text(web_settings, capsys)
+    assert "used of 270.0 GB on 1 disk(s) of 3 worker(s)" in status_text(web_settings, capsys)
     assert re.search(r"^ckpt_cluster_capacity_bytes 2\.7e\+11$", client.get("/metrics").get_data(as_text=True),
                      re.M)
     assert "of 270.0 GB" in client.get("/").get_data(as_text=True)
