@@ -18,6 +18,7 @@ from typing import Any
 
 import dramatiq
 from dramatiq import Message
+from dramatiq.broker import MessageProxy
 from dramatiq.brokers import redis as dramatiq_redis
 from dramatiq.brokers.stub import StubBroker
 
@@ -42,7 +43,7 @@ def claim(broker: dramatiq.Broker, queue: str, actor: str, args: Sequence[Any], 
     return True
 
 
-def release(broker: dramatiq.Broker, message: Message[Any]) -> None:
+def release(broker: dramatiq.Broker, message: Message[Any] | MessageProxy) -> None:
     """A worker starts on ``message``: it no longer waits, and the next request is sent."""
     if message.actor_name in COLLAPSED and isinstance(broker, dramatiq_redis.RedisBroker):
         broker.client.delete(_marker(broker, message.queue_name, message.actor_name, message.args))
