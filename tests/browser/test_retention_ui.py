@@ -16,6 +16,7 @@ from werkzeug.serving import make_server
 from pipeline.db.engine import session_scope
 from pipeline.db.transitions import create_job, transition
 from tests.browser.test_lists import ids_on
+from tests.browser.test_ui import WIDER, not_blank
 from tests.webui.test_checkpoint_list import _many
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -44,9 +45,10 @@ def log_in(page, base: str, token: str) -> None:
     page.wait_for_url(base + "/")
 
 
-def test_gc_and_retention_page_from_the_nav(served, browser):
+@pytest.mark.parametrize("width", [1400, 420])
+def test_gc_and_retention_page_from_the_nav(served, browser, width, tmp_path):
     base, _app = served
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page = browser.new_page(viewport={"width": width, "height": 900})
     page.goto(base + "/")
     with page.expect_navigation(wait_until="load"):
         page.click("header nav >> text=GC & retention")
@@ -55,6 +57,11 @@ def test_gc_and_retention_page_from_the_nav(served, browser):
     assert "no rule set anywhere" in page.inner_text("#policies")
     assert "Nothing to collect" in page.inner_text("#next-collection")
     assert "No collection has run yet." in page.inner_text("#gc-jobs")
+    out = tmp_path / f"retention-{width}px.png"
+    page.screenshot(path=str(out), full_page=True)
+    assert not_blank(out)
+    scroll = page.evaluate("document.documentElement.scrollWidth")
+    assert scroll <= width, f"the GC page is {scroll} px wide at {width} px: {page.evaluate(WIDER)}"
     page.close()
 
 
@@ -160,6 +167,8 @@ def test_a_job_page_that_cannot_be_live_says_so_polls_and_goes_live_again(served
         t.wait_for_selector("#job-state.gathering", timeout=10_000)
     tabs[0].close()
     tabs[2].locator("#live-notice").wait_for(state="hidden", timeout=15_000)
+    for t in tabs[1:]:
+        t.close()
 
     # Forced: no stream at all for this client. A new page says so at once and still follows the job.
     app.config["CKPT_STREAMS_PER_CLIENT"] = 0
@@ -170,7 +179,7 @@ def test_a_job_page_that_cannot_be_live_says_so_polls_and_goes_live_again(served
         transition(s, job, "restore", "gathering", "verified")
     solo.wait_for_selector("#job-state.verified", timeout=10_000)
     # The limit is lifted: live again without a reload by hand.
-    app.config["CKPT_STREAMS_PER_CLIENT"] = 2
+    app.config["CKPT_STREAMS_PER_CLIENT"] = 10
     app.config["CKPT_STREAMS"] = 10
     solo.locator("#live-notice").wait_for(state="hidden", timeout=10_000)
     context.close()

@@ -83,3 +83,30 @@ def test_bulk_forget_from_the_list_asks_first_then_reports_each(admin, client, w
     # nothing checked: back to the list, saying so
     back = admin.post("/checkpoints/bulk", data={"action": "pin", "csrf_token": token, "next": "/checkpoints"})
     assert back.status_code == 303 and back.headers["Location"].endswith("/checkpoints")
+
+
+def test_bulk_and_sorted_pages_on_each_database(db):
+    """webui.bulk and a sorted page's SQL on SQLite and PostgreSQL: a rehearsed pin is rolled
+    back, each checkpoint is done or refused alone, a missing step sorts last both ways."""
+    from sqlalchemy import update
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Checkpoint
+    from webui import bulk as bulk_mod
+    from webui import data
+    from webui.sorting import CHECKPOINTS, Sort
+
+    _many(db, runs=("alpha",), per_run=6)  # ids 1..6; id 1 failed; 6 newest
+    with session_scope(db.db_url) as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == 3).values(step=None, local_present=False))
+    rehearsed = bulk_mod.run(db, "pin", [2, 2, 5], note="n", dry_run=True)
+    assert [(o.id, o.ok) for o in rehearsed] == [(2, True), (5, True)]  # each once
+    assert not any(r["pinned"] for r in data.checkpoints(db))
+    forgot = bulk_mod.run(db, "forget", [1, 3, 4, 6])
+    assert [(o.id, o.ok, o.only_local_copy) for o in forgot] == [(1, False, False), (3, True, False),
+                                                                (4, True, True), (6, False, False)]
+    assert [r["state"] for r in data.checkpoints(db) if r["id"] in (3, 4)] == ["forgotten", "forgotten"]
+    for desc in (False, True):
+        rows = data.checkpoints(db, order=Sort("step", desc).order(CHECKPOINTS))
+        assert rows[-1]["id"] == 3  # no step: last, either way
+        assert [r["step"] for r in rows[:-1]] == sorted((r["step"] for r in rows[:-1]), reverse=desc)
