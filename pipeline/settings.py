@@ -225,13 +225,16 @@ class Settings:
     def policy_for(self, run: str) -> Policy:
         """The remote retention policy of ``run``: the first ``[runs."<glob>"]`` table that
         matches it over the global ``remote_*`` settings."""
-        over: dict[str, Any] = {}
+        return self.policy_with(self.run_table(run)[1])
+
+    def run_table(self, run: str) -> tuple[str | None, dict[str, Any]]:
+        """The first ``[runs."<glob>"]`` table matching ``run``: its glob and its options
+        (``(None, {})``: none matches, the global ``remote_*`` settings decide)."""
         if self.run_options:
             for pattern, opts in json.loads(self.run_options).items():
                 if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
-                    over = opts
-                    break
-        return self.policy_with(over)
+                    return pattern, opts
+        return None, {}
 
     def policy_with(self, over: Mapping[str, Any]) -> Policy:
         """The global remote policy with the options of one ``[runs."<glob>"]`` table over it."""

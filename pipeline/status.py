@@ -234,10 +234,11 @@ def problem_dicts(session: Session) -> list[dict[str, Any]]:
 
 def checkpoint_page(session: Session, *, all_versions: bool = False, run: str | None = None,
                     state: str | None = None, before: int | None = None, limit: int = 50,
-                    search: str | None = None) -> list[Checkpoint]:
+                    search: str | None = None, order: tuple[Any, ...] = (), offset: int = 0) -> list[Checkpoint]:
     """Checkpoints newest first (by id), filtered, one page: ids below ``before``. ``search``:
-    only those whose path holds this text (any case)."""
-    q = select(Checkpoint).order_by(Checkpoint.id.desc()).limit(limit)
+    only those whose path holds this text (any case). ``order`` (the web UI's sortable
+    columns): sorted by it first, then newest first, pages by ``offset``."""
+    q = select(Checkpoint).order_by(*order, Checkpoint.id.desc()).offset(offset).limit(limit)
     if search:
         q = q.where(func.lower(Checkpoint.path).contains(search.lower(), autoescape=True))
     if not all_versions:

@@ -10,7 +10,7 @@ from flask.typing import ResponseReturnValue
 from pipeline import operations, states
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
-from webui import data
+from webui import bulk, data
 from webui.errors import ApiError
 from webui.security import api_admin
 
@@ -117,6 +117,12 @@ def capacity() -> ResponseReturnValue:
     return jsonify(data.capacity_doc(settings()))
 
 
+@bp.get("/retention")
+def retention() -> ResponseReturnValue:
+    """The GC and retention page's data: policies, pins, the next collection, the last ones."""
+    return jsonify(data.retention(settings()))
+
+
 @bp.get("/dead-letters")
 def dead_letters() -> ResponseReturnValue:
     rows, more = data.paged(data.dead_letters(settings(), search=request.args.get("q") or None),
@@ -193,6 +199,27 @@ def gc() -> ResponseReturnValue:
                    condemned_bytes=r.condemned_bytes, freed=[f.__dict__ for f in r.freed])
     resp.status_code = 200 if flag(doc, "dry_run") else 202
     return resp
+
+
+@bp.post("/checkpoints/bulk")
+@api_admin
+def checkpoints_bulk() -> ResponseReturnValue:
+    """``{"action": "pin"|"unpin"|"forget", "checkpoints": [ids], "note": ..., "dry_run": bool}``:
+    each checkpoint done (or, with ``dry_run``, what would happen) or refused on its own,
+    with the reason; 200 whatever the outcomes (webui.bulk)."""
+    doc = body("action")
+    action, ids, note = doc["action"], doc.get("checkpoints"), doc.get("note")
+    if action not in bulk.ACTIONS:
+        raise ApiError(400, f'"action" must be one of {", ".join(bulk.ACTIONS)}, not {json.dumps(action)}')
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ApiError(400, '"checkpoints" must be a non-empty list of checkpoint ids')
+    if note is not None and not isinstance(note, str):
+        raise ApiError(400, '"note" must be text')
+    dry_run = flag(doc, "dry_run")
+    outcomes = bulk.run(settings(), action, ids, note=note, dry_run=dry_run)
+    return jsonify(action=action, dry_run=dry_run, results=bulk.as_json(outcomes),
+                   done=sum(o.ok for o in outcomes), refused=sum(not o.ok for o in outcomes),
+                   last_copy=bulk.last_copy(settings()) if action == "forget" else None)
 
 
 @bp.post("/checkpoints/<int:checkpoint_id>/<any(pin, unpin, forget):action>")

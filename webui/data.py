@@ -50,17 +50,18 @@ PAGE = 100
 
 def checkpoints(settings: Settings, *, state: str | None = None, run: str | None = None,
                 all_versions: bool = False, before: int | None = None, limit: int = PAGE,
-                search: str | None = None) -> list[dict[str, Any]]:
+                search: str | None = None, order: tuple[Any, ...] = (), offset: int = 0) -> list[dict[str, Any]]:
     """One page of the current version of each checkpoint (every version with
-    ``all_versions``), newest first: ids below ``before``; ``search`` in their paths."""
+    ``all_versions``), newest first: ids below ``before``; ``search`` in their paths;
+    ``order``/``offset``: a sorted list's page (webui.sorting)."""
     with session_scope(settings.db_url, readonly=True) as s:
         page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
-                               search=search)
+                               search=search, order=order, offset=offset)
         return checkpoint_rows(s, settings, page)
 
 
 def run(settings: Settings, name: str, *, state: str | None = None, search: str | None = None,
-        page: int = 0, limit: int = PAGE) -> dict[str, Any]:
+        page: int = 0, limit: int = PAGE, order: tuple[Any, ...] = ()) -> dict[str, Any]:
     """One run: its summary (newest protected step, policy, usage) and one page of its current
     checkpoints by step, newest first, each marked protected or not."""
     with session_scope(settings.db_url, readonly=True) as s:
@@ -68,7 +69,7 @@ def run(settings: Settings, name: str, *, state: str | None = None, search: str 
         if summary is None:
             raise UnknownRun(name)
         q = (select(Checkpoint).where(Checkpoint.run == name, Checkpoint.current.is_(True))
-             .order_by(*newest_first()).offset(page * limit).limit(limit + 1))
+             .order_by(*order, *newest_first()).offset(page * limit).limit(limit + 1))
         if state:
             q = q.where(Checkpoint.store_state == state)
         if search:
@@ -216,12 +217,12 @@ def _matrix(c: Checkpoint, per_worker: dict[str, dict[str, str]], workers: list[
 
 
 def jobs(settings: Settings, *, state: str | None = None, kind: str | None = None, before: int | None = None,
-         limit: int = PAGE, search: str | None = None) -> list[dict]:
+         limit: int = PAGE, search: str | None = None, order: tuple[Any, ...] = (), offset: int = 0) -> list[dict]:
     """One page of jobs, newest first: ids below ``before``. ``search``: a job id (``12`` or
     ``#12``), else text in the checkpoint's path, the error, the reason it waits or the
     parameters (worker, destination), or the start of the content's SHA-256."""
     with session_scope(settings.db_url, readonly=True) as s:
-        q = select(Job).order_by(Job.id.desc()).limit(limit)
+        q = select(Job).order_by(*order, Job.id.desc()).offset(offset).limit(limit)
         if search and search.lstrip("#").isdigit():
             q = q.where(Job.id == int(search.lstrip("#")))
         elif search:
@@ -429,3 +430,45 @@ def hosts(settings: Settings) -> list[dict[str, Any]]:
     last reported in), those a restore may go to first (pipeline/db/hosts.py)."""
     with session_scope(settings.db_url, readonly=True) as s:
         return [dataclasses.asdict(h) for h in db_hosts.listed(s, settings)]
+
+
+def retention(settings: Settings) -> dict[str, Any]:
+    """The GC and retention page: per run its effective remote policy (and where it comes
+    from), what the policy would forget now (pipeline.integrity.retention.plan_run, as `ckpt
+    policy`) and its pins; what the next collection would free per worker (the collection's
+    own dry run, as `ckpt gc --dry-run`); the last collections and what they freed."""
+    from pipeline import operations
+    from pipeline.integrity import retention as retention_mod
+
+    runs = []
+    with session_scope(settings.db_url, readonly=True) as s:
+        for name in s.scalars(select(Checkpoint.run).where(Checkpoint.current.is_(True)).distinct()
+                              .order_by(Checkpoint.run)):
+            pattern, _opts = settings.run_table(name)
+            policy = settings.policy_for(name)
+            verdicts = retention_mod.plan_run(s, settings, name)
+            dropped = [v for v in verdicts if not v.keep]
+            pins = checkpoint_rows(s, settings, list(s.scalars(
+                select(Checkpoint).where(Checkpoint.run == name, Checkpoint.current.is_(True),
+                                         Checkpoint.pinned.is_(True)).order_by(*newest_first()))))
+            runs.append({
+                "run": name, "policy": policy.describe(), "policy_set": policy.is_set,
+                "source": (f'[runs."{pattern}"] (config.toml or CKPT_RUN_OPTIONS)' if pattern else
+                           "the global remote_* settings" if policy.is_set else "no rule set anywhere"),
+                "local_keep_last": settings.keep_last, "protected": len(verdicts),
+                "kept": len(verdicts) - len(dropped), "dropped": [dataclasses.asdict(v) for v in dropped],
+                "dropped_bytes": sum(v.bytes for v in dropped),
+                "pins": [{"id": p["id"], "name": p["name"], "step": p["step"], "note": p["pin_note"],
+                          "state": p["state"]} for p in pins],
+            })
+        gc_jobs = []
+        for j in s.scalars(select(Job).where(Job.kind == JobKind.GC).order_by(Job.id.desc()).limit(10)):
+            d = job_dict(j)
+            d.update(worker_id=j.params.get("worker_id"), deleted=int(j.params.get("deleted", 0)),
+                     freed_bytes=int(j.params.get("bytes", 0)))
+            gc_jobs.append(d)
+    freed = operations.collect_garbage(settings, dry_run=True).freed
+    return {"runs": runs, "next_collection": [dataclasses.asdict(f) for f in freed],
+            "next_copies": sum(f.copies for f in freed), "next_bytes": sum(f.bytes for f in freed),
+            "gc_jobs": gc_jobs, "grace_seconds": settings.gc_grace_seconds, "gc_cron": settings.gc_cron,
+            "local_keep_last": settings.keep_last}

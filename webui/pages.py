@@ -9,6 +9,7 @@ from typing import Any
 from flask import (
     Blueprint,
     Response,
+    abort,
     current_app,
     flash,
     jsonify,
@@ -24,7 +25,8 @@ from pipeline import operations, states
 from pipeline.errors import CkptError, RestoreError, UnknownCheckpoint
 from pipeline.settings import Settings
 from pipeline.tasks import deadletters
-from webui import data, streams
+from webui import bulk as bulk_mod
+from webui import data, sorting, streams
 from webui.charts import capacity_chart, protection_chart, throughput_chart
 from webui.errors import status_of
 from webui.security import form_admin
@@ -58,11 +60,11 @@ def overview() -> ResponseReturnValue:
 def checkpoints() -> ResponseReturnValue:
     state, run = request.args.get("state") or None, request.args.get("run") or None
     q = request.args.get("q", "").strip() or None
-    before = request.args.get("before", type=int)
-    items = data.checkpoints(settings(), state=state, run=run, before=before, search=q)
+    items, sort, number, more = sorting.listing(
+        lambda **page: data.checkpoints(settings(), state=state, run=run, search=q, **page), sorting.CHECKPOINTS)
     return render_template("checkpoints.html", items=items, runs=data.runs(settings()), state=state, run=run, q=q,
-                           states=sorted(states.all_states("store")), now=data.now(),
-                           older=items[-1]["id"] if len(items) == data.PAGE else None)
+                           states=sorted(states.all_states("store")), now=data.now(), sort=sort, page=number,
+                           more=more, older=items[-1]["id"] if more and not sort.key else None)
 
 
 @bp.route("/runs")
@@ -72,9 +74,10 @@ def run() -> ResponseReturnValue:
     name = request.args.get("name") or ""
     state, q = request.args.get("state") or None, request.args.get("q", "").strip() or None
     number = max(0, request.args.get("page", 0, type=int))
-    doc = data.run(settings(), name, state=state, search=q, page=number)
+    sort = sorting.requested(sorting.RUN)
+    doc = data.run(settings(), name, state=state, search=q, page=number, order=sort.order(sorting.RUN))
     return render_template("run.html", r=doc, name=name, state=state, q=q, page=number, now=data.now(),
-                           states=sorted(states.all_states("store")))
+                           states=sorted(states.all_states("store")), sort=sort)
 
 
 @bp.route("/checkpoints/<int:checkpoint_id>")
@@ -100,6 +103,26 @@ def checkpoint_retention(checkpoint_id: int, action: str) -> ResponseReturnValue
     except CkptError as e:  # shown where it was asked, in the page's words
         flash(str(e), "error")
     return redirect(url_for("pages.checkpoint", checkpoint_id=checkpoint_id), code=303)
+
+
+@bp.route("/checkpoints/bulk", methods=("POST",))
+@form_admin
+def bulk() -> ResponseReturnValue:
+    """Pin, unpin or forget the checked checkpoints: first a page saying what would happen to
+    each (nothing changed), then, confirmed there, each done or refused on its own."""
+    action, note = request.form.get("action", ""), request.form.get("note", "").strip() or None
+    back = request.form.get("next", "")
+    back = back if back.startswith("/") and not back.startswith("//") else url_for("pages.checkpoints")
+    ids = [int(i) for i in request.form.getlist("id") if i.isdigit()]
+    if action not in bulk_mod.ACTIONS:
+        abort(400, description=f"unknown action {action!r}: pin, unpin or forget")
+    if not ids:
+        flash("check the checkpoints to " + action + " first", "error")
+        return redirect(back, code=303)
+    confirmed = request.form.get("confirm") == "1"
+    outcomes = bulk_mod.run(settings(), action, ids, note=note, dry_run=not confirmed)
+    return render_template("bulk.html", action=action, note=note, back=back, outcomes=outcomes, done=confirmed,
+                           last_copy=bulk_mod.last_copy(settings()))
 
 
 def chosen_host() -> str | None:
@@ -165,11 +188,12 @@ def health() -> ResponseReturnValue:
 def jobs() -> ResponseReturnValue:
     state, kind = request.args.get("state") or None, request.args.get("kind") or None
     q = request.args.get("q", "").strip() or None
-    items = data.jobs(settings(), state=state, kind=kind, search=q, before=request.args.get("before", type=int))
+    items, sort, number, more = sorting.listing(
+        lambda **page: data.jobs(settings(), state=state, kind=kind, search=q, **page), sorting.JOBS)
     every = sorted({st for edges in states.TRANSITIONS.values() for src, dsts in edges.items() for st in (src, *dsts)})
     return render_template("jobs.html", items=items, state=state, kind=kind, q=q, kinds=sorted(states.TRANSITIONS),
-                           all_states=every,
-                           older=items[-1]["id"] if len(items) == data.PAGE else None)
+                           all_states=every, sort=sort, page=number, more=more,
+                           older=items[-1]["id"] if more and not sort.key else None)
 
 
 @bp.route("/jobs/<int:job_id>")
@@ -224,8 +248,9 @@ def job_stream(job_id: int) -> ResponseReturnValue:
 def workers() -> ResponseReturnValue:
     q = request.args.get("q", "").strip() or None
     number = max(0, request.args.get("page", 0, type=int))
-    items, more = data.paged(data.workers(settings(), search=q), number)
-    return render_template("workers.html", items=items, q=q, page=number, more=more,
+    sort = sorting.requested(sorting.WORKERS)
+    items, more = data.paged(sort.rows(data.workers(settings(), search=q), sorting.WORKERS), number)
+    return render_template("workers.html", items=items, q=q, page=number, more=more, sort=sort,
                            sticky=sorted(states.STICKY_WORKERS))
 
 
@@ -240,6 +265,12 @@ def worker_drain(worker_id: str) -> ResponseReturnValue:
     except CkptError as e:
         flash(str(e), "error")
     return redirect(url_for("pages.workers"), code=303)
+
+
+@bp.route("/retention")
+def retention() -> ResponseReturnValue:
+    """GC and retention: each run's policy and pins, what the next collection would free."""
+    return render_template("retention.html", g=data.retention(settings()))
 
 
 @bp.route("/dead-letters")
