@@ -37,7 +37,7 @@ def receiver(answers: list[int]):
     seen: list[tuple[int, str, dict[str, str], bytes]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             status = answers.pop(0) if answers else 200
             seen.append((status, self.path, dict(self.headers.items()), body))
