@@ -275,8 +275,11 @@ def refresh(settings: Settings, at: datetime | None = None,
     (``fired``, ``resolved``) in the order they happened, for the webhook."""
     t = at or now()
     events: list[tuple[Alert, str]] = []
-    with session_scope(settings.db_url) as s:
+    # The conditions' queries (some scan every protected checkpoint's copies) run in a read-only
+    # session: on SQLite a write transaction would hold every writer back for as long.
+    with session_scope(settings.db_url, readonly=True) as s:
         found, unknown = evaluate(s, settings, t, dead_letters)
+    with session_scope(settings.db_url) as s:
         rows = {r.key: r for r in s.scalars(select(Alert).where(Alert.resolved_at.is_(None)))}
         for c in found:
             kind = KINDS[c.alert]

@@ -209,3 +209,22 @@ def test_incidents_show_a_repair_with_the_scrub_that_found_it(db):
     [i] = alerts.incidents(db)
     assert i["found_by"] == scrub and i["resolved_by"] == repair and i["kind"] == "damaged copy"
     assert "scrub of w-0 found its copy bad" in i["what"] and "1 copies rebuilt and verified" in i["resolution"]
+
+
+def test_a_check_that_fails_leaves_its_open_alerts_as_they_are(db, monkeypatch):
+    seed(db)
+    with session_scope(db.db_url) as session:
+        session.execute(update(StorageWorker).where(StorageWorker.id == "w-1")
+                        .values(state="down", last_seen=now() - timedelta(hours=1)))
+    assert fired(alerts.refresh(db), "worker_down")
+    with session_scope(db.db_url) as session:
+        session.execute(update(StorageWorker).values(state="up"))
+
+    def broken(*args):
+        raise RuntimeError("a bad row")
+
+    monkeypatch.setitem(alerts.CHECKS, "worker_down", broken)
+    assert not resolved(alerts.refresh(db), "worker_down")  # a failure to look is not "all is well"
+    assert "worker_down" in [r.alert for r in open_rows(db)]
+    monkeypatch.undo()
+    assert resolved(alerts.refresh(db), "worker_down")
