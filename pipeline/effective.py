@@ -49,7 +49,7 @@ def _secret(name: str, value: Any) -> str | None:
 
     if name == "cluster_key":
         return "***" if value else None
-    if name in ("database_url", "redis_url") and value and masked_url(str(value)) != str(value):
+    if name in ("database_url", "redis_url", "alert_webhook") and value and masked_url(str(value)) != str(value):
         return masked_url(str(value))
     return None
 

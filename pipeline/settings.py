@@ -173,6 +173,19 @@ class Settings:
     #: Copies deleted per request to a worker, and the most deleted per second (0: unthrottled).
     gc_batch: int = 200
     gc_rate: float = 500.0
+    #: Alerts (pipeline/alerts.py): a condition becomes an alert once it has held this long. A
+    #: storage worker down or rejected; content short of RF good copies; a run whose newest save
+    #: is not protected, or whose trainer's saves cannot be protected (pipeline/degraded.py).
+    #: Content lost, a disk above the high watermark and dead letters are alerts at once.
+    alert_worker_down_seconds: float = 300.0
+    alert_under_replicated_seconds: float = 3600.0
+    alert_unprotected_seconds: float = 3600.0
+    #: A storage worker's scrub is overdue when none finished within this long after the time
+    #: the scrub schedule (``scrub_cron``) made it due.
+    alert_scrub_grace_seconds: float = 12 * 3600.0
+    #: A URL the scheduler POSTs JSON to when an alert fires and when it is resolved, signed with
+    #: the cluster key (pipeline/webhook.py); empty: none.
+    alert_webhook: str = ""
     #: Browse mDNS for storage workers (``_ckpt-store._tcp.local.``).
     mdns: int = 1
     #: Addresses zeroconf uses, comma-separated, or "all"; loopback only by default.

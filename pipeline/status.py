@@ -5,18 +5,20 @@ import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
 from pipeline.core import health as health_of
 from pipeline.core.health import shard_health, worker_healths
 from pipeline.db import hosts
-from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard
+from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard, good_copy
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
+    Content,
+    ContentCopy,
     Job,
     Shard,
     StorageWorker,
@@ -25,7 +27,7 @@ from pipeline.db.models import (
 from pipeline.db.transitions import latest_store_ids, now
 from pipeline.detection import problems, waits
 from pipeline.settings import Settings
-from pipeline.states import JobKind, StoreState
+from pipeline.states import ContentState, JobKind, StoreState
 
 
 def replica_counts(session: Session, checkpoint_ids: list[int]) -> dict[int, int]:
@@ -219,6 +221,25 @@ def run_summaries(session: Session, settings: Settings, at: datetime | None = No
             "behind": behind,
         })
     return out
+
+
+def lost_contents() -> Select[Any]:
+    """Live contents of which no worker holds a good copy (pipeline.core.copies)."""
+    good = (select(ContentCopy.sha256).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256).where(good_copy()))
+    return select(Content.sha256).where(Content.state == ContentState.LIVE, Content.sha256.not_in(good))
+
+
+def lost_checkpoints(s: Session) -> int:
+    """Current protected checkpoints without a local copy that reference a content no worker
+    holds a good copy of."""
+    lost = lost_contents()
+    if s.scalar(lost.limit(1)) is None:  # the usual answer, without joining every checkpoint
+        return 0
+    return s.scalar(
+        select(func.count(func.distinct(Checkpoint.id))).join(CheckpointFile).join(Shard)
+        .where(Checkpoint.current.is_(True), Checkpoint.local_present.is_(False),
+               Checkpoint.store_state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(lost))) or 0
 
 
 def degraded_runs(settings: Settings) -> list[dict[str, Any]]:

@@ -32,13 +32,14 @@ def create_app(test_config: dict[str, Any] | None = None, settings: settings_mod
     if test_config:
         app.config.update(test_config)
 
-    from webui import api, auth, errors, metrics, pages
+    from webui import api, auth, errors, incidents, metrics, pages
     from webui.security import csrf_token
 
     app.register_blueprint(pages.bp)
     app.register_blueprint(api.bp)
     app.register_blueprint(auth.bp)
     app.register_blueprint(metrics.bp)
+    app.register_blueprint(incidents.bp)
     errors.register(app)
     app.jinja_env.globals["csrf_token"] = csrf_token
     app.jinja_env.filters["bytes"] = _bytes

@@ -15,12 +15,11 @@ from sqlalchemy.orm import Session, selectinload
 from pipeline import capacity, states
 from pipeline.core.health import checkpoint_health, shard_health, worker_healths
 from pipeline.db import hosts as db_hosts
-from pipeline.db.copies import content_copies, fresh_after, good_copy, held_per_worker
+from pipeline.db.copies import content_copies, fresh_after, held_per_worker
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
-    Content,
     ContentCopy,
     Job,
     JobEvent,
@@ -31,12 +30,13 @@ from pipeline.db.transitions import now
 from pipeline.detection import waits
 from pipeline.errors import UnknownCheckpoint, UnknownJob, UnknownRun
 from pipeline.settings import Settings
-from pipeline.states import RETIRED, ContentState, JobKind, StoreState, WorkerState
+from pipeline.states import RETIRED, JobKind, StoreState, WorkerState
 from pipeline.status import (
     checkpoint_page,
     checkpoint_rows,
     degraded_runs,
     job_dict,
+    lost_checkpoints,
     newest_first,
     problem_dicts,
     run_facts,
@@ -391,20 +391,6 @@ def capacity_doc(settings: Settings) -> dict[str, Any]:
     with session_scope(settings.db_url, readonly=True) as s:
         return {"capacity": capacity.usage(s, settings).as_dict(), "runs": capacity.per_run(s),
                 "history": capacity.history(s, limit=400)}
-
-
-def lost_checkpoints(s: Session) -> int:
-    """Current protected checkpoints without a local copy that reference a content no worker
-    holds a good copy of."""
-    good = (select(ContentCopy.sha256).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-            .join(Content, Content.sha256 == ContentCopy.sha256).where(good_copy()))
-    lost = select(Content.sha256).where(Content.state == ContentState.LIVE, Content.sha256.not_in(good))
-    if s.scalar(lost.limit(1)) is None:  # the usual answer, without joining every checkpoint
-        return 0
-    return s.scalar(
-        select(func.count(func.distinct(Checkpoint.id))).join(CheckpointFile).join(Shard)
-        .where(Checkpoint.current.is_(True), Checkpoint.local_present.is_(False),
-               Checkpoint.store_state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(lost))) or 0
 
 
 def or_active() -> ColumnElement[bool]:

@@ -12,11 +12,12 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pipeline import capacity, consumers, queues, states
+from pipeline import alerts, capacity, consumers, queues, states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer
 from pipeline.states import JobKind, WorkerState
 from pipeline.status import degraded_runs, problem_dicts, run_summaries
+from pipeline.tasks import deadletters
 from webui import data
 
 log = logging.getLogger("ckpt.web")
@@ -54,7 +55,7 @@ class ControlPlaneCollector:
             # What the run and capacity gauges need, not the whole of `ckpt status`.
             doc = {"runs": run_summaries(session, s), "problems": problem_dicts(session),
                    "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session),
-                   "degraded": degraded_runs(s)}
+                   "degraded": degraded_runs(s), "last_scrubs": alerts.last_scrubs(session)}
         yield jobs
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
         g.add_metric([], stored)
@@ -77,14 +78,46 @@ class ControlPlaneCollector:
         yield shards
         up = GaugeMetricFamily("ckpt_worker_up", "1 if the storage worker is up", labels=["worker", "state"])
         free = GaugeMetricFamily("ckpt_worker_free_bytes", "Free bytes on the storage worker", labels=["worker"])
+        used = GaugeMetricFamily("ckpt_worker_disk_used_ratio", "Used fraction of the storage worker's capacity "
+                                 "(1 - free / capacity)", labels=["worker"])
         for w in data.workers(s):
             up.add_metric([w["id"], w["state"]], 1 if w["state"] == WorkerState.UP else 0)
             free.add_metric([w["id"]], w["free_bytes"])
+            if w["capacity_bytes"]:
+                used.add_metric([w["id"]], 1 - w["free_bytes"] / w["capacity_bytes"])
+        mark = GaugeMetricFamily("ckpt_high_watermark_ratio", "Used fraction above which a storage worker is full "
+                                 "(CKPT_HIGH_WATERMARK)")
+        mark.add_metric([], s.high_watermark)
         yield up
         yield free
+        yield used
+        yield mark
+        yield from _alert_metrics(s, doc)
         yield from _detection_metrics(doc)
         yield from _capacity_metrics(doc)
         yield from _queue_metrics(s)
+
+
+def _alert_metrics(settings: Any, doc: dict[str, Any]) -> Iterator[Any]:
+    """The alerts the scheduler keeps (pipeline/alerts.py), and what the rules of
+    docs/alerts.yml need besides the gauges above: dead letters, each worker's last scrub."""
+    active = GaugeMetricFamily("ckpt_alert_active", "Alerts open and fired, by condition (pipeline/alerts.py)",
+                               labels=["alert", "severity"])
+    for name, n in alerts.counts(settings).items():
+        active.add_metric([name, alerts.KINDS[name].severity], n)
+    yield active
+    letters = GaugeMetricFamily("ckpt_dead_letters", "Messages given up on after their retries (absent: the "
+                                "broker could not be read)")
+    try:
+        letters.add_metric([], deadletters.summary(settings)[0])
+    except Exception:
+        log.warning("/metrics: could not count the dead letters", exc_info=True)
+    yield letters
+    scrubbed = GaugeMetricFamily("ckpt_worker_last_scrub_timestamp_seconds", "When the storage worker's last "
+                                 "scrub finished (Unix time)", labels=["worker"])
+    for worker, at in sorted(doc["last_scrubs"].items()):
+        scrubbed.add_metric([worker], at.timestamp())
+    yield scrubbed
 
 
 def _queue_metrics(settings: Any) -> Iterator[Any]:

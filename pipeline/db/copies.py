@@ -19,13 +19,14 @@ from sqlalchemy.orm.util import identity_key
 
 from pipeline.core import placement
 from pipeline.core.copies import Copy, ShardCopies, good_workers
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
-from pipeline.db.transitions import now
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.transitions import latest_store_ids, now
 from pipeline.errors import InvalidMove, PlacementError
 from pipeline.states import (
     COUNTING_WORKERS,
     PLACEABLE_WORKERS,
     PLACED,
+    PROTECTED,
     REUSABLE,
     SENT,
     ContentState,
@@ -328,3 +329,11 @@ def short_without(session: Session, worker_id: str, wanted: int) -> tuple[int, i
         .select_from(its_content.outerjoin(elsewhere, elsewhere.c.sha256 == its_content.c.sha256))
         .where(func.coalesce(elsewhere.c.n, 0) < wanted)).one()
     return held, int(short), int(size)
+
+
+def short_contents(s: Session, rf: int) -> list[str]:
+    """Contents of protected checkpoints short of RF good copies."""
+    protected = select(Job.checkpoint_id).where(Job.id.in_(latest_store_ids()), Job.state.in_(sorted(PROTECTED)))
+    per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
+    short = select(per_shard.c.sid).where(per_shard.c.n < rf)
+    return list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()))

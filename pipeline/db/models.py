@@ -444,3 +444,40 @@ class Lock(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(256))
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class Alert(Base):
+    """One occurrence of an alert condition (pipeline/alerts.py), from the first evaluation that
+    found it until the first that did not: the banner shows the active ones that fired, the
+    incidents page their history. A condition that clears before its threshold leaves no row."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        # At most one open occurrence of a condition.
+        Index("uq_alerts_open_key", "key", unique=True,
+              sqlite_where=text("resolved_at IS NULL"), postgresql_where=text("resolved_at IS NULL")),
+        Index("ix_alerts_since", "since"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    #: ``<alert>:<hash of subject>``: names one condition (pipeline.alerts.key_of).
+    key: Mapped[str] = mapped_column(String(64))
+    #: The condition (pipeline.alerts.KINDS): worker_down, content_lost, ...
+    alert: Mapped[str] = mapped_column(String(32))
+    #: What it is about: a worker id, a run, "" for the cluster.
+    subject: Mapped[str] = mapped_column(Text, default="")
+    severity: Mapped[str] = mapped_column(String(16))
+    #: What was found, in words (the newest evaluation's).
+    summary: Mapped[str] = mapped_column(Text)
+    #: The web UI page that shows it (a path such as ``/workers?q=w-1``).
+    link: Mapped[str] = mapped_column(Text, default="/")
+    #: Since when the condition holds (its own evidence where there is some, else the first
+    #: evaluation that found it).
+    since: Mapped[datetime] = mapped_column(UtcDateTime())
+    #: When it had held longer than its threshold and fired (None: not yet).
+    fired_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    last_seen: Mapped[datetime] = mapped_column(UtcDateTime())
+    resolved_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    #: The job that repaired it, when one did (a repair, a reconcile, a scrub, a store).
+    resolved_by: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    resolution: Mapped[str | None] = mapped_column(Text, nullable=True)

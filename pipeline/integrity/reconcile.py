@@ -102,7 +102,8 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
                     move(s, on(worker_id, sha), CopyState.MISSING, at=t, from_=states.SENT,
                          error="absent when the worker came back")
                 for sha in bad + absent:
-                    repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy")
+                    repair = request_repair(s, settings, sha, f"{worker_id} came back without a good copy",
+                                            found_by=job_id)
                     if repair is not None:
                         sends.append(Send("repair", (repair.id,)))
                 corrupt = [n for n in bad if answers[n]["sha256"] is not None]

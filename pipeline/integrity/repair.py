@@ -52,8 +52,10 @@ class ContentWork:
     unreachable: list[str] = field(default_factory=list)
 
 
-def request_repair(session: Session, settings: Settings, sha: str, reason: str) -> Job | None:
-    """A repair job for content ``sha``, unless one is already queued or running."""
+def request_repair(session: Session, settings: Settings, sha: str, reason: str,
+                   found_by: int | None = None) -> Job | None:
+    """A repair job for content ``sha``, unless one is already queued or running. ``found_by``:
+    the job that found the damage (a scrub, a reconcile), named on the incidents page."""
     active = session.scalar(select(Job.id).where(Job.kind == JobKind.REPAIR, Job.sha256 == sha,
                                                  Job.state.in_(sorted(states.ACTIVE[JobKind.REPAIR]))).limit(1))
     if active is not None:
@@ -61,7 +63,8 @@ def request_repair(session: Session, settings: Settings, sha: str, reason: str) 
     try:
         with session.begin_nested():
             return create_job(session, JobKind.REPAIR, checkpoint_id=None, sha256=sha,
-                              params={"reason": reason, "sha256": sha}, lease_seconds=settings.lease_seconds,
+                              params={"reason": reason, "sha256": sha} | ({"found_by": found_by} if found_by else {}),
+                              lease_seconds=settings.lease_seconds,
                               detail=f"content {sha[:12]}: {reason}")
     except IntegrityError:  # another process asked for it at the same moment
         return None

@@ -76,7 +76,8 @@ def scrub(settings: Settings, job_id: int) -> list[Send]:
                 t = now()
                 bad = record_rehash(s, worker_id, answers, t)
                 for sha in bad:
-                    repair = request_repair(s, settings, sha, f"scrub of {worker_id} found its copy bad")
+                    repair = request_repair(s, settings, sha, f"scrub of {worker_id} found its copy bad",
+                                            found_by=job_id)
                     if repair is not None:
                         sends.append(Send("repair", (repair.id,)))
                 params.update(cursor=batch[-1], checked=params["checked"] + len(batch), bad=params["bad"] + len(bad))

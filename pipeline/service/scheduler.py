@@ -17,22 +17,22 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, tzinfo
 from typing import TypeVar
 
-from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pipeline import capacity, consumers, states
+from pipeline import alerts, capacity, consumers, states
 from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
+from pipeline.cron import last_fire
 from pipeline.db import workers
 from pipeline.db.copies import (
     contents_of,
-    good_copies_per_shard,
     just,
     move,
     place,
     shas_of,
+    short_contents,
     short_without,
 )
 from pipeline.db.engine import rowcount, session_scope
@@ -57,6 +57,7 @@ from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, WorkerState
 from pipeline.steps import Send
+from pipeline.webhook import Notifier
 
 T = TypeVar("T")
 log = logging.getLogger("ckpt.scheduler")
@@ -204,20 +205,6 @@ def rotation_sweep(settings: Settings) -> list[Send]:
     return [Send("rotate_run", (run,)) for run in sorted(runs)]
 
 
-def last_fire(cron: str, now: datetime, timezone: tzinfo | None = None) -> datetime | None:
-    """The latest time at or before ``now`` when ``cron`` fires (APScheduler's CronTrigger).
-
-    Looks back two days at most: a machine off for a week catches up once, not seven times.
-    """
-    trigger = CronTrigger.from_crontab(cron, timezone=timezone)
-    t = trigger.get_next_fire_time(None, now - timedelta(days=2))
-    last = None
-    while t is not None and t <= now:
-        last = t
-        t = trigger.get_next_fire_time(t, t + timedelta(seconds=1))
-    return last
-
-
 def nightly_scrub(settings: Settings, at: datetime, timezone: tzinfo | None = None) -> list[Send]:
     """Scrub jobs for the latest nightly fire time, once per day whatever fires how often.
 
@@ -298,14 +285,6 @@ def under_replicated(settings: Settings) -> list[Send]:
     return sends
 
 
-def short_contents(s: Session, rf: int) -> list[str]:
-    """Contents of protected checkpoints short of RF good copies."""
-    protected = select(Job.checkpoint_id).where(Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.PROTECTED)))
-    per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
-    short = select(per_shard.c.sid).where(per_shard.c.n < rf)
-    return list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()))
-
-
 def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
@@ -317,6 +296,17 @@ def finish_drains(settings: Settings) -> None:
                          w.id, total)
 
 
+def dead_letter_summary(settings: Settings) -> tuple[int, datetime | None] | None:
+    """(count, oldest failure) of the dead letters; None when the broker cannot say."""
+    try:
+        from pipeline.tasks import deadletters
+
+        return deadletters.summary(settings)
+    except Exception:
+        log.warning("alerts: could not read the dead letters", exc_info=True)
+        return None
+
+
 class Scheduler:
     def __init__(self, settings: Settings, send: Callable[[list[Send]], None], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -326,6 +316,8 @@ class Scheduler:
         self.leader: bool | None = None  # unknown until the first tick, which logs it
         self._last_sweep = float("-inf")
         self._ready = False
+        #: The alert webhook's sender (its own thread: a dead endpoint never slows a tick).
+        self.notifier = Notifier(settings.alert_webhook, settings.key()) if settings.alert_webhook else None
 
     def tick(self) -> None:
         ttl = max(10.0, self.settings.tick_seconds * 5)
@@ -361,6 +353,13 @@ class Scheduler:
             self._part("finishing drains", lambda: finish_drains(settings))
             self._part("the nightly scrub", lambda: self.send(nightly_scrub(settings, now())))
             self._part("the scheduled collection", lambda: self.send(scheduled_gc(settings, now())))
+            self._part("evaluating alerts", self.evaluate_alerts)
+
+    def evaluate_alerts(self) -> None:
+        """Bring the alerts up to date (pipeline/alerts.py); the webhook is told of each change."""
+        for event in alerts.refresh(self.settings, dead_letters=dead_letter_summary(self.settings)):
+            if self.notifier is not None:
+                self.notifier.post(event)
 
     def _part(self, what: str, work: Callable[[], T]) -> T | None:
         """Run one part of a tick: a failure in one (a peer's bad answer, a bad row) is logged
@@ -392,5 +391,7 @@ class Scheduler:
         finally:
             if browser is not None:
                 browser.close()
+            if self.notifier is not None:
+                self.notifier.close(wait=2.0)
             if self.leader:
                 release_lock(self.settings, LEADER, self.holder)

@@ -95,3 +95,12 @@ def _revive_job(settings: Settings, actor: str, args: tuple[Any, ...]) -> None:
             if job.state == states.StoreState.FAILED and back:
                 transition(s, job_id, job.kind, job.state, back, detail="requeued from the dead-letter queue",
                            lease_until=now() + timedelta(seconds=settings.lease_seconds), last_error=None)
+
+
+def summary(settings: Settings) -> tuple[int, datetime | None]:
+    """How many dead letters there are, and when the oldest of them failed (None: none)."""
+    broker = _broker()
+    xq, _msgs = _keys(broker)
+    n = int(cast("int", broker.client.zcard(xq)))
+    first = cast("list[tuple[bytes, float]]", broker.client.zrange(xq, 0, 0, withscores=True))
+    return n, datetime.fromtimestamp(first[0][1] / 1000.0, tz=UTC) if first else None
