@@ -43,13 +43,20 @@ class Record:
     ignored: str = ""
 
 
-def _secret(name: str, value: Any) -> str | None:
-    """The masked form of a secret value, or None when ``value`` is not secret."""
+def secret_form(name: str, value: Any) -> str | None:
+    """The masked form of a secret value, or None when ``value`` is not secret. A webhook URL's
+    path and query are masked too: hooks carry their token there (``/services/T0/B0/XXXX``)."""
+    from urllib.parse import urlsplit
+
     from pipeline.settings import masked_url
 
     if name == "cluster_key":
         return "***" if value else None
-    if name in ("database_url", "redis_url", "alert_webhook") and value and masked_url(str(value)) != str(value):
+    if name == "alert_webhook" and value:
+        parts = urlsplit(masked_url(str(value)))
+        hidden = f"{parts.scheme}://{parts.netloc}" + ("/***" if parts.path.strip("/") or parts.query else "")
+        return hidden if hidden != str(value) else None
+    if name in ("database_url", "redis_url") and value and masked_url(str(value)) != str(value):
         return masked_url(str(value))
     return None
 
@@ -61,7 +68,7 @@ def write(settings: Settings, sources: dict[str, str]) -> Path:
         if f.name in NOT_RECORDED:
             continue
         value = getattr(settings, f.name)
-        hidden = _secret(f.name, value)
+        hidden = secret_form(f.name, value)
         if hidden is not None:
             masked[f.name] = hidden
         elif _encodable(toml_value(value)):  # a path that is not UTF-8 is left to each command's own layers

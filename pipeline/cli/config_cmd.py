@@ -7,16 +7,17 @@ import json
 
 from pipeline import effective
 from pipeline.cli.common import explained
-from pipeline.settings import Settings, masked_url
+from pipeline.settings import Settings
 
 
 def shown(s: Settings, name: str) -> object:
     """The value of setting ``name`` as ``ckpt config`` shows it: secrets masked."""
     value = getattr(s, name)
+    hidden = effective.secret_form(name, value)
+    if hidden is not None:
+        return hidden
     if name == "cluster_key":
-        return "***" if value else ""
-    if name in ("database_url", "redis_url"):
-        return masked_url(value)
+        return ""
     return str(value) if name == "home" else value
 
 

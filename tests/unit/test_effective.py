@@ -92,3 +92,14 @@ def test_the_record_loads_through_json_tables(tmp_path):
     up = load({"home": tmp_path, "root_options": tables, "roots": ("/runs/*",)}, environ={})
     effective.write(up, {})
     assert load({"home": tmp_path}, environ={}).options_for("/runs/*").quiet_seconds == 7.0
+
+
+def test_ckpt_config_masks_a_webhooks_token_as_the_record_does(tmp_path):
+    """A Slack-style hook carries its token in the path: `ckpt config` printed it whole."""
+    from pipeline.cli.config_cmd import shown
+
+    hook = "https://hooks.example.com/services/T000/B000/s3cr3tT0ken?x=1"
+    s = load({"home": tmp_path / "home", "alert_webhook": hook}, environ={})
+    assert shown(s, "alert_webhook") == "https://hooks.example.com/***"
+    assert effective.secret_form("alert_webhook", "https://u:pw@h.example/") == "https://u:***@h.example"
+    assert effective.secret_form("alert_webhook", "https://h.example") is None
