@@ -312,9 +312,21 @@ def masked_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _coerce(name: str, raw: Any) -> Any:
+#: Text settings whose empty value means something ("disabled", "the default"): an empty
+#: ``CKPT_*`` variable gives it (and so overrides config.toml and what ``ckpt up`` recorded).
+EMPTY_IS_A_VALUE = frozenset({"scrub_cron", "gc_cron", "alert_webhook", "database_url", "redis_url", "cluster_key",
+                              "host"})
+
+
+def _kind(name: str) -> str:
+    """A setting's type as its annotation names it: ``str``, ``int``, ``float``, ``Path``, ``tuple``."""
     f = {f.name: f for f in dataclasses.fields(Settings)}[name]
     kind = f.type if isinstance(f.type, str) else f.type.__name__
+    return "tuple" if kind.startswith("tuple") else kind
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    kind = _kind(name)
     try:
         if kind.startswith("tuple"):
             if isinstance(raw, str):
@@ -398,7 +410,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
                 put(k, v, f"ckpt up ({record.sources.get(k, 'default')})", home.parent)
     for name in names:
         raw = env.get(f"CKPT_{name.upper()}")
-        if raw is not None and raw != "":
+        # Set but empty: the empty value where empty means something (`CKPT_SCRUB_CRON=` disables
+        # the scrub, `CKPT_RESTORE_ROOTS=` names none, over what `ckpt up` recorded); for any
+        # other setting (a number, a path, a choice) empty is taken as not given.
+        if raw is not None and (raw != "" or name in EMPTY_IS_A_VALUE or _kind(name) == "tuple"):
             put(name, raw, "env", here)
     for k, v in overrides.items():
         put(k, v, "flag", here)

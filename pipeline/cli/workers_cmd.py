@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -95,13 +97,18 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
 
 def wait_drained(s: Settings, worker_id: str, timeout: float) -> int:
-    """Follow a drain until the worker is removable: the copies still to make, as they go."""
+    """Follow a drain until the worker is removable: the copies still to make, as they go.
+
+    Ctrl-C sets a flag the loop reads between polls (a KeyboardInterrupt raised inside the
+    database driver can be swallowed by its clean-up, and the wait would then go on for ever)."""
     from pipeline import operations
 
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     deadline = time.monotonic() + timeout
     last: tuple[str, int] | None = None
     try:
-        while True:
+        while not stop.is_set():
             p = operations.drain_progress(s, worker_id)
             if p.state == "removable":
                 print(f"storage worker {worker_id} is drained (removable): every content it held has {s.rf} good "
@@ -118,11 +125,12 @@ def wait_drained(s: Settings, worker_id: str, timeout: float) -> int:
                 print(f"storage worker {worker_id} still draining after {timeout:.0f} s ({p.left:,} left); it goes "
                       "on in the background", file=sys.stderr)
                 return 2
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print(f"\nstopped waiting: storage worker {worker_id} is still draining (the scheduler goes on copying); "
-              f"`ckpt workers` shows it, `ckpt workers undrain {worker_id}` cancels the drain", file=sys.stderr)
-        return 130
+            stop.wait(0.5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(f"\nstopped waiting: storage worker {worker_id} is still draining (the scheduler goes on copying); "
+          f"`ckpt workers` shows it, `ckpt workers undrain {worker_id}` cancels the drain", file=sys.stderr)
+    return 130
 
 
 def add_parser(sub: Any) -> None:

@@ -69,10 +69,10 @@ class Deliveries(Middleware):
         from pipeline import deliveries
         from pipeline import settings as settings_mod
         from pipeline.db.engine import session_scope
-        from pipeline.tasks import waiting
+        from pipeline.tasks.waiting import release
 
         deliveries.CURRENT.set(message.message_id)
-        waiting.release(broker, message)
+        release(broker, message)
         if message.actor_name not in deliveries.KEYED or not message.args:
             return
         with session_scope(settings_mod.current().db_url, readonly=True) as s:

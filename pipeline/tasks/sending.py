@@ -33,9 +33,9 @@ from pipeline.db.models import Job
 from pipeline.db.transitions import note, now
 from pipeline.queues import queues_for
 from pipeline.steps import Send
-from pipeline.tasks import waiting
 from pipeline.tasks.broker import queued
 from pipeline.tasks.failures import job_ids_for
+from pipeline.tasks.waiting import claim as claim_waiting
 
 log = logging.getLogger("ckpt.tasks")
 
@@ -75,7 +75,7 @@ def send_all(sends: list[Send]) -> None:
             _wait(s, item, why)
     ttl_ms = int(max(60.0, 4 * settings.lease_seconds) * 1000)
     for item, queue, key in sent:
-        if waiting.claim(broker, queue, item.actor, item.args, ttl_ms):
+        if claim_waiting(broker, queue, item.actor, item.args, ttl_ms):
             _enqueue(broker, item, queue, key)
 
 

@@ -28,6 +28,22 @@ def test_precedence(tmp_path):
     assert load({"home": home}, environ={}, recorded=False).roots == ("/from/config",)  # `ckpt up` itself
 
 
+def test_an_empty_variable_gives_the_empty_value_where_empty_means_something(tmp_path):
+    """`CKPT_SCRUB_CRON=` disables the scrub as documented (an empty variable used to be ignored,
+    so the default schedule ran); `CKPT_RESTORE_ROOTS=` names none even when the running `ckpt up`
+    recorded some; an empty number or choice is still "not given"."""
+    home = tmp_path / "h"
+    home.mkdir()
+    (home / "config.toml").write_text('scrub_cron = "0 1 * * *"\nrf = 3\n')
+    up = load({"home": home, "restore_roots": ("/from/up",)}, environ={})
+    effective.write(up, {"restore_roots": "flag"})
+    s = load({"home": home}, environ={"CKPT_SCRUB_CRON": "", "CKPT_GC_CRON": "", "CKPT_RESTORE_ROOTS": "",
+                                      "CKPT_RF": "", "CKPT_REPLICATION": ""})
+    assert (s.scrub_cron, s.gc_cron, s.restore_roots) == ("", "", ())
+    assert (s.rf, s.replication) == (3, "chain")
+    assert load({"home": home}, environ={}).restore_roots == ("/from/up",)
+
+
 def test_defaults_need_no_servers(tmp_path):
     s = load({"home": tmp_path}, environ={})
     assert s.db_url.startswith("sqlite:///") and s.broker_url.startswith("unix://") and s.embedded_redis
