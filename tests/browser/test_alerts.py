@@ -24,7 +24,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import CheckpointFile, Shard, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.service.scheduler import dead_letter_summary
-from tests.browser.test_ui import WIDER, not_blank
+from tests.browser.test_ui import fits
 from tests.unit.test_alerts import done_job
 from tests.webui.conftest import seed
 from tests.webui.test_api import dead_letter
@@ -59,10 +59,7 @@ def test_the_banner_and_the_incidents_page_in_the_browser(served, web_settings, 
 
     def shot(name: str) -> None:
         out = tmp_path / f"{name}-{width}px.png"
-        page.screenshot(path=str(out), full_page=True)
-        assert not_blank(out), f"{name} at {width} px is blank"
-        scroll = page.evaluate("document.documentElement.scrollWidth")
-        assert scroll <= width, f"{name} is {scroll} px wide at {width} px: {page.evaluate(WIDER)}"
+        fits(page, out, name, width)
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(out, Path(keep) / out.name)

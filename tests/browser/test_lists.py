@@ -12,7 +12,7 @@ import threading
 import pytest
 from werkzeug.serving import make_server
 
-from tests.browser.test_ui import WIDER, not_blank
+from tests.browser.test_ui import fits as fits_screen
 from tests.webui.test_checkpoint_list import _many
 from webui.data import PAGE
 
@@ -51,11 +51,7 @@ def test_hundreds_of_checkpoints_searched_and_paged_in_the_browser(served, brows
             page.click(selector)
 
     def fits(name: str) -> None:
-        out = tmp_path / f"{name}-{width}px.png"
-        page.screenshot(path=str(out), full_page=True)
-        assert not_blank(out), f"{name} at {width} px is blank"
-        scroll = page.evaluate("document.documentElement.scrollWidth")
-        assert scroll <= width, f"{name} is {scroll} px wide at {width} px: {page.evaluate(WIDER)}"
+        fits_screen(page, tmp_path / f"{name}-{width}px.png", name, width)
 
     # The checkpoints list: one page, then every page by its "older" link, each checkpoint once.
     page.goto(base + "/checkpoints")

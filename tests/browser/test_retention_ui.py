@@ -16,7 +16,7 @@ from werkzeug.serving import make_server
 from pipeline.db.engine import session_scope
 from pipeline.db.transitions import create_job, transition
 from tests.browser.test_lists import ids_on
-from tests.browser.test_ui import WIDER, not_blank
+from tests.browser.test_ui import fits
 from tests.webui.test_checkpoint_list import _many
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -57,11 +57,7 @@ def test_gc_and_retention_page_from_the_nav(served, browser, width, tmp_path):
     assert "no rule set anywhere" in page.inner_text("#policies")
     assert "Nothing to collect" in page.inner_text("#next-collection")
     assert "No collection has run yet." in page.inner_text("#gc-jobs")
-    out = tmp_path / f"retention-{width}px.png"
-    page.screenshot(path=str(out), full_page=True)
-    assert not_blank(out)
-    scroll = page.evaluate("document.documentElement.scrollWidth")
-    assert scroll <= width, f"the GC page is {scroll} px wide at {width} px: {page.evaluate(WIDER)}"
+    fits(page, tmp_path / f"retention-{width}px.png", "the GC page", width)
     page.close()
 
 

@@ -36,6 +36,14 @@ def not_blank(png: Path) -> bool:
     return colours is None or len(colours) > 20
 
 
+def fits(page, out: Path, name: str, width: int) -> None:
+    """Screenshot the page to ``out``: it is not blank and no wider than the window."""
+    page.screenshot(path=str(out), full_page=True)
+    assert not_blank(out), f"{name} at {width} px is blank"
+    scroll = page.evaluate("document.documentElement.scrollWidth")
+    assert scroll <= width, f"{name} is {scroll} px wide at {width} px: {page.evaluate(WIDER)}"
+
+
 def api(base: str, path: str) -> dict:
     with urllib.request.urlopen(base + path, timeout=10) as r:
         return json.loads(r.read())
