@@ -28,9 +28,7 @@ def pytest_addoption(parser):
 #: Tests that start real processes (clusters, workers in network namespaces, a browser), in
 #: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
 #: The first prefix a test's id starts with names its lane. Two integration modules run in
-#: lane a: lane b (integration, model) had become the suite's critical path (964 s of 1,424 tests
-#: on 2026-11-25, the 2 cores 62 % busy), lane a (the 3-minute chaos soak, faults, hosts, browser)
-#: about 650 s.
+#: lane a, so the lanes take about as long (770 and 800 s of test time on 2026-11-25).
 LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a",
          "tests/browser/": "cluster-a", "tests/integration/test_writers.py": "cluster-a",
          "tests/integration/test_stalled_worker.py": "cluster-a",
@@ -38,12 +36,15 @@ LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multi
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """With ``-n 2`` (pyproject's addopts): the tests that start real processes run in two
-    lanes, one per xdist process, each lane one test at a time and in its order (a module's
-    tests share its cluster); every other module runs in whichever process is free. Two
-    clusters at once use the two cores that one cluster leaves idle while it waits on
-    processes, leases and links. (xdist's own ``--dist loadgroup`` does not group under
-    pytest 9.2: it renames items through an attribute pytest no longer reads.)"""
+    """With ``-n 3`` (pyproject's addopts): the tests that start real processes run in two
+    lanes, each in an xdist process of its own (xdist hands out the first scopes one per
+    process: the lanes are the first two), one test at a time and in its order (a module's
+    tests share its cluster); every other module runs in whichever process is free, the third
+    from the start. Two clusters at once use the two cores that one cluster leaves idle while
+    it waits on processes, leases and links; with two processes the other modules (about 330 s)
+    queued behind the lanes and the 2 cores were 62-67 % busy. (xdist's own ``--dist
+    loadgroup`` does not group under pytest 9.2: it renames items through an attribute pytest
+    no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class TwoLanes(LoadScopeScheduling):
