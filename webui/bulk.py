@@ -54,7 +54,11 @@ def run(settings: Settings, action: str, ids: list[int], *, note: str | None = N
 
 def _one(settings: Settings, action: str, cid: int, note: str | None, dry_run: bool) -> Outcome:
     local = _local_copies(settings, cid)
-    path = local[0] if local else None
+    if local is None:
+        # An id, never a path: the operations below also take a path, and a number with no
+        # checkpoint behind it would name a step directory (`run/12000`) under the UI's cwd.
+        return Outcome(cid, None, False, f"refused: no checkpoint {cid}")
+    path = local[0]
     try:
         if action == "forget":
             operations.forget(settings, [str(cid)], dry_run=dry_run)

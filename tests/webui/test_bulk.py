@@ -29,7 +29,7 @@ def test_bulk_api_does_each_or_refuses_each_with_the_reason(client, token, web_s
     assert "is pinned" in by_id[2]["message"] and "refused" in by_id[2]["message"]
     assert "only protected" in by_id[8]["message"]
     assert "newest protected checkpoint" in by_id[10]["message"]
-    assert "no checkpoint '999'" in by_id[999]["message"]
+    assert "no checkpoint 999" in by_id[999]["message"]
     assert seen["last_copy"] == LAST_COPY.format(grace=web_settings.gc_grace_seconds, keep=web_settings.keep_last)
     assert state_of(client, 3) == "verified"  # a dry run changes nothing
 
