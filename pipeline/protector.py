@@ -30,7 +30,8 @@ from pipeline import degraded
 from pipeline import home as home_mod
 from pipeline import settings as settings_mod
 from pipeline.errors import CkptError, IncompleteCheckpoint, NotProtectedYet, OutsideRoots
-from pipeline.settings import Settings, masked_url
+from pipeline.masking import masked_url
+from pipeline.settings import Settings
 
 if TYPE_CHECKING:
     from pipeline.api import Protected

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import effective, hostid
+from pipeline import effective, hostid, masking
 from pipeline import home as home_mod
 from pipeline.core.retention import Policy
 from pipeline.durable import write_once
 from pipeline.errors import ConfigError
+from pipeline.masking import masked_url
 
 MiB = 1024 * 1024
 
@@ -297,21 +298,6 @@ class Settings:
         return env
 
 
-def masked_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: what a log line or a terminal shows."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 #: Text settings whose empty value means something ("disabled", "the default"): an empty
 #: ``CKPT_*`` variable gives it (and so overrides config.toml and what ``ckpt up`` recorded).
 EMPTY_IS_A_VALUE = frozenset({"scrub_cron", "gc_cron", "alert_webhook", "database_url", "redis_url", "cluster_key",
@@ -404,6 +390,8 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
             logging.getLogger("ckpt.settings").warning(
                 "%s holds %s and other users can read it: chmod 600 %s", config, " and ".join(secret), config)
     record = effective.read(home) if recorded else None
+    if record is not None and record.ignored:
+        effective.say_ignored(record)
     if record is not None and not record.ignored:
         for k, v in record.values.items():
             if k in names and k not in effective.NOT_RECORDED:
@@ -419,7 +407,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         put(k, v, "flag", here)
     sources["home"] = found.source
     values["home"] = home
+    if record is not None and not record.ignored:
+        _same_control_plane(record, values, sources, home)
     s = Settings(**values)
+    _check_urls(s)
     if s.rf < 1:
         raise ConfigError(f"rf must be at least 1, got {s.rf}")
     if s.keep_last < 0:
@@ -462,6 +453,41 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         raise ConfigError(f"max_hash_bytes must be >= 0 and sparse_ratio in [0, 1), got {s.max_hash_bytes}"
                           f" and {s.sparse_ratio}")
     return s, sources
+
+
+#: What each URL ``ckpt up`` may run with is, in a message.
+_URLS = {"database_url": "database", "redis_url": "broker"}
+
+
+def _same_control_plane(record: effective.Record, values: Mapping[str, Any], sources: Mapping[str, str],
+                        home: Path) -> None:
+    """Refuse settings that would use another control plane than the running ``ckpt up``: it
+    runs with a URL whose password its record masks (so the URL is not loaded from it), and
+    this command was given none of its own (env or flag) and has no equal one in config.toml.
+    Without this, the command would use the home's own SQLite file and embedded Redis: a
+    second, empty control plane."""
+    for name, what in _URLS.items():
+        hidden = record.masked.get(name)
+        if hidden and sources[name] not in ("env", "flag") and masked_url(str(values.get(name, ""))) != hidden:
+            raise ConfigError(f"`ckpt up` of home {home} runs with {what} {hidden}: set CKPT_{name.upper()} to the "
+                              "same URL in this shell")
+
+
+#: The characters a password must not hold unencoded, per URL: SQLAlchemy ends it at the first
+#: ``@``; redis-py (urllib) at any of them.
+_BREAK_URLS = {"database_url": "@", "redis_url": "@/?#"}
+
+
+def _check_urls(s: Settings) -> None:
+    """Refuse a URL whose password its driver would cut short (and show a piece of in its errors)."""
+    for name, breaks in _BREAK_URLS.items():
+        url = str(getattr(s, name))
+        raw = [ch for ch in masking.raw_in_password(url) if ch in breaks]
+        if raw:
+            codes = ", ".join(f"{ch} as %{ord(ch):02X}" for ch in raw)
+            raise ConfigError(f"{name} {masked_url(url)}: percent-encode {codes} in its password "
+                              "(urllib.parse.quote(password, safe='')); unencoded, its driver reads a piece of "
+                              "it as the host")
 
 
 #: Settings that hold paths: a relative one is made absolute as it is read (:func:`explain`).

@@ -46,6 +46,7 @@ from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
 from pipeline.cli.workers_cmd import add_parser as add_workers_parser
 from pipeline.errors import CkptError
+from pipeline.masking import masked_url
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         info = sup.up()
         print(f"ckpt up: home {info['home']}" + ("" if existed else " (new: commands run in this directory or"
                                                  " below find it; elsewhere pass --home or set CKPT_HOME)"), flush=True)
-        print(f"  control plane  {settings_mod.masked_url(info['database'])}", flush=True)
-        print(f"  broker         {settings_mod.masked_url(info['broker'])}", flush=True)
+        print(f"  control plane  {masked_url(info['database'])}", flush=True)
+        print(f"  broker         {masked_url(info['broker'])}", flush=True)
         for url in info["workers"]:
             print(f"  storage worker {url}", flush=True)
         print(f"  watching       {', '.join(s.roots)}", flush=True)
@@ -184,7 +185,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     s = settings_from(args, create=True)
     upgrade(s.db_url)
-    print(f"{settings_mod.masked_url(s.db_url)}: at head")
+    print(f"{masked_url(s.db_url)}: at head")
     return 0
 
 

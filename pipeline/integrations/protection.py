@@ -9,7 +9,7 @@ import logging
 import os
 import time
 
-from pipeline import api
+from pipeline import api, liveness
 from pipeline.detection import roots
 from pipeline.errors import NotProtectedYet, OutsideRoots
 from pipeline.protector import NoHome, explain, run_of, settings_here
@@ -34,19 +34,16 @@ WAIT_SLICE = 5.0
 
 def up_gone(settings: Settings | None) -> str | None:
     """Why waiting for protection is pointless: the ``ckpt up`` of this home (on this machine)
-    is gone, its ``up.json`` left by a crash. None while it runs, or where there is none to ask."""
+    is gone, its ``up.json`` left by a crash (its pid free, or now another process's:
+    pipeline/liveness.py). None while it runs, or where there is none to ask."""
     try:
         s = settings or settings_here()
-        pid = int(json.loads((s.home / "up.json").read_text())["pid"])
+        up = json.loads((s.home / "up.json").read_text())
+        pid, process = int(up["pid"]), str(up.get("process", ""))
     except Exception:  # no home, no up.json (a deployment's remote control plane): keep waiting
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return f"the `ckpt up` of home {s.home} (pid {pid}) is gone"
-    except PermissionError:
-        pass
-    return None
+    why = liveness.gone(pid, process)
+    return None if why is None else f"the `ckpt up` of home {s.home} (pid {pid}) {why}"
 
 
 class TrainerProtection:

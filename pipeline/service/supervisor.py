@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import effective
+from pipeline import effective, liveness
 from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
@@ -188,7 +188,7 @@ class Supervisor:
         self.start_services()
         self._wait_ready()
         info = {
-            "pid": os.getpid(), "home": str(self.home), "database": self.settings.db_url,
+            **liveness.stamp(), "home": str(self.home), "database": self.settings.db_url,
             "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),
             "web": f"http://{self.settings.web_host}:{self.settings.web_port}/" if self.settings.web_port else None,
             "children": {c.name: c.proc.pid for c in self.children if c.proc},

@@ -13,6 +13,7 @@ import tomllib
 import pytest
 
 from pipeline import effective
+from pipeline.errors import ConfigError
 from pipeline.settings import explain, load
 
 PASSWORD = "s3cret-pw"
@@ -29,7 +30,9 @@ def test_the_record_is_private_holds_no_secret_and_gives_back_every_other_value(
     assert "the-cluster-key" not in text and PASSWORD not in text and "ckpt:***@db" in text
     data = tomllib.loads(text)
     assert data["masked"] == {"cluster_key": "***", "database_url": "postgresql://ckpt:***@db/ckpt"}
-    later = load({"home": tmp_path}, environ={})
+    # (An empty CKPT_DATABASE_URL: this shell's own choice of the home's SQLite file; with no
+    # URL at all the command refuses, test_a_command_given_no_url_refuses_...)
+    later = load({"home": tmp_path}, environ={"CKPT_DATABASE_URL": ""})
     secret = {"cluster_key", "database_url", "home", "ready_dir"}
     for f in dataclasses.fields(up):
         if f.name not in secret:
@@ -103,3 +106,57 @@ def test_ckpt_config_masks_a_webhooks_token_as_the_record_does(tmp_path):
     assert shown(s, "alert_webhook") == "https://hooks.example.com/***"
     assert effective.secret_form("alert_webhook", "https://u:pw@h.example/") == "https://u:***@h.example"
     assert effective.secret_form("alert_webhook", "https://h.example") is None
+
+
+@pytest.mark.parametrize(("name", "url", "what"), [
+    ("database_url", f"postgresql+psycopg://ckpt:{PASSWORD}@127.0.0.1:5432/test", "database"),
+    ("redis_url", f"redis://:{PASSWORD}@127.0.0.1:6379/0", "broker"),
+])
+def test_a_command_given_no_url_refuses_rather_than_use_another_control_plane(tmp_path, name, url, what):
+    """`ckpt up` runs with a URL whose password the record masks: a later command with none of
+    its own would have used the home's own SQLite file or embedded Redis, a second, empty control
+    plane. It refuses and names what to set; given the URL (env, flag, or the same in
+    config.toml) it runs."""
+    var = f"CKPT_{name.upper()}"
+    up = load({"home": tmp_path}, environ={var: url})
+    effective.write(up, {name: "env"})
+    hidden = url.replace(PASSWORD, "***")
+    with pytest.raises(ConfigError) as caught:
+        load({"home": tmp_path}, environ={})
+    assert str(caught.value) == (f"`ckpt up` of home {tmp_path} runs with {what} {hidden}: set {var} to the same "
+                                 "URL in this shell")
+    assert getattr(load({"home": tmp_path}, environ={var: url}), name) == url
+    assert getattr(load({"home": tmp_path, name: url}, environ={}), name) == url
+    (tmp_path / "config.toml").write_text(f"{name} = {effective.toml_value(url)}\n")
+    (tmp_path / "config.toml").chmod(0o600)
+    assert getattr(load({"home": tmp_path}, environ={}), name) == url
+    (tmp_path / "config.toml").write_text(f"{name} = {effective.toml_value(url.replace('127.0.0.1', 'other'))}\n")
+    with pytest.raises(ConfigError, match=f"set {var}"):
+        load({"home": tmp_path}, environ={})
+
+
+def test_ckpt_status_in_another_shell_refuses_to_use_an_empty_control_plane(tmp_path):
+    url = f"postgresql+psycopg://ckpt:{PASSWORD}@127.0.0.1:5432/test"
+    effective.write(load({"home": tmp_path}, environ={"CKPT_DATABASE_URL": url}), {"database_url": "env"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--home", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (f"ckpt: error: `ckpt up` of home {tmp_path} runs with database postgresql+psycopg://ckpt:***@127.0.0.1:5432"
+            "/test: set CKPT_DATABASE_URL to the same URL in this shell") in r.stderr
+    assert not (tmp_path / "ckpt.db").exists()  # no second control plane was started
+
+
+@pytest.mark.parametrize(("name", "url"), [
+    ("database_url", "postgresql+psycopg://ckpt@127.0.0.1:5432/test"),
+    # SQLAlchemy would render this one differently (%20 as +): it is not re-rendered either.
+    ("database_url", "postgresql+psycopg://ckpt@127.0.0.1:5432/test?options=-c%20search_path%3Dckpt"),
+    ("redis_url", "redis://127.0.0.1:6379/0?db=1"),
+    ("redis_url", "unix:///run/redis/redis.sock?db=2"),
+])
+def test_a_url_without_a_password_is_recorded_and_loaded_back_as_it_is(tmp_path, name, url):
+    effective.write(load({"home": tmp_path}, environ={f"CKPT_{name.upper()}": url}), {name: "env"})
+    record = effective.read(tmp_path)
+    assert record is not None and record.values[name] == url and name not in record.masked
+    s, sources = explain({"home": tmp_path}, environ={})
+    assert getattr(s, name) == url and sources[name] == "ckpt up (env)"
