@@ -13,11 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pipeline import liveness
 from tests.checkpoints import atomic_save, state_dict
 from tests.processes import FAST, KEY, descendants, stop_up, wait_for
 
@@ -111,6 +113,11 @@ def test_later_commands_see_the_settings_ckpt_up_runs_with(project):
     assert "gc_grace_seconds = 60.0 # env" in [" ".join(line.split()) for line in ok(mine, sub, "config").splitlines()]
     record = home / "effective.toml"
     assert stat.S_IMODE(record.stat().st_mode) == 0o600 and KEY not in record.read_text()
+    # Both files name the running `ckpt up` by pid and identity: a later process that gets its pid
+    # after a `kill -9` is not taken for it (tests/unit/test_liveness.py).
+    up = json.loads((home / "up.json").read_text())
+    assert up["process"] and up["process"] == liveness.identity(up["pid"])
+    assert tomllib.loads(record.read_text())["process"] == up["process"]
 
 
 def test_a_busy_web_port_stops_ckpt_up_at_once(tmp_path):
