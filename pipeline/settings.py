@@ -479,7 +479,13 @@ _BREAK_URLS = {"database_url": "@", "redis_url": "@/?#"}
 
 
 def _check_urls(s: Settings) -> None:
-    """Refuse a URL whose password its driver would cut short (and show a piece of in its errors)."""
+    """Refuse a URL whose password its driver would cut short (and show a piece of in its errors),
+    and a storage worker URL with a password: workers authenticate with the cluster key, and
+    their URLs are shown as they are (logs, ``ckpt status``, the web UI, /metrics)."""
+    for url in s.workers:
+        if masked_url(url) != url:
+            raise ConfigError(f"workers: {masked_url(url)} holds a password; storage workers need none (the "
+                              "cluster key authenticates them): give the URL without it")
     for name, breaks in _BREAK_URLS.items():
         url = str(getattr(s, name))
         raw = [ch for ch in masking.raw_in_password(url) if ch in breaks]

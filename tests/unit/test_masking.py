@@ -83,3 +83,11 @@ def test_a_password_its_driver_would_cut_short_is_refused_masked(tmp_path, name,
     assert not any(piece in str(caught.value) for piece in ("p#a", "s?s", "w:rd", "a/s")), caught.value
     encoded = url.replace(PASSWORD, quote(PASSWORD, safe=""))
     assert getattr(load({"home": tmp_path, name: encoded}, environ={}), name) == encoded
+
+
+def test_a_storage_worker_url_with_a_password_is_refused(tmp_path):
+    """Worker URLs are shown as they are (logs, status, UI): none may carry a secret."""
+    with pytest.raises(ConfigError, match=r"workers: http://u:\*\*\*@st1:7100 holds a password"):
+        load({"home": tmp_path, "workers": ("http://st0:7100", f"http://u:{quote(PASSWORD, safe='')}@st1:7100")},
+             environ={})
+    assert load({"home": tmp_path, "workers": ("http://st0:7100",)}, environ={}).workers == ("http://st0:7100",)
