@@ -314,6 +314,32 @@ def test_a_scrub_overdue_fires_per_worker_and_its_scrub_resolves_it(db):
     assert [a.subject for a in open_rows(s)] == ["w-1"]
 
 
+def test_a_scrub_overdue_on_a_removed_worker_or_with_the_schedule_off_says_so_not_scrubbed(db):
+    s = dataclasses.replace(db, scrub_cron="30 2 * * *")
+    seed(s)
+    with session_scope(s.db_url) as session:
+        session.execute(update(Checkpoint).values(detected_at=now() - timedelta(days=4)))
+    assert len(fired(alerts.refresh(s), "scrub_overdue")) == 2
+    with session_scope(s.db_url) as session:
+        workers.remove(session, session.get(StorageWorker, "w-0"))
+    [r] = resolved(settled(s), "scrub_overdue")
+    assert r["subject"] == "w-0" and "w-0 was removed" in r["resolution"] and "was scrubbed" not in r["resolution"]
+    [r] = resolved(settled(dataclasses.replace(s, scrub_cron="")), "scrub_overdue")
+    assert r["subject"] == "w-1" and "scrub schedule was turned off" in r["resolution"]
+
+
+def test_a_full_disk_whose_worker_was_removed_says_so_not_below_the_mark(db):
+    seed(db)
+    fill(db, 50, "w-1")
+    t = now()
+    alerts.refresh(db, t)
+    assert fired(alerts.refresh(db, t + timedelta(seconds=300)), "disk_full")
+    with session_scope(db.db_url) as session:
+        workers.remove(session, session.get(StorageWorker, "w-1"))
+    [r] = resolved(settled(db, t + timedelta(seconds=400)), "disk_full")
+    assert "w-1 was removed" in r["resolution"] and "below" not in r["resolution"]
+
+
 def test_no_alert_when_all_is_well(db):
     seed(db)
     assert alerts.refresh(db) == []
