@@ -4,7 +4,8 @@ Each condition (:data:`KINDS`) is found by a query of the database (and, for dea
 the broker; for degraded runs, of the home's ledger, pipeline/degraded.py). The scheduler's
 leader evaluates them every sweep (:func:`refresh`) and keeps one ``alerts`` row per occurrence:
 since when it holds, when it fired (once it held longer than its threshold), when it was
-resolved and by which job. The web UI's banner shows the open ones that fired
+resolved (once not found for ``alert_clear_seconds``: a condition that flaps is one alert), by
+which job, and what really became of its subject. The web UI's banner shows the open ones that fired
 (:func:`active`), the incidents page their history (:func:`incidents`), ``/metrics`` counts
 them (``ckpt_alert_active``), and the optional webhook (pipeline/webhook.py) is told of each
 firing and each resolution. docs/design.md, section 5, "Alerts".
@@ -22,11 +23,11 @@ from urllib.parse import urlencode
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pipeline import degraded, states
+from pipeline import capacity, degraded, states
 from pipeline.cron import last_fire
 from pipeline.db.copies import short_contents
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Alert, Checkpoint, Job, JobEvent, Lock, Shard, StorageWorker
+from pipeline.db.models import Alert, Checkpoint, CheckpointFile, Job, JobEvent, Lock, Shard, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.settings import Settings
 from pipeline.states import JobKind, WorkerState
@@ -55,7 +56,7 @@ KINDS: dict[str, Kind] = {
     "content_lost": Kind(CRITICAL, "content lost"),
     "under_replicated": Kind(CRITICAL, "content under-replicated", "alert_under_replicated_seconds"),
     "run_unprotected": Kind(CRITICAL, "run unprotected", "alert_unprotected_seconds"),
-    "disk_full": Kind(WARNING, "disk above its watermark"),
+    "disk_full": Kind(WARNING, "disk above its watermark", "alert_disk_full_seconds"),
     "dead_letters": Kind(WARNING, "dead letters"),
     "scrub_overdue": Kind(WARNING, "scrub overdue"),
 }
@@ -63,18 +64,22 @@ KINDS: dict[str, Kind] = {
 SEVERITY_ORDER = (CRITICAL, WARNING)
 #: The row of the locks table that holds when alerts were last evaluated.
 EVALUATED = "alerts:evaluated"
+#: The most items an alert's evidence keeps (its resolution speaks of those).
+EVIDENCE = 1000
 
 
 @dataclass(frozen=True)
 class Condition:
     """A condition found now. ``since``: since when it holds by its own evidence (a worker's
-    last answer, a run's first unprotected save); None: since the first evaluation that found it."""
+    last answer, a run's first unprotected save); None: since the first evaluation that found it.
+    ``evidence``: what it is about, for its resolution (:attr:`Alert.evidence`)."""
 
     alert: str
     subject: str
     summary: str
     link: str
     since: datetime | None = None
+    evidence: tuple[Any, ...] | None = None
 
     @property
     def key(self) -> str:
@@ -108,8 +113,13 @@ def _content_lost(s: Session, settings: Settings, at: datetime) -> list[Conditio
         shas.where(shas.selected_columns[0].in_(select(Shard.sha256))).subquery())) or 0
     first = s.scalar(select(func.min(Job.finished_at)).where(Job.kind == JobKind.REPAIR, Job.state == "lost",
                                                             Job.sha256.in_(shas)))
+    ids = s.scalars(select(Checkpoint.id).join(CheckpointFile).join(Shard).where(
+        Checkpoint.current.is_(True), Checkpoint.local_present.is_(False),
+        Checkpoint.store_state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(shas))
+        .distinct().order_by(Checkpoint.id).limit(EVIDENCE))
     return [Condition("content_lost", "", f"{n} checkpoint(s) LOST: {contents} content(s) with no copy that "
-                      "matches the manifest and no local copy to rebuild from", "/health?problems=1", first)]
+                      "matches the manifest and no local copy to rebuild from", "/health?problems=1", first,
+                      tuple(ids))]
 
 
 def _under_replicated(s: Session, settings: Settings, at: datetime) -> list[Condition]:
@@ -117,7 +127,7 @@ def _under_replicated(s: Session, settings: Settings, at: datetime) -> list[Cond
     if not short:
         return []
     return [Condition("under_replicated", "", f"{len(short)} content(s) of protected checkpoints have fewer than "
-                      f"{settings.rf} good copies", "/health?problems=1")]
+                      f"{settings.rf} good copies", "/health?problems=1", evidence=tuple(sorted(short)[:EVIDENCE]))]
 
 
 def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Condition]:
@@ -145,14 +155,30 @@ def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Cond
 
 
 def _disks_full(s: Session, settings: Settings, at: datetime) -> list[Condition]:
+    """One condition per filesystem above the high watermark, however many workers share it (as
+    pipeline/capacity.py counts it: ``ckpt up``'s three local workers are one disk). Hysteresis:
+    an alert of a disk that fired holds until the disk is ``alert_disk_clear_margin`` below the
+    mark, so a disk hovering at the mark is one alert, not one per sweep (one not fired yet fires
+    only if the disk stays above the mark, with dips shorter than ``alert_clear_seconds``)."""
+    holding = set(s.scalars(select(Alert.subject).where(Alert.alert == "disk_full", Alert.resolved_at.is_(None),
+                                                        Alert.fired_at.is_not(None), Alert.cleared_at.is_(None))))
+    high = settings.high_watermark
+    low = high - settings.alert_disk_clear_margin
     out = []
-    for w in s.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(states.READABLE_WORKERS)),
-                                                   StorageWorker.capacity_bytes > 0).order_by(StorageWorker.id)):
-        used = 1 - w.free_bytes / w.capacity_bytes
-        if used > settings.high_watermark:
-            out.append(Condition("disk_full", w.id, f"storage worker {w.id}'s disk is {used:.0%} full, above the "
-                                 f"{settings.high_watermark:.0%} watermark: it gets no new copies",
-                                 "/workers?" + urlencode({"q": w.id})))
+    for fs in capacity.readable_disks(s):
+        used = fs.used_ratio
+        if not (used > high or (fs.id in holding and used > low)):
+            continue
+        disk = (f"storage worker {fs.workers[0]}'s disk" if len(fs.workers) == 1 else
+                f"the disk of storage workers {', '.join(fs.workers)}")
+        if not fs.id.startswith("worker:"):
+            disk += f" (filesystem {fs.id})"
+        gets = "it gets" if len(fs.workers) == 1 else "they get"
+        state = (f"above the {high:.0%} watermark: {gets} no new copies" if used > high else
+                 f"back under the {high:.0%} watermark, not yet below {low:.0%}")
+        out.append(Condition("disk_full", fs.id, f"{disk} is {used:.0%} full, {state}",
+                             "/workers?" + urlencode({"q": fs.workers[0]}) if len(fs.workers) == 1 else "/workers",
+                             evidence=fs.workers))
     return out
 
 
@@ -222,41 +248,136 @@ def evaluate(s: Session, settings: Settings, at: datetime,
     return found, unknown
 
 
-def _resolver(s: Session, row: Alert) -> tuple[int | None, str]:
-    """The job that repaired an alert's condition, if one did, and the resolution in words."""
-    def newest(kind: str, worker: str | None = None) -> Job | None:
+def _resolver(s: Session, settings: Settings, row: Alert) -> tuple[int | None, str]:
+    """The job that repaired an alert's condition, if one did, and the resolution in words: what
+    really became of its subject (a worker that answered again, or was removed; lost checkpoints
+    repaired, or forgotten; a run protected, or its unprotected saves deleted)."""
+    def newest(kind: str, *workers: str) -> Job | None:
         q = (select(Job).where(Job.kind == kind, Job.state == "done", Job.finished_at >= row.since)
              .order_by(Job.finished_at.desc()).limit(200))
-        return next((j for j in s.scalars(q) if worker is None or (j.params or {}).get("worker_id") == worker), None)
+        return next((j for j in s.scalars(q) if not workers or (j.params or {}).get("worker_id") in workers), None)
 
     job: Job | None = None
     if row.alert == "worker_down":
-        job = newest(JobKind.RECONCILE, row.subject)
-        words = f"{row.subject} answered again"
-    elif row.alert in ("content_lost", "under_replicated"):
-        job = newest(JobKind.REPAIR)
-        words = "every content has its copies again"
+        job, words = _worker_back(s, row.subject, newest)
+    elif row.alert == "content_lost":
+        job, words = _lost_resolved(s, row.evidence, newest)
+    elif row.alert == "under_replicated":
+        job, words = _short_resolved(s, row.evidence, newest)
     elif row.alert == "scrub_overdue":
-        job = newest(JobKind.SCRUB, row.subject)
-        words = f"{row.subject} was scrubbed"
+        job, words = _scrub_resolved(s, settings, row.subject, newest)
     elif row.alert == "run_unprotected":
-        c = s.scalar(select(Checkpoint).where(Checkpoint.run == row.subject, Checkpoint.current.is_(True),
-                                              Checkpoint.store_state.in_(sorted(states.PROTECTED)))
-                     .order_by(Checkpoint.id.desc()).limit(1))
-        if c is not None:
-            job = s.scalar(select(Job).where(Job.kind == JobKind.STORE, Job.checkpoint_id == c.id)
-                           .order_by(Job.id.desc()).limit(1))
-            words = f"{c.name} is protected"
-        else:
-            words = "its unprotected saves are gone"
+        job, words = _run_resolved(s, row.subject)
     elif row.alert == "disk_full":
-        job = newest(JobKind.GC, row.subject)
-        words = f"{row.subject} is below the watermark again"
+        job, words = _disk_resolved(s, settings, row, newest)
     else:
-        words = "no dead letter left (requeued or dropped)"
+        words = "no dead letter left (requeued, dropped or expired)"
     if job is not None:
         words += f" (by {job.kind} job {job.id})"
     return (job.id if job is not None else None), words
+
+
+Newest = Callable[..., Job | None]
+
+
+def _gone(s: Session, worker_ids: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Of ``worker_ids``: those no longer recorded (removed), and the state of the others."""
+    rows = dict(s.execute(select(StorageWorker.id, StorageWorker.state).where(StorageWorker.id.in_(worker_ids))).all())
+    return [w for w in worker_ids if w not in rows], rows
+
+
+def _worker_back(s: Session, worker: str, newest: Newest) -> tuple[Job | None, str]:
+    removed, state = _gone(s, [worker])
+    if removed:
+        return None, f"{worker} was removed (`ckpt workers remove`); it did not answer again"
+    if state[worker] in states.STICKY_WORKERS:
+        return None, f"{worker} is {state[worker]} (an operator's drain); it did not answer again"
+    if state[worker] not in states.COUNTING_WORKERS:
+        return None, f"{worker} is {state[worker]}"
+    return newest(JobKind.RECONCILE, worker), f"{worker} answered again"
+
+
+def _scrub_resolved(s: Session, settings: Settings, worker: str, newest: Newest) -> tuple[Job | None, str]:
+    job = newest(JobKind.SCRUB, worker)
+    if job is not None:
+        return job, f"{worker} was scrubbed"
+    removed, state = _gone(s, [worker])
+    if removed:
+        return None, f"{worker} was removed (`ckpt workers remove`), not scrubbed"
+    if state[worker] not in states.SCRUBBED_WORKERS:
+        return None, f"{worker} is {state[worker]}: not scrubbed until it is back"
+    if not settings.scrub_cron:
+        return None, "the scrub schedule was turned off (CKPT_SCRUB_CRON empty), not scrubbed"
+    return None, f"{worker}'s scrub is no longer overdue"
+
+
+def _disk_resolved(s: Session, settings: Settings, row: Alert, newest: Newest) -> tuple[Job | None, str]:
+    members = [str(w) for w in (row.evidence or [])] or [row.subject.removeprefix("worker:")]
+    removed, state = _gone(s, members)
+    readable = [w for w in members if state.get(w) in states.READABLE_WORKERS]
+    if not readable:
+        said = [f"{w} was removed" for w in removed] + [f"{w} is {state[w]}" for w in members if w in state]
+        return None, f"no readable worker on that disk any more: {', '.join(said)}"
+    low = settings.high_watermark - settings.alert_disk_clear_margin
+    return newest(JobKind.GC, *readable), f"the disk of {', '.join(readable)} is below {low:.0%} again"
+
+
+def _lost_resolved(s: Session, evidence: list[Any] | None, newest: Newest) -> tuple[Job | None, str]:
+    if evidence is None:  # recorded before revision 0015: what the copies say now
+        still = s.scalar(lost_contents().limit(1)) is not None
+        return (None, "no kept checkpoint needs the lost content(s) any more") if still else (
+            newest(JobKind.REPAIR), "every content has its copies again")
+    rows = s.execute(select(Checkpoint.id, Checkpoint.name, Checkpoint.store_state, Checkpoint.current,
+                            Checkpoint.local_present).where(Checkpoint.id.in_(evidence))).all()
+    why: dict[str, int] = {}
+    for _id, _name, state, current, local in rows:
+        if state in states.RELEASED:
+            reason = f"{state} (no longer kept)"
+        elif state not in states.PROTECTED:
+            reason = f"{state}"
+        elif not current:
+            reason = "replaced by a newer version"
+        elif local:
+            reason = "whose file is on its host again"
+        else:
+            reason = "repaired: every content has a good copy again"
+        why[reason] = why.get(reason, 0) + 1
+    if len(rows) < len(evidence):
+        why["deleted from the catalog"] = len(evidence) - len(rows)
+    repaired = "repaired: every content has a good copy again"
+    job = newest(JobKind.REPAIR) if repaired in why else None
+    if set(why) == {repaired}:
+        return job, "every content has its copies again"
+    return job, "the lost checkpoint(s): " + "; ".join(f"{n} {reason}" for reason, n in sorted(why.items()))
+
+
+def _short_resolved(s: Session, evidence: list[Any] | None, newest: Newest) -> tuple[Job | None, str]:
+    if not evidence:  # recorded before revision 0015
+        return newest(JobKind.REPAIR), "every content has its copies again"
+    needed = set(s.scalars(select(Shard.sha256).join(CheckpointFile).join(Checkpoint).where(
+        Checkpoint.store_state.in_(sorted(states.PROTECTED)), Shard.sha256.in_(evidence)).distinct()))
+    if len(needed) == len(set(evidence)):
+        return newest(JobKind.REPAIR), "every content has its copies again"
+    gone = len(set(evidence) - needed)
+    words = f"{gone} content(s) no protected checkpoint needs any more (forgotten, superseded or deleted)"
+    if needed:
+        return newest(JobKind.REPAIR), f"{len(needed)} content(s) have their copies again; {words}"
+    return None, words
+
+
+def _run_resolved(s: Session, run: str) -> tuple[Job | None, str]:
+    last = s.scalar(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True))
+                    .order_by(Checkpoint.id.desc()).limit(1))
+    if last is None:
+        return None, "the run has no checkpoint left (deleted from the catalog)"
+    if last.store_state in states.PROTECTED:
+        job = s.scalar(select(Job).where(Job.kind == JobKind.STORE, Job.checkpoint_id == last.id)
+                       .order_by(Job.id.desc()).limit(1))
+        return job, f"{last.name} is protected"
+    if last.store_state in states.RELEASED:
+        how = "deleted from disk" if last.store_state == states.StoreState.VANISHED else last.store_state
+        return None, f"its unprotected saves are gone: its newest, {last.name}, is {how}, not protected"
+    return None, "its trainer's saves are protected again"
 
 
 def event_of(row: Alert, event: str) -> dict[str, Any]:
@@ -270,9 +391,12 @@ def event_of(row: Alert, event: str) -> dict[str, Any]:
 def refresh(settings: Settings, at: datetime | None = None,
             dead_letters: tuple[int, datetime | None] | None = None) -> list[dict[str, Any]]:
     """Evaluate every condition and bring the ``alerts`` rows up to date: a new condition opens
-    a row, one that held longer than its threshold fires, one that no longer holds is resolved
-    (with the job that repaired it), or forgotten if it never fired. Returns the events
-    (``fired``, ``resolved``) in the order they happened, for the webhook."""
+    a row, one that held longer than its threshold fires, one that has not been found for
+    ``alert_clear_seconds`` is resolved (with the job that repaired it and what became of its
+    subject), or dropped if it never fired. Found again within that time, it is the same
+    occurrence (since its first evaluation): a condition that flaps (a worker answering every
+    other probe) is one alert that fires once, not one per flap. Returns the events (``fired``,
+    ``resolved``) in the order they happened, for the webhook."""
     t = at or now()
     events: list[tuple[Alert, str]] = []
     # The conditions' queries (some scan every protected checkpoint's copies) run in a read-only
@@ -288,19 +412,23 @@ def refresh(settings: Settings, at: datetime | None = None,
                 row = Alert(key=c.key, alert=c.alert, subject=c.subject, since=c.since or t)
                 s.add(row)
             elif c.since is not None:
-                row.since = c.since
+                row.since = min(row.since, c.since)  # through a short clear: still the first occurrence
             row.severity, row.summary, row.link, row.last_seen = kind.severity, c.summary, c.link, t
+            row.cleared_at, row.evidence = None, (list(c.evidence) if c.evidence is not None else row.evidence)
             if row.fired_at is None and (t - row.since).total_seconds() >= kind.seconds(settings):
                 row.fired_at = t
                 events.append((row, "fired"))
         for row in rows.values():
             if row.alert in unknown:
                 continue
+            row.cleared_at = row.cleared_at or t
+            if (t - row.cleared_at).total_seconds() < settings.alert_clear_seconds:
+                continue  # not found for a moment: kept open, in case it is found again
             if row.fired_at is None:  # cleared before its threshold: nobody was told, nothing to keep
                 s.delete(row)
                 continue
             row.resolved_at = t
-            row.resolved_by, row.resolution = _resolver(s, row)
+            row.resolved_by, row.resolution = _resolver(s, settings, row)
             events.append((row, "resolved"))
         mark = s.get(Lock, EVALUATED)
         if mark is None:

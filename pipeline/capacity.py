@@ -102,6 +102,13 @@ class Filesystem:
     free: int
     used: int        # what the workers on it report their shards use
     workers: tuple[str, ...]
+    #: The identity its workers report (``worker:<id>`` for one that does not say).
+    id: str = ""
+
+    @property
+    def used_ratio(self) -> float:
+        """1 - free / capacity (0 for a disk whose size is unknown)."""
+        return 1 - self.free / self.capacity if self.capacity > 0 else 0.0
 
 
 def filesystems(workers: Sequence[StorageWorker]) -> list[Filesystem]:
@@ -114,15 +121,23 @@ def filesystems(workers: Sequence[StorageWorker]) -> list[Filesystem]:
     for w in workers:
         groups.setdefault(w.filesystem or f"worker:{w.id}", []).append(w)
     out = []
-    for members in groups.values():
+    for key, members in groups.items():
         capacity, free = sum(w.capacity_bytes for w in members), sum(w.free_bytes for w in members)
         fs = [w for w in members if w.fs_capacity_bytes is not None]
         if fs:
             capacity = min(capacity, max(w.fs_capacity_bytes or 0 for w in fs))
             free = min(free, min(w.fs_free_bytes or 0 for w in fs))
         out.append(Filesystem(capacity=capacity, free=free, used=sum(w.used_bytes for w in members),
-                              workers=tuple(sorted(w.id for w in members))))
+                              workers=tuple(sorted(w.id for w in members)), id=key))
     return out
+
+
+def readable_disks(session: Session) -> list[Filesystem]:
+    """The filesystems of the readable workers that report their capacity, each once (what the
+    disk alert, pipeline/alerts.py, and ``ckpt_filesystem_used_ratio`` read), by their workers."""
+    workers = session.scalars(select(StorageWorker).where(
+        StorageWorker.state.in_(sorted(states.READABLE_WORKERS)), StorageWorker.capacity_bytes > 0)).all()
+    return sorted(filesystems(workers), key=lambda f: f.workers)
 
 
 def usage(session: Session, settings: Settings) -> Usage:

@@ -177,10 +177,19 @@ class Settings:
     #: Alerts (pipeline/alerts.py): a condition becomes an alert once it has held this long. A
     #: storage worker down or rejected; content short of RF good copies; a run whose newest save
     #: is not protected, or whose trainer's saves cannot be protected (pipeline/degraded.py).
-    #: Content lost, a disk above the high watermark and dead letters are alerts at once.
+    #: A disk (one filesystem, however many workers share it) above the high watermark. Content
+    #: lost and dead letters are alerts at once.
     alert_worker_down_seconds: float = 300.0
     alert_under_replicated_seconds: float = 3600.0
     alert_unprotected_seconds: float = 3600.0
+    alert_disk_full_seconds: float = 300.0
+    #: A disk's alert, once open, holds until its disk is this far below the high watermark
+    #: (0.05: open above 90 % full, resolved below 85 %): a disk hovering at the mark is one alert.
+    alert_disk_clear_margin: float = 0.05
+    #: An open alert is resolved (one that has not fired yet, dropped) only once its condition has
+    #: not been found for this long; found again meanwhile, it is the same occurrence: a worker
+    #: answering every other probe is one alert, not one per probe.
+    alert_clear_seconds: float = 120.0
     #: A storage worker's scrub is overdue when none finished within this long after the time
     #: the scrub schedule (``scrub_cron``) made it due.
     alert_scrub_grace_seconds: float = 12 * 3600.0
@@ -443,6 +452,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
     if not 0 < s.high_watermark <= 1:
         raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
+    if not 0 <= s.alert_disk_clear_margin < s.high_watermark:
+        raise ConfigError(f"alert_disk_clear_margin must be in [0, high_watermark), got {s.alert_disk_clear_margin}")
+    if s.alert_clear_seconds < 0:
+        raise ConfigError(f"alert_clear_seconds must be >= 0, got {s.alert_clear_seconds}")
     if s.quiet_seconds < 0:
         raise ConfigError(f"quiet_seconds must be >= 0, got {s.quiet_seconds}")
     if s.shard_size < 4096:

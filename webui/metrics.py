@@ -56,6 +56,7 @@ class ControlPlaneCollector:
             doc = {"runs": run_summaries(session, s), "problems": problem_dicts(session),
                    "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session),
                    "degraded": degraded_runs(s), "last_scrubs": alerts.last_scrubs(session)}
+            on_disks = capacity.readable_disks(session)
         yield jobs
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
         g.add_metric([], stored)
@@ -85,12 +86,18 @@ class ControlPlaneCollector:
             free.add_metric([w["id"]], w["free_bytes"])
             if w["capacity_bytes"]:
                 used.add_metric([w["id"]], 1 - w["free_bytes"] / w["capacity_bytes"])
+        disks = GaugeMetricFamily("ckpt_filesystem_used_ratio", "Used fraction of a filesystem the readable storage "
+                                  "workers are on, counted once however many share it",
+                                  labels=["filesystem", "workers"])
+        for fs in on_disks:
+            disks.add_metric([fs.id, ",".join(fs.workers)], fs.used_ratio)
         mark = GaugeMetricFamily("ckpt_high_watermark_ratio", "Used fraction above which a storage worker is full "
                                  "(CKPT_HIGH_WATERMARK)")
         mark.add_metric([], s.high_watermark)
         yield up
         yield free
         yield used
+        yield disks
         yield mark
         yield from _alert_metrics(s, doc)
         yield from _detection_metrics(doc)

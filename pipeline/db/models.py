@@ -448,8 +448,9 @@ class Lock(Base):
 
 class Alert(Base):
     """One occurrence of an alert condition (pipeline/alerts.py), from the first evaluation that
-    found it until the first that did not: the banner shows the active ones that fired, the
-    incidents page their history. A condition that clears before its threshold leaves no row."""
+    found it until it has not been found for ``alert_clear_seconds``: the banner shows the active
+    ones that fired, the incidents page their history. A condition that clears before its
+    threshold leaves no row."""
 
     __tablename__ = "alerts"
     __table_args__ = (
@@ -476,7 +477,15 @@ class Alert(Base):
     since: Mapped[datetime] = mapped_column(UtcDateTime())
     #: When it had held longer than its threshold and fired (None: not yet).
     fired_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    #: The newest evaluation that found it.
     last_seen: Mapped[datetime] = mapped_column(UtcDateTime())
+    #: The first evaluation that no longer found it, while it is kept open for
+    #: ``alert_clear_seconds`` (None: it holds). Found again meanwhile, it is the same occurrence.
+    cleared_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    #: What it was about at its newest evaluation, for the resolution to say what became of
+    #: each: the workers of a full disk, the ids of lost checkpoints, the under-replicated
+    #: contents (at most :data:`pipeline.alerts.EVIDENCE`). None: nothing recorded.
+    evidence: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     resolved_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     #: The job that repaired it, when one did (a repair, a reconcile, a scrub, a store).
     resolved_by: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -12,10 +12,12 @@ import pytest
 from sqlalchemy import select, update
 
 from pipeline import alerts, degraded
+from pipeline.db import workers
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Alert, Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
 from pipeline.db.transitions import create_job, now, transition
 from pipeline.detection import catalog, completeness, roots
+from pipeline.integrity.retention import forget_checkpoint
 from tests.checkpoints import atomic_save, state_dict
 from tests.webui.conftest import seed
 
@@ -32,6 +34,16 @@ def fired(events: list[dict], alert: str) -> list[dict]:
 
 def resolved(events: list[dict], alert: str) -> list[dict]:
     return [e for e in events if e["event"] == "resolved" and e["alert"] == alert]
+
+
+def settled(s, at=None, **kwargs) -> list[dict]:
+    """Evaluate where a condition no longer holds: the first evaluation resolves nothing (a
+    condition found again within ``alert_clear_seconds`` is the same alert), one that long after
+    resolves it. The events of both."""
+    t = at or now()
+    first = alerts.refresh(s, t, **kwargs)
+    assert not [e for e in first if e["event"] == "resolved"]
+    return first + alerts.refresh(s, t + timedelta(seconds=s.alert_clear_seconds), **kwargs)
 
 
 def open_rows(s) -> list[Alert]:
@@ -87,7 +99,7 @@ def test_a_worker_down_fires_after_its_threshold_and_its_reconcile_resolves_it(d
         session.execute(update(StorageWorker).where(StorageWorker.id == "w-1").values(state="up", last_seen=now()))
     reconcile = done_job(db, "reconcile", [("queued", "reconciling"), ("reconciling", "done")],
                          params={"worker_id": "w-1"})
-    [r] = resolved(alerts.refresh(db, now() + timedelta(seconds=1)), "worker_down")
+    [r] = resolved(settled(db, now() + timedelta(seconds=1)), "worker_down")
     assert r["resolved_by"] == reconcile and "w-1 answered again" in r["resolution"]
     assert alerts.active(db)["alerts"] == []
 
@@ -117,7 +129,7 @@ def test_under_replicated_content_fires_after_an_hour_and_its_repair_resolves_it
                       params={"sha256": shas[0], "reason": "scrub of w-1 found its copy bad"})
     with session_scope(db.db_url) as session:
         session.execute(update(ContentCopy).values(state="verified"))
-    [r] = resolved(alerts.refresh(db, now() + timedelta(seconds=3700)), "under_replicated")
+    [r] = resolved(settled(db, now() + timedelta(seconds=3700)), "under_replicated")
     assert r["resolved_by"] == repair
 
 
@@ -129,7 +141,7 @@ def test_a_condition_that_clears_before_its_threshold_leaves_no_row(db):
     assert len(open_rows(db)) == 1
     with session_scope(db.db_url) as session:
         session.execute(update(ContentCopy).values(state="verified"))
-    assert not alerts.refresh(db)  # nobody was told: nothing to resolve, nothing kept
+    assert not settled(db)  # nobody was told: nothing to resolve, nothing kept
     with session_scope(db.db_url) as session:
         assert session.scalars(select(Alert)).all() == []
 
@@ -154,17 +166,127 @@ def test_a_run_whose_trainer_cannot_protect_its_saves_fires(db):
     [e] = fired(alerts.refresh(db), "run_unprotected")
     assert e["subject"] == run and "protection degraded" in e["summary"] and "no ckpt up" in e["summary"]
     degraded.clear(db.home, run)
-    [r] = resolved(alerts.refresh(db), "run_unprotected")
+    [r] = resolved(settled(db), "run_unprotected")
     assert r["subject"] == run
 
 
-def test_a_disk_above_the_watermark_fires(db):
+def fill(s, free: int, *ids: str, filesystem: str | None = None) -> None:
+    """The disk of workers ``ids`` (1,000 bytes) with ``free`` bytes free, on ``filesystem``."""
+    with session_scope(s.db_url) as session:
+        session.execute(update(StorageWorker).where(StorageWorker.id.in_(ids or ("w-0",))).values(
+            capacity_bytes=1000, free_bytes=free, filesystem=filesystem,
+            fs_capacity_bytes=1000 if filesystem else None, fs_free_bytes=free if filesystem else None))
+
+
+def test_a_disk_above_the_watermark_fires_once_it_held_its_threshold(db):
     seed(db)
+    fill(db, 50)
+    t = now()
+    assert not fired(alerts.refresh(db, t), "disk_full")  # 5 minutes, as docs/alerts.yml's `for: 5m`
+    [e] = fired(alerts.refresh(db, t + timedelta(seconds=300)), "disk_full")
+    assert e["subject"] == "worker:w-0" and "w-0's disk is 95% full" in e["summary"]
+    assert "90% watermark" in e["summary"] and e["link"] == "/workers?q=w-0"
+
+
+def test_a_disk_hovering_at_the_watermark_is_one_alert_until_it_is_below_the_lower_mark(db):
+    """Open above the high watermark (90 %), resolved only below it minus the margin (85 %):
+    sweeps at 91 %, 89 %, 91 %... tell the webhook nothing more than once."""
+    seed(db)
+    t = now()
+    fill(db, 50)
+    events = alerts.refresh(db, t) + alerts.refresh(db, t + timedelta(seconds=300))
+    for i in range(40):  # two sweeps a second, 20 s around the mark, then 5 minutes at 86-89 %
+        fill(db, 90 + (10 if i % 2 else -10) if i < 20 else 110 + i % 4 * 10)
+        events += alerts.refresh(db, t + timedelta(seconds=301 + i * (0.5 if i < 20 else 15)))
+    assert [e["event"] for e in events if e["alert"] == "disk_full"] == ["fired"]
+    assert "not yet below 85%" in open_rows(db)[0].summary
+    fill(db, 160)  # 84 %
+    [r] = resolved(settled(db, t + timedelta(seconds=1000)), "disk_full")
+    assert "below 85% again" in r["resolution"]
+
+
+def test_workers_sharing_a_filesystem_raise_one_disk_alert_naming_them(db):
+    """``ckpt up``'s local workers share one disk: one alert for it, as capacity counts it once."""
+    seed(db)
+    fill(db, 50, "w-0", "w-1", filesystem="boot-1:2049:77")
+    t = now()
+    alerts.refresh(db, t)
+    [e] = fired(alerts.refresh(db, t + timedelta(seconds=300)), "disk_full")
+    assert e["subject"] == "boot-1:2049:77" and "storage workers w-0, w-1" in e["summary"]
+    assert "filesystem boot-1:2049:77" in e["summary"] and "95% full" in e["summary"]
+
+
+def test_a_worker_answering_every_other_probe_is_one_alert(db):
+    """Down, up, down...: the same occurrence while it keeps coming back within
+    alert_clear_seconds, so it fires once after alert_worker_down_seconds (each short outage
+    alone would never reach it), and nothing resolves it while it flaps."""
+    seed(db)
+    t = now()
+    events: list[dict] = []
+    for i in range(40):
+        at = t + timedelta(seconds=10 * i)
+        with session_scope(db.db_url) as session:
+            session.execute(update(StorageWorker).where(StorageWorker.id == "w-1").values(
+                state="down" if i % 2 == 0 else "up", **({"last_seen": at} if i % 2 else {})))
+        events += alerts.refresh(db, at)
+    assert [e["event"] for e in events if e["alert"] == "worker_down"] == ["fired"]
+    [e] = fired(events, "worker_down")
+    assert e["fired_at"] - e["since"] >= timedelta(seconds=db.alert_worker_down_seconds)
+
+
+def down_and_fired(s, worker: str = "w-1") -> None:
+    with session_scope(s.db_url) as session:
+        session.execute(update(StorageWorker).where(StorageWorker.id == worker)
+                        .values(state="down", last_seen=now() - timedelta(hours=1)))
+    assert fired(alerts.refresh(s), "worker_down")
+
+
+def test_a_removed_worker_resolves_its_alert_as_removed_not_as_answered(db):
+    seed(db)
+    down_and_fired(db)
+    with session_scope(db.db_url) as session:  # `ckpt workers remove w-1` (after its checks)
+        workers.remove(session, session.get(StorageWorker, "w-1"))
+    [r] = resolved(settled(db), "worker_down")
+    assert "w-1 was removed" in r["resolution"] and "answered" not in r["resolution"].replace("not answer", "")
+    assert r["resolved_by"] is None
+
+
+def test_a_lost_checkpoint_forgotten_resolves_as_forgotten_not_as_repaired(db):
+    ids = seed(db)
     with session_scope(db.db_url) as session:
-        session.execute(update(StorageWorker).where(StorageWorker.id == "w-0")
-                        .values(capacity_bytes=1000, free_bytes=50))
-    [e] = fired(alerts.refresh(db), "disk_full")
-    assert e["subject"] == "w-0" and "95% full" in e["summary"] and "90% watermark" in e["summary"]
+        session.get(Checkpoint, ids["checkpoint"]).local_present = False
+        session.execute(update(ContentCopy).values(state="corrupt"))
+    assert fired(alerts.refresh(db), "content_lost")
+    with session_scope(db.db_url) as session:  # `ckpt forget` of it
+        assert forget_checkpoint(session, ids["checkpoint"], "forgotten by `ckpt forget`")
+    [r] = resolved(settled(db), "content_lost")
+    assert "1 forgotten" in r["resolution"] and "copies again" not in r["resolution"]
+
+
+def test_under_replicated_content_of_a_forgotten_checkpoint_resolves_as_not_needed(db):
+    ids = seed(db)
+    with session_scope(db.db_url) as session:
+        session.execute(update(ContentCopy).where(ContentCopy.worker_id == "w-1").values(state="corrupt"))
+    t = now()
+    alerts.refresh(db, t)
+    assert fired(alerts.refresh(db, t + timedelta(seconds=3601)), "under_replicated")
+    with session_scope(db.db_url) as session:
+        assert forget_checkpoint(session, ids["checkpoint"], "retention policy")
+    [r] = resolved(settled(db, t + timedelta(seconds=3700)), "under_replicated")
+    assert "no protected checkpoint needs" in r["resolution"] and "copies again" not in r["resolution"]
+
+
+def test_a_run_whose_unprotected_saves_were_deleted_resolves_as_deleted_not_protected(db):
+    seed(db)  # step 1 protected
+    second = recorded_only(db, 2)
+    t = second.detected_at + timedelta(seconds=3601)
+    alerts.refresh(db, second.detected_at)
+    assert fired(alerts.refresh(db, t), "run_unprotected")
+    with session_scope(db.db_url) as session:  # the watcher found its files deleted
+        session.execute(update(Checkpoint).where(Checkpoint.id == second.id).values(store_state="vanished"))
+    [r] = resolved(settled(db, t), "run_unprotected")
+    assert "deleted from disk" in r["resolution"] and "step_1" not in r["resolution"]
+    assert r["resolved_by"] is None
 
 
 def test_dead_letters_fire_and_an_unreadable_broker_resolves_nothing(db):
@@ -173,7 +295,7 @@ def test_dead_letters_fire_and_an_unreadable_broker_resolves_nothing(db):
     assert e["since"] == t and e["summary"].startswith("3 dead letter(s)") and e["link"] == "/dead-letters"
     assert not alerts.refresh(db, dead_letters=None)  # the broker could not be read: left as it is
     assert [r.alert for r in open_rows(db)] == ["dead_letters"]
-    [r] = resolved(alerts.refresh(db, dead_letters=(0, None)), "dead_letters")
+    [r] = resolved(settled(db, dead_letters=(0, None)), "dead_letters")
     assert r["resolved_by"] is None and "no dead letter left" in r["resolution"]
 
 
@@ -187,9 +309,35 @@ def test_a_scrub_overdue_fires_per_worker_and_its_scrub_resolves_it(db):
     assert sorted(e["subject"] for e in events) == ["w-0", "w-1"]
     assert "never scrubbed" in events[0]["summary"] and events[0]["link"] == "/jobs?kind=scrub"
     scrub = done_job(s, "scrub", [("queued", "scrubbing"), ("scrubbing", "done")], params={"worker_id": "w-0"})
-    [r] = resolved(alerts.refresh(s), "scrub_overdue")
+    [r] = resolved(settled(s), "scrub_overdue")
     assert r["subject"] == "w-0" and r["resolved_by"] == scrub
     assert [a.subject for a in open_rows(s)] == ["w-1"]
+
+
+def test_a_scrub_overdue_on_a_removed_worker_or_with_the_schedule_off_says_so_not_scrubbed(db):
+    s = dataclasses.replace(db, scrub_cron="30 2 * * *")
+    seed(s)
+    with session_scope(s.db_url) as session:
+        session.execute(update(Checkpoint).values(detected_at=now() - timedelta(days=4)))
+    assert len(fired(alerts.refresh(s), "scrub_overdue")) == 2
+    with session_scope(s.db_url) as session:
+        workers.remove(session, session.get(StorageWorker, "w-0"))
+    [r] = resolved(settled(s), "scrub_overdue")
+    assert r["subject"] == "w-0" and "w-0 was removed" in r["resolution"] and "was scrubbed" not in r["resolution"]
+    [r] = resolved(settled(dataclasses.replace(s, scrub_cron="")), "scrub_overdue")
+    assert r["subject"] == "w-1" and "scrub schedule was turned off" in r["resolution"]
+
+
+def test_a_full_disk_whose_worker_was_removed_says_so_not_below_the_mark(db):
+    seed(db)
+    fill(db, 50, "w-1")
+    t = now()
+    alerts.refresh(db, t)
+    assert fired(alerts.refresh(db, t + timedelta(seconds=300)), "disk_full")
+    with session_scope(db.db_url) as session:
+        workers.remove(session, session.get(StorageWorker, "w-1"))
+    [r] = resolved(settled(db, t + timedelta(seconds=400)), "disk_full")
+    assert "w-1 was removed" in r["resolution"] and "below" not in r["resolution"]
 
 
 def test_no_alert_when_all_is_well(db):
@@ -227,4 +375,4 @@ def test_a_check_that_fails_leaves_its_open_alerts_as_they_are(db, monkeypatch):
     assert not resolved(alerts.refresh(db), "worker_down")  # a failure to look is not "all is well"
     assert "worker_down" in [r.alert for r in open_rows(db)]
     monkeypatch.undo()
-    assert resolved(alerts.refresh(db), "worker_down")
+    assert resolved(settled(db), "worker_down")

@@ -184,6 +184,45 @@ def test_0013_says_why_each_local_copy_went_from_the_evidence_its_jobs_left(db):
     assert gone == {1: "rotated", 2: "deleted", 3: "deleted", 4: "deleted", 5: "replaced", 6: "rotated", 7: None}
 
 
+def test_0015_makes_the_open_disk_alerts_one_per_filesystem(db):
+    """Existing databases: the open ``disk_full`` alerts of ``ckpt up``'s three workers on one disk
+    become one, the oldest, naming them all; the others are resolved as merged into it; a worker
+    that does not say its filesystem is a disk of its own; other alerts are left as they are."""
+    import json
+
+    from pipeline.alerts import key_of
+
+    cfg = alembic_config(db.db_url)
+    with get_engine(db.db_url).connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0014")
+        conn.commit()
+        for w, fs in (("w-0", "boot:2049:7"), ("w-1", "boot:2049:7"), ("w-2", "boot:2049:7"), ("w-3", None)):
+            conn.execute(text("INSERT INTO storage_workers (id, url, zone, source, state, capacity_bytes, free_bytes,"
+                              " filesystem) VALUES (:i, :u, '', 'local', 'full', 1000, 50, :f)"),
+                         {"i": w, "u": f"http://127.0.0.1/{w}", "f": fs})
+        rows = [(1, "disk_full", "w-1", "00:01"), (2, "disk_full", "w-0", "00:02"), (3, "disk_full", "w-2", "00:03"),
+                (4, "disk_full", "w-3", "00:04"), (5, "worker_down", "w-0", "00:05")]
+        for i, alert, subject, at in rows:
+            conn.execute(text("INSERT INTO alerts (id, key, alert, subject, severity, summary, link, since, fired_at,"
+                              " last_seen) VALUES (:i, :k, :a, :s, 'warning', 'x', '/', :t, :t, :t)"),
+                         {"i": i, "k": key_of(alert, subject), "a": alert, "s": subject, "t": f"2026-11-21 {at}:00"})
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+        got = {i: (key, subject, resolution, json.loads(ev) if isinstance(ev, str) else ev, cleared)
+               for i, key, subject, resolution, ev, cleared in conn.execute(text(
+                   "SELECT id, key, subject, resolution, evidence, cleared_at FROM alerts ORDER BY id"))}
+        resolved = {i for (i,) in conn.execute(text("SELECT id FROM alerts WHERE resolved_at IS NOT NULL"))}
+        for table in ("alerts", "storage_workers"):
+            conn.execute(text(f"DELETE FROM {table}"))
+        conn.commit()
+    assert got[1] == (key_of("disk_full", "boot:2049:7"), "boot:2049:7", None, ["w-0", "w-1", "w-2"], None)
+    assert got[2][2] == got[3][2] == "merged into alert 1: one alert per filesystem" and resolved == {2, 3}
+    assert got[4] == (key_of("disk_full", "worker:w-3"), "worker:w-3", None, ["w-3"], None)
+    assert got[5] == (key_of("worker_down", "w-0"), "w-0", None, None, None)
+
+
 def test_the_heads_read_from_the_files_are_alembics():
     from alembic.script import ScriptDirectory
 

@@ -28,6 +28,7 @@ def metric_names(expr: str) -> dict[str, set[str]]:
     """The metric names an expression reads, each with the label names it matches on."""
     out: dict[str, set[str]] = {}
     text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals hold no names
+    text = re.sub(r"\[[^\]]*\]", "", text)  # nor range selectors ([2m], [1h:5m])
     for m in re.finditer(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?\s*(\()?", text):
         name, matchers, call = m.group(1), m.group(2), m.group(3)
         if call or name.lower() in KEYWORDS or re.fullmatch(r"\d+[smhdwy]", name):
@@ -98,6 +99,7 @@ def test_metric_names_are_read_out_of_expressions():
         "ckpt_run_protection_behind": {"run"}, "x_y": set()}
     assert metric_names("time() - ckpt_worker_last_scrub_timestamp_seconds > 2 * 86400") == {
         "ckpt_worker_last_scrub_timestamp_seconds": set()}
+    assert metric_names('count_over_time(ckpt_worker_up{state="down"}[2m]) > 0') == {"ckpt_worker_up": {"state"}}
 
 
 def test_metrics_export_dead_letters_and_the_alerts_that_fired(client, web_settings):
@@ -112,3 +114,24 @@ def test_metrics_export_dead_letters_and_the_alerts_that_fired(client, web_setti
     assert 'ckpt_alert_active{alert="dead_letters",severity="warning"} 1.0' in text
     assert 'ckpt_alert_active{alert="worker_down",severity="warning"} 0.0' in text
     assert 'ckpt_high_watermark_ratio 0.9' in text and 'ckpt_worker_disk_used_ratio{worker="w-0"} 0.5' in text
+    assert 'ckpt_filesystem_used_ratio{filesystem="worker:w-0",workers="w-0"} 0.5' in text
+
+
+def seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
+
+
+def test_the_rules_that_can_flap_wait_and_hold_as_the_control_plane_does():
+    """A disk hovering at the mark, a worker answering every other probe: the rule fires after
+    the control plane's threshold (``for:``) and reads a window as long as its clear hold."""
+    from pipeline.settings import Settings
+
+    defaults = Settings()
+    rules = {r["alert"]: r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    for name, threshold in (("CkptStorageWorkerDown", defaults.alert_worker_down_seconds),
+                            ("CkptDiskAboveWatermark", defaults.alert_disk_full_seconds)):
+        assert seconds(rules[name]["for"]) == threshold, name
+        [window] = re.findall(r"\[(\w+)\]", rules[name]["expr"])
+        assert seconds(window) == defaults.alert_clear_seconds, name
+    assert "ckpt_filesystem_used_ratio" in rules["CkptDiskAboveWatermark"]["expr"]  # one per disk

@@ -18,12 +18,15 @@ def test_the_banner_lists_what_fired_and_the_api_says_the_same(client, web_setti
     with session_scope(web_settings.db_url) as s:
         s.execute(update(StorageWorker).where(StorageWorker.id == "w-1")
                   .values(capacity_bytes=100, free_bytes=1))
-    alerts.refresh(web_settings, dead_letters=(0, None))
+    t = now()
+    alerts.refresh(web_settings, t - timedelta(seconds=web_settings.alert_disk_full_seconds), dead_letters=(0, None))
+    alerts.refresh(web_settings, t, dead_letters=(0, None))  # above the mark for 5 minutes: fired
     page = client.get("/workers").get_data(as_text=True)
     assert 'id="alerts"' in page and "storage worker w-1&#39;s disk is 99% full" in page
     assert 'href="/workers?q=w-1"' in page and "alerts-stale" not in page
     doc = client.get("/api/alerts").get_json()
-    assert [(a["alert"], a["subject"], a["severity"]) for a in doc["alerts"]] == [("disk_full", "w-1", "warning")]
+    assert [(a["alert"], a["subject"], a["severity"]) for a in doc["alerts"]] == [
+        ("disk_full", "worker:w-1", "warning")]  # one alert per disk: w-1 does not say which it is on
     assert doc["evaluated_at"].endswith("Z") and doc["incidents"][0]["kind"] == "disk above its watermark"
 
 
