@@ -299,6 +299,11 @@ def main() -> None:
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
+    ap.add_argument("--training-profile", default="target,steps",
+                    help="target: ~1 GB every 2 minutes; steps: 124 MB every few steps, with priority and "
+                         "thread-cap variants (default target,steps)")
+    ap.add_argument("--training-seconds", type=float, default=330.0,
+                    help="training time of each target run (default 330)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
@@ -308,7 +313,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc, boxes, training_doc = [], {}, {}, {}, {}, [], {}
+        sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs = [], {}, {}, {}, {}, [], []
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -333,9 +338,11 @@ def main() -> None:
                 boxes.append(cluster.measure_cluster(work, rate, args.cluster_gib,
                                                      tuple(args.cluster_modes.split(","))))
         if "training" in parts:
-            print("== training: off, watching, with the callbacks ...", flush=True)
-            training_doc = training.measure_training(work, steps=args.training_steps,
-                                                     save_every=args.training_save_every)
+            for profile in args.training_profile.split(","):
+                print(f"== training ({profile}): off, watching, with the callbacks ...", flush=True)
+                training_docs.append(training.measure_training(
+                    work, profile=profile, steps=args.training_steps, save_every=args.training_save_every,
+                    seconds=args.training_seconds))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -350,11 +357,11 @@ def main() -> None:
         text += "\n" + scale.table(scale_doc)
     for box in boxes:
         text += "\n" + cluster.table(box)
-    if training_doc:
-        text += "\n" + training.table(training_doc)
+    for doc in training_docs:
+        text += "\n" + training.table(doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "cluster": boxes, "training": training_doc, "table": text},
+                               "scale": scale_doc, "cluster": boxes, "training": training_docs, "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

@@ -53,7 +53,7 @@ class System:
     #: Settings every system of this run gets (``--replication``).
     common: dict[str, str] = {}
 
-    def __init__(self, root: Path, **env: str) -> None:
+    def __init__(self, root: Path, *, up_args: tuple[str, ...] = (), **env: str) -> None:
         self.root, self.home, self.runs = root, root / "home", root / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
@@ -62,10 +62,12 @@ class System:
                          "CKPT_TICK_SECONDS": "0.5",
                          "CKPT_RESTORE_ROOTS": str(root.parent), **self.common, **env})  # restores go next to it
         self.proc: subprocess.Popen | None = None
+        self.up_args = up_args  # more options of `ckpt up`
 
     def __enter__(self) -> System:
         log = open(self.root / "up.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", "3"], env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", "3", *self.up_args],
+                                     env=self.env,
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 60

@@ -112,7 +112,9 @@ def protector() -> Protector:
     """This process's protector (created, with its thread, on first use)."""
     global _protector
     if _protector is None:
-        _protector = Protector(record)
+        from pipeline.recorder import Recorder
+
+        _protector = Protector(Recorder())  # records in a child process at background priority
     return _protector
 
 

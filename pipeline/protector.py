@@ -3,9 +3,10 @@
 
 ``pipeline.protect(path)`` hands the path to this process's protector and returns: the
 trainer's thread never hashes a checkpoint and never waits on the control plane. One daemon
-thread per process, at a lower CPU priority than training (nice +10 on Linux, inherited by
-the threads it starts), records the declarations in the order they were made, each as
-``ckpt store PATH`` does (``operations.store``: hash while sending early, record, send).
+thread per process takes the declarations in the order they were made and has each recorded
+as ``ckpt store PATH`` does (``operations.store``: hash while sending early, record, send) by
+the trainer's recorder, a child process at the background CPU and I/O priority
+(pipeline/recorder.py, pipeline/priority.py); the thread itself only waits for its answers.
 
 A failure never reaches the trainer. It is logged once per run and cause (not once per save),
 counted in the home's ledger (pipeline.degraded: "protection degraded since T" in status, the
@@ -173,7 +174,7 @@ class Protector:
             cause = explain(exc, s)
         except Exception:  # explaining must not stop the thread either
             cause = repr(exc)
-        kind = type(exc).__name__
+        kind = getattr(exc, "kind", type(exc).__name__)  # a recorder's failure names its own kind
         with self._lock:
             new = self._said.get(run) != kind
             self._said[run] = kind

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import effective, hostid, masking
+from pipeline import effective, hostid, masking, priority
 from pipeline import home as home_mod
 from pipeline.core.retention import Policy
 from pipeline.durable import write_once
@@ -99,6 +99,11 @@ class Settings:
     #: Threads hashing the checkpoints the watcher found complete, each run in its own lane (one
     #: checkpoint at a time per run): a big checkpoint of one run never delays another run's.
     hash_threads: int = 2
+    #: How far below training the tool runs on a host (pipeline/priority.py): ``ckpt up``'s
+    #: services and the process recording a trainer's saves start at this nice value (0-19)...
+    nice: int = 10
+    #: ...and this I/O priority (``best-effort:0-7``, ``idle`` or ``none``; BFQ disks only).
+    ionice: str = "best-effort:7"
     #: A file larger than this is reported ("not protected"), not hashed by the watcher (0: no
     #: limit). A file of 1 GiB or more of which the disk holds less than ``sparse_ratio`` of its
     #: size (a ``truncate -s 100T`` file) is reported the same way (0: never). A filesystem that
@@ -462,6 +467,7 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         raise ConfigError(f"shard_size must be at least 4096 bytes, got {s.shard_size}")
     if s.hash_threads < 1:
         raise ConfigError(f"hash_threads must be at least 1, got {s.hash_threads}")
+    priority.of(s.nice, s.ionice)  # raises ConfigError naming the bad value
     if s.max_hash_bytes < 0 or not 0 <= s.sparse_ratio < 1:
         raise ConfigError(f"max_hash_bytes must be >= 0 and sparse_ratio in [0, 1), got {s.max_hash_bytes}"
                           f" and {s.sparse_ratio}")

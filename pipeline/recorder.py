@@ -1,0 +1,149 @@
+"""The recorder: a child process of the trainer that records the checkpoints it declares
+complete (docs/design.md, "Explicit completion").
+
+``pipeline.protect()`` hands a path to the protector thread (pipeline/protector.py), which
+asks this child to record it: hash while sending early, record, send (``api.record``). The
+child runs at the background priority (``nice``/``ionice``, pipeline/priority.py), so its
+hashing yields the CPU and the disk to training, never holds the trainer's GIL, and its
+memory (the control plane's clients, hashing buffers) is not the trainer's. One child per
+control plane the trainer uses, started at the first declaration.
+
+Requests are JSON lines on the child's stdin (``{"path": ...}``), answers JSON lines on a pipe
+of their own (what a library prints on stdout cannot garble them); its log lines go to the
+trainer's stderr. The child ignores Ctrl-C (the trainer decides when to stop) and exits when
+its stdin closes: when the trainer exits or dies.
+
+    python -m pipeline.recorder FD      the child (FD: where answers go)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from pipeline.errors import CkptError
+
+if TYPE_CHECKING:
+    from pipeline.api import Protected
+    from pipeline.settings import Settings
+
+log = logging.getLogger("ckpt.integrations")
+
+
+class RecordFailed(CkptError):
+    """What stopped the child recording a path: its cause, said as the child explained it
+    (``kind``: the name of the error there, so that each kind is logged once)."""
+
+    def __init__(self, kind: str, cause: str) -> None:
+        super().__init__(cause)
+        self.kind = kind
+
+
+class _Child:
+    """One recorder process and its two pipes."""
+
+    def __init__(self, settings: Settings) -> None:
+        read_fd, write_fd = os.pipe()
+        package_parent = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, **settings.child_env(), "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.recorder", str(write_fd)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                                         pass_fds=(write_fd,), text=True)
+        finally:
+            os.close(write_fd)
+        self.answers: IO[str] = os.fdopen(read_fd, "r")
+
+    def ask(self, path: str) -> dict[str, Any]:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        stdin.write(json.dumps({"path": path}) + "\n")
+        stdin.flush()
+        line = self.answers.readline()
+        if not line:
+            raise CkptError(f"the recorder process (pid {self.proc.pid}) ended "
+                            f"(exit status {self.proc.wait()}) before it answered")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.answers.close()
+
+
+class Recorder:
+    """``record(path, settings)`` in a child process (one per control plane, started on first use,
+    started again if it died); what the protector calls."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, str], _Child] = {}
+
+    def __call__(self, path: str, settings: Settings) -> Protected:
+        from pipeline.api import Protected
+
+        key = (str(settings.home), settings.db_url)
+        with self._lock:
+            child = self._children.get(key)
+            if child is None or child.proc.poll() is not None:
+                child = self._children[key] = _Child(settings)
+        try:
+            answer = child.ask(path)
+        except (OSError, ValueError, CkptError):
+            with self._lock:
+                if self._children.get(key) is child:
+                    del self._children[key]
+            child.close()
+            raise
+        if not answer["ok"]:
+            raise RecordFailed(answer["kind"], answer["cause"])
+        p = answer["protected"]
+        return Protected(p["id"], p["path"], p["run"], p["step"], p["state"],
+                         datetime.fromisoformat(p["written_at"]), p["job_id"])
+
+
+def _serve(answers: IO[str]) -> None:
+    from pipeline import priority
+    from pipeline import settings as settings_mod
+
+    s = settings_mod.current()
+    for problem in priority.lower(priority.of(s.nice, s.ionice)):  # before any thread starts
+        log.warning("ckpt: the recorder runs at the trainer's priority: %s", problem)
+    from pipeline import api
+    from pipeline.protector import explain
+
+    for line in sys.stdin:
+        path = json.loads(line)["path"]
+        try:
+            p = api.record(path, s)
+            reply: dict[str, Any] = {"ok": True, "protected": {
+                "id": p.id, "path": p.path, "run": p.run, "step": p.step, "state": p.state,
+                "written_at": p.written_at.isoformat(), "job_id": p.job_id}}
+        except Exception as exc:  # the trainer's side decides what to say and count
+            reply = {"ok": False, "kind": type(exc).__name__, "cause": explain(exc, s)}
+        answers.write(json.dumps(reply) + "\n")
+        answers.flush()
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; stdin's end stops us
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    with os.fdopen(int(argv[0]), "w") as answers:
+        try:
+            _serve(answers)
+        except BrokenPipeError:  # the trainer is gone
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

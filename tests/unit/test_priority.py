@@ -1,0 +1,43 @@
+"""Background priority settings: what is accepted, what is refused with the fix named, and that
+a thread lowered to it runs there (pipeline/priority.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pipeline import priority
+from pipeline import settings as settings_mod
+from pipeline.errors import ConfigError
+
+
+@pytest.mark.parametrize(("text", "parsed"), [("best-effort:7", ("best-effort", 7)),
+                                              ("Best-Effort:0", ("best-effort", 0)), ("idle", ("idle", 0)),
+                                              ("none", None), ("", None)])
+def test_io_classes_a_user_writes(text, parsed):
+    assert priority.parse_io(text) == parsed
+
+
+@pytest.mark.parametrize("env", [{"CKPT_IONICE": "best-effort:8"}, {"CKPT_IONICE": "realtime:0"},
+                                 {"CKPT_IONICE": "low"}, {"CKPT_NICE": "20"}, {"CKPT_NICE": "-5"}])
+def test_a_bad_value_is_refused_when_the_settings_load(tmp_path, env):
+    with pytest.raises(ConfigError, match="nice must be"):
+        settings_mod.load(environ={"CKPT_HOME": str(tmp_path), **env})
+
+
+def test_a_thread_lowered_runs_below_the_others_and_so_do_the_threads_it_starts():
+    seen = {}
+    mine = priority.of_process(threading.get_native_id())
+
+    def lowered():
+        assert priority.lower(priority.of(17, "best-effort:6")) == []
+        child = threading.Thread(target=lambda: seen.update(child=priority.of_process(threading.get_native_id())))
+        child.start()
+        child.join()
+        seen["self"] = priority.of_process(threading.get_native_id())
+
+    t = threading.Thread(target=lowered)
+    t.start()
+    t.join()
+    assert seen == dict.fromkeys(("self", "child"), priority.Priority(17, ("best-effort", 6)))
+    assert priority.of_process(threading.get_native_id()) == mine  # the caller's own thread is untouched
