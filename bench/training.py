@@ -189,7 +189,7 @@ def measure_training(work: Path, *, profile: str = "steps", steps: int = 40, sav
     out: dict[str, Any] = {"profile": profile, "plan": plan, "variants": []}
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     for i, v in enumerate(variants or VARIANTS[profile]):
-        where = work / f"training-{i}"
+        where = work / f"training-{profile}-{i}"
         print(f"   {v.label} ...", flush=True)
         if v.mode == "off":
             out["variants"].append(_run(profile, v, where, {**base, "CKPT_HOME": str(where / "no-home")}, plan))
