@@ -114,7 +114,9 @@ def protector() -> Protector:
     if _protector is None:
         from pipeline.recorder import Recorder
 
-        _protector = Protector(Recorder())  # records in a child process at background priority
+        # Records in a child process that lowers itself (CKPT_NICE); this thread only waits for it,
+        # and must not renice itself: the child is forked from it and starts at its nice value.
+        _protector = Protector(Recorder(), nice=0)
     return _protector
 
 
