@@ -8,8 +8,10 @@ hashing yields the CPU and the disk to training, never holds the trainer's GIL, 
 memory (the control plane's clients, hashing buffers) is not the trainer's. One child per
 control plane the trainer uses, started at the first declaration.
 
-Requests are JSON lines on the child's stdin (``{"path": ...}``), answers JSON lines on a pipe
-of their own (what a library prints on stdout cannot garble them); its log lines go to the
+Requests are JSON lines on the child's stdin (``{"path": ..., "env": ...}``: with the settings
+the trainer sees at that declaration, as ``Settings.child_env``, so that a ``ckpt up`` started
+since counts), answers JSON lines on a pipe of their own (what a library prints on stdout
+cannot garble them); its log lines go to the
 trainer's stderr. The child ignores Ctrl-C (the trainer decides when to stop) and exits when
 its stdin closes or its parent, the trainer, is gone (a process the trainer forked may hold
 its stdin open), after the record under way.
@@ -84,8 +86,9 @@ class _Child:
         self.requests: IO[str] = os.fdopen(request_w, "w")
         self.answers: IO[str] = os.fdopen(answer_r, "r")
 
-    def ask(self, path: str) -> dict[str, Any]:
-        self.requests.write(json.dumps({"path": path}) + "\n")
+    def ask(self, path: str, settings: Settings) -> dict[str, Any]:
+        # with the settings the trainer sees now: a `ckpt up` started since publishes its roots
+        self.requests.write(json.dumps({"path": path, "env": settings.child_env()}) + "\n")
         self.requests.flush()
         line = self.answers.readline()
         if not line:
@@ -123,7 +126,7 @@ class Recorder:
             if child is None or child.proc.poll() is not None:
                 child = self._children[key] = _Child(settings)
         try:
-            answer = child.ask(path)
+            answer = child.ask(path, settings)
         except (OSError, ValueError, CkptError):
             with self._lock:
                 if self._children.get(key) is child:
@@ -152,14 +155,18 @@ def _serve(answers: IO[str], trainer: int | None) -> None:
         threading.Thread(target=_end_with, args=(trainer, busy), name="ckpt-recorder-parent", daemon=True).start()
     for line in sys.stdin:
         with busy:
-            path = json.loads(line)["path"]
+            request = json.loads(line)
+            path = request["path"]
+            here = s
             try:
-                p = api.record(path, s)
+                if "env" in request:
+                    here = settings_mod.load(environ=request["env"])
+                p = api.record(path, here)
                 reply: dict[str, Any] = {"ok": True, "protected": {
                     "id": p.id, "path": p.path, "run": p.run, "step": p.step, "state": p.state,
                     "written_at": p.written_at.isoformat(), "job_id": p.job_id}}
             except Exception as exc:  # the trainer's side decides what to say and count
-                reply = {"ok": False, "kind": type(exc).__name__, "cause": explain(exc, s)}
+                reply = {"ok": False, "kind": type(exc).__name__, "cause": explain(exc, here)}
             answers.write(json.dumps(reply) + "\n")
             answers.flush()
 

@@ -106,6 +106,26 @@ def gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_a_ckpt_up_started_after_the_first_save_is_used_by_the_next(tmp_path, home):
+    """docs/design.md: a save outside the roots is noted as degraded and "each save tries
+    again, since `ckpt up` may start with the right roots". The trainer started first; its
+    recorder (started at the first save) must record the next save with the settings ``ckpt up``
+    published since (its roots), as the trainer now sees them, not with those of its start."""
+    train = script(tmp_path, textwrap.dedent("""
+        from pipeline import effective, settings
+        first = save_and_report(sys.argv[1])
+        # `ckpt up --root RUN/..` starts now and publishes its settings, as it does
+        effective.write(settings.load({"home": os.environ["CKPT_HOME"],
+                                       "roots": (os.path.dirname(os.path.dirname(sys.argv[1])) + "/*",)}), {})
+        then = save_and_report(sys.argv[1])
+        os.write(REPORT, (json.dumps({"first": first["outcome"], "outcome": then["outcome"]}) + "\\n").encode())
+    """))
+    report, err = run_trainer(train, home)
+    assert ANSWERED in report["first"], (report, err[-2000:])
+    # past the roots: recorded in the control plane; only the broker of the `ckpt up` is missing
+    assert "is recorded, but the broker of `ckpt up` does not answer" in report["outcome"], (report, err[-2000:])
+
+
 def test_a_trainer_started_beside_its_own_pipeline_package_is_still_protected(tmp_path, home):
     """A project with its own ``pipeline/`` package (a common name), its training script in
     ``scripts/``, run from the project's root: the trainer imports ckpt's ``pipeline`` (the
