@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,10 @@ def script(tmp_path: Path, body: str) -> Path:
 
 
 def run_trainer(path: Path, home: Path, *, cwd: Path | None = None, env: dict[str, str] | None = None,
-                prefix: tuple[str, ...] = (), timeout: float = 120) -> tuple[dict, str]:
-    """Run the trainer script to its end; its report (read from its report pipe) and its stderr."""
+                prefix: tuple[str, ...] = (), timeout: float = 120,
+                during: Callable[[subprocess.Popen], object] | None = None) -> tuple[dict, str]:
+    """Run the trainer script to its end (``during`` acts on it meanwhile); its report (read from
+    its report pipe) and its stderr."""
     r, w = os.pipe()
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     log = home.parent / "trainer.err"  # a file: a recorder that lives on must not hold the test up
@@ -82,6 +85,8 @@ def run_trainer(path: Path, home: Path, *, cwd: Path | None = None, env: dict[st
                              stdout=subprocess.DEVNULL, stderr=err_file, pass_fds=(w,), start_new_session=True)
     os.close(w)
     try:
+        if during is not None:
+            during(p)
         p.wait(timeout)
         with os.fdopen(r) as report:
             text = report.read()
@@ -253,24 +258,11 @@ def test_ctrl_c_while_the_recorder_starts_is_the_trainers_alone(tmp_path, home):
                 break
         os.write(REPORT, (json.dumps({"outcome": outcome}) + "\\n").encode())
     """))
-    r, w = os.pipe()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    with open(tmp_path / "trainer.err", "w") as err_file:
-        p = subprocess.Popen([sys.executable, str(train), str(tmp_path / "run" / "step_1.bin")], cwd=tmp_path,
-                             env={**base, "CKPT_HOME": str(home), "PYTHONPATH": f"{slow}{os.pathsep}{REPO}",
-                                  "REPORT_FD": str(w)},
-                             stdout=subprocess.DEVNULL, stderr=err_file, pass_fds=(w,), start_new_session=True)
-    os.close(w)
-    try:
+
+    def ctrl_c(p: subprocess.Popen) -> None:
         wait_for(started.exists, 60, "the recorder to start")
         os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C: to every process of the foreground group
-        p.wait(120)
-        with os.fdopen(r) as report:
-            text = report.read()
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    err = (tmp_path / "trainer.err").read_text()
-    assert text and ANSWERED in json.loads(text)["outcome"], (text, err[-2000:])
+
+    report, err = run_trainer(train, home, env={"PYTHONPATH": f"{slow}{os.pathsep}{REPO}"}, during=ctrl_c)
+    assert ANSWERED in report["outcome"], (report, err[-2000:])
     assert "KeyboardInterrupt" not in err, err[-2000:]
