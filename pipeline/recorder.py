@@ -55,11 +55,18 @@ def _pipe() -> tuple[int, int]:
     """A pipe whose ends are above 0-2: a trainer that closed its standard fds would otherwise
     get them there, and the child's own stdin/stdout would replace the answer pipe."""
     ends = os.pipe()
+    moved: list[int] = []
     try:
-        return fcntl.fcntl(ends[0], fcntl.F_DUPFD_CLOEXEC, 3), fcntl.fcntl(ends[1], fcntl.F_DUPFD_CLOEXEC, 3)
+        for fd in ends:
+            moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3))
+    except OSError:
+        for fd in moved:
+            os.close(fd)
+        raise
     finally:
         for fd in ends:
             os.close(fd)
+    return moved[0], moved[1]
 
 
 class _Child:
