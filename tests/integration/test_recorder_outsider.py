@@ -266,3 +266,28 @@ def test_ctrl_c_while_the_recorder_starts_is_the_trainers_alone(tmp_path, home):
     report, err = run_trainer(train, home, env={"PYTHONPATH": f"{slow}{os.pathsep}{REPO}"}, during=ctrl_c)
     assert ANSWERED in report["outcome"], (report, err[-2000:])
     assert "KeyboardInterrupt" not in err, err[-2000:]
+
+
+def test_a_process_forked_after_a_save_protects_its_own_saves(tmp_path, home):
+    """A trainer protects a save, then forks workers (``multiprocessing`` with the fork start
+    method, the Linux default before 3.14) that save and protect shards of their own: each gets
+    its own protector and recorder, not a copy of the parent's whose thread does not exist in it
+    (its declarations would wait for ever, unsaid)."""
+    train = script(tmp_path, textwrap.dedent("""
+        import multiprocessing
+        first = save_and_report(sys.argv[1])
+
+        def worker(path, answers):
+            answers.put(save_and_report(path)["outcome"])
+
+        ctx = multiprocessing.get_context("fork")
+        answers = ctx.Queue()
+        w = ctx.Process(target=worker, args=(sys.argv[1], answers))
+        w.start()
+        outcome = answers.get(timeout=60)
+        w.join(60)
+        os.write(REPORT, (json.dumps({"first": first["outcome"], "outcome": outcome}) + "\\n").encode())
+    """))
+    report, err = run_trainer(train, home)
+    assert ANSWERED in report["first"], (report, err[-2000:])
+    assert ANSWERED in report["outcome"], (report, err[-2000:])
