@@ -5,10 +5,12 @@ Each test runs a small trainer script in its own process against a home with no 
 the recorder's answer is then "no `ckpt up` is running for home ...", which proves that the
 child started, read the declaration and answered; anything else (a hang, "the recorder
 process ... ended", a traceback) is the recorder failing the trainer. Given a trainer started
-from a directory holding its own ``pipeline/`` package, at nice 15, with CKPT_NICE=0, with
-fds 0-2 closed, with a forked helper outliving it, with no interpreter to start the child, or
-gone before an answer is written, Then the recorder still answers, below (never above) the
-trainer, ends with it, leaks nothing and prints no traceback.
+before its ``ckpt up``, from a directory holding its own ``pipeline/`` package, at nice 15,
+with CKPT_NICE=0, with fds 0-2 closed, with a forked helper outliving it, with workers forked
+after its first save that protect their own, with no interpreter to start the child, Ctrl-C
+while it starts, or gone before an answer is written, Then the recorder still answers with the
+settings of the moment, below (never above) the trainer, ends with it, leaks nothing and
+prints no traceback.
 """
 from __future__ import annotations
 
