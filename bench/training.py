@@ -123,11 +123,18 @@ def train(profile: str, mode: str, run: Path, out: Path, plan: dict[str, float])
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
+    recorder_cpu = 0.0
+    if mode == "callbacks":  # the trainer's recorder hashes: its CPU is the tool's, not under `ckpt up`
+        from pipeline import api
+
+        api.protector().drain()  # what the interpreter's exit would wait for anyway
+        recorder_cpu = sum(_cpu_seconds(c.proc.pid) for c in api.protector().record._children.values())  # type: ignore[attr-defined]
     steps_s = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
     saves = sorted(run.glob("checkpoint-*"))
     size = sum(f.stat().st_size for f in saves[0].rglob("*") if f.is_file()) if saves else 0
     out.write_text(json.dumps({"mode": mode, "steps": steps_s, "total_s": total, "save_bytes": size,
-                               "threads": torch.get_num_threads(), "saves": clock.saves}))
+                               "threads": torch.get_num_threads(), "saves": clock.saves,
+                               "recorder_cpu_s": recorder_cpu}))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -165,8 +172,10 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
     doc = json.loads(out.read_text())
     doc["label"] = v.label
     doc["ckpt_lines"] = [line for line in p.stderr.splitlines() if line.startswith("ckpt:")]
+    if any("degraded" in line for line in doc["ckpt_lines"]):  # its saves were not (all) the callbacks'
+        doc["label"] += " [protection degraded]"
     if system is not None and system.proc is not None:
-        doc["tool_cpu_s"] = _cpu_seconds(system.proc.pid) - cpu0
+        doc["tool_cpu_s"] = _cpu_seconds(system.proc.pid) - cpu0 + doc.get("recorder_cpu_s", 0.0)
         ended = time.monotonic()
         states = _protected(system)
         doc["protected_at_end"] = sum(s in PROTECTED for s in states.values())
@@ -189,7 +198,7 @@ def measure_training(work: Path, *, profile: str = "steps", steps: int = 40, sav
     out: dict[str, Any] = {"profile": profile, "plan": plan, "variants": []}
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     for i, v in enumerate(variants or VARIANTS[profile]):
-        where = work / f"training-{i}"
+        where = work / f"training-{profile}-{i}"
         print(f"   {v.label} ...", flush=True)
         if v.mode == "off":
             out["variants"].append(_run(profile, v, where, {**base, "CKPT_HOME": str(where / "no-home")}, plan))

@@ -114,8 +114,23 @@ def protector() -> Protector:
     if _protector is None:
         from pipeline.recorder import Recorder
 
-        _protector = Protector(Recorder())  # records in a child process at background priority
+        # Records in a child process that lowers itself (CKPT_NICE); this thread only waits for it,
+        # and must not renice itself: the child is forked from it and starts at its nice value.
+        _protector = Protector(Recorder(), nice=0)
     return _protector
+
+
+def _forked() -> None:
+    """In a process just forked (a trainer's ``multiprocessing`` workers): the protector's thread
+    and recorder are the parent's and do not run here; the next declaration starts this
+    process's own. What the parent had declared is the parent's to wait for at exit."""
+    global _protector
+    if _protector is not None:
+        _protector._latest = {}  # no lock: a thread of the parent may have held it at the fork
+    _protector = None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,

@@ -14,6 +14,7 @@ import ctypes
 import os
 import platform
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,16 @@ def lower(p: Priority) -> list[str]:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.syscall(number, _IOPRIO_WHO_PROCESS, 0, (_IOPRIO_CLASS[cls] << _IOPRIO_SHIFT) | level) != 0:
                 problems.append(f"ionice {cls}: {os.strerror(ctypes.get_errno())}")
+    return problems
+
+
+def check(p: Priority) -> list[str]:
+    """What :func:`lower` could not do here, found on a thread of this process that then ends
+    (what a child told to lower itself before it runs cannot say)."""
+    problems: list[str] = []
+    t = threading.Thread(target=lambda: problems.extend(lower(p)), name="ckpt-priority-check")
+    t.start()
+    t.join()
     return problems
 
 

@@ -203,7 +203,8 @@ class Protector:
     def _run(self) -> None:
         if sys.platform == "linux" and self.nice:
             try:  # Linux keeps a nice value per thread; the threads this one starts inherit it
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+                me = threading.get_native_id()  # never above the trainer (root may raise it)
+                os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), self.nice))
             except OSError:
                 pass
         while True:

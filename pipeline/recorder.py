@@ -8,15 +8,19 @@ hashing yields the CPU and the disk to training, never holds the trainer's GIL, 
 memory (the control plane's clients, hashing buffers) is not the trainer's. One child per
 control plane the trainer uses, started at the first declaration.
 
-Requests are JSON lines on the child's stdin (``{"path": ...}``), answers JSON lines on a pipe
-of their own (what a library prints on stdout cannot garble them); its log lines go to the
+Requests are JSON lines on the child's stdin (``{"path": ..., "env": ...}``: with the settings
+the trainer sees at that declaration, as ``Settings.child_env``, so that a ``ckpt up`` started
+since counts), answers JSON lines on a pipe of their own (what a library prints on stdout
+cannot garble them); its log lines go to the
 trainer's stderr. The child ignores Ctrl-C (the trainer decides when to stop) and exits when
-its stdin closes: when the trainer exits or dies.
+its stdin closes or its parent, the trainer, is gone (a process the trainer forked may hold
+its stdin open), after the record under way.
 
-    python -m pipeline.recorder FD      the child (FD: where answers go)
+    python -P -m pipeline.recorder FD [PID]   the child (FD: where answers go; PID: the trainer)
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -46,38 +51,69 @@ class RecordFailed(CkptError):
         self.kind = kind
 
 
+def _pipe() -> tuple[int, int]:
+    """A pipe whose ends are above 0-2: a trainer that closed its standard fds would otherwise
+    get them there, and the child's own stdin/stdout would replace the answer pipe."""
+    ends = os.pipe()
+    moved: list[int] = []
+    try:
+        for fd in ends:
+            moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3))
+    except OSError:
+        for fd in moved:
+            os.close(fd)
+        raise
+    finally:
+        for fd in ends:
+            os.close(fd)
+    return moved[0], moved[1]
+
+
 class _Child:
     """One recorder process and its two pipes."""
 
     def __init__(self, settings: Settings) -> None:
-        read_fd, write_fd = os.pipe()
         package_parent = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, **settings.child_env(), "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.recorder", str(write_fd)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
-                                         pass_fds=(write_fd,), text=True)
+        request_r, request_w = _pipe()
+        answer_r, answer_w = _pipe()
+        try:  # -P: the cwd (it may hold a `pipeline/` of the user's) does not come before ckpt's package
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "pipeline.recorder", str(answer_w),
+                                          str(os.getpid())],
+                                         stdin=request_r, stdout=subprocess.DEVNULL, env=env, pass_fds=(answer_w,),
+                                         start_new_session=True)  # Ctrl-C to the terminal's group is the trainer's
+        except BaseException:
+            for fd in (request_w, answer_r):
+                os.close(fd)
+            raise
         finally:
-            os.close(write_fd)
-        self.answers: IO[str] = os.fdopen(read_fd, "r")
+            for fd in (request_r, answer_w):
+                os.close(fd)
+        self.requests: IO[str] = os.fdopen(request_w, "w")
+        self.answers: IO[str] = os.fdopen(answer_r, "r")
 
-    def ask(self, path: str) -> dict[str, Any]:
-        stdin = self.proc.stdin
-        assert stdin is not None
-        stdin.write(json.dumps({"path": path}) + "\n")
-        stdin.flush()
+    def ask(self, path: str, settings: Settings) -> dict[str, Any]:
+        # with the settings the trainer sees now: a `ckpt up` started since publishes its roots
+        self.requests.write(json.dumps({"path": path, "env": settings.child_env()}) + "\n")
+        self.requests.flush()
         line = self.answers.readline()
         if not line:
-            raise CkptError(f"the recorder process (pid {self.proc.pid}) ended "
-                            f"(exit status {self.proc.wait()}) before it answered")
+            try:
+                status = f"exit status {self.proc.wait(5)}"
+            except subprocess.TimeoutExpired:  # alive, yet its answers cannot reach us: it is of no use
+                self.proc.kill()
+                status = f"answer pipe closed; killed, exit status {self.proc.wait()}"
+            raise CkptError(f"the recorder process (pid {self.proc.pid}) ended ({status}) before it answered")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.answers.close()
+        for f in (self.requests, self.answers):
+            try:
+                f.close()
+            except OSError:  # a request the dead child never read
+                pass
 
 
 class Recorder:
@@ -97,7 +133,7 @@ class Recorder:
             if child is None or child.proc.poll() is not None:
                 child = self._children[key] = _Child(settings)
         try:
-            answer = child.ask(path)
+            answer = child.ask(path, settings)
         except (OSError, ValueError, CkptError):
             with self._lock:
                 if self._children.get(key) is child:
@@ -111,7 +147,7 @@ class Recorder:
                          datetime.fromisoformat(p["written_at"]), p["job_id"])
 
 
-def _serve(answers: IO[str]) -> None:
+def _serve(answers: IO[str], trainer: int | None) -> None:
     from pipeline import priority
     from pipeline import settings as settings_mod
 
@@ -121,27 +157,50 @@ def _serve(answers: IO[str]) -> None:
     from pipeline import api
     from pipeline.protector import explain
 
+    busy = threading.Lock()
+    if trainer is not None:
+        threading.Thread(target=_end_with, args=(trainer, busy), name="ckpt-recorder-parent", daemon=True).start()
     for line in sys.stdin:
-        path = json.loads(line)["path"]
-        try:
-            p = api.record(path, s)
-            reply: dict[str, Any] = {"ok": True, "protected": {
-                "id": p.id, "path": p.path, "run": p.run, "step": p.step, "state": p.state,
-                "written_at": p.written_at.isoformat(), "job_id": p.job_id}}
-        except Exception as exc:  # the trainer's side decides what to say and count
-            reply = {"ok": False, "kind": type(exc).__name__, "cause": explain(exc, s)}
-        answers.write(json.dumps(reply) + "\n")
-        answers.flush()
+        with busy:
+            request = json.loads(line)
+            path = request["path"]
+            here = s
+            try:
+                if "env" in request:
+                    here = settings_mod.load(environ=request["env"])
+                p = api.record(path, here)
+                reply: dict[str, Any] = {"ok": True, "protected": {
+                    "id": p.id, "path": p.path, "run": p.run, "step": p.step, "state": p.state,
+                    "written_at": p.written_at.isoformat(), "job_id": p.job_id}}
+            except Exception as exc:  # the trainer's side decides what to say and count
+                reply = {"ok": False, "kind": type(exc).__name__, "cause": explain(exc, here)}
+            answers.write(json.dumps(reply) + "\n")
+            answers.flush()
+
+
+def _end_with(trainer: int, busy: threading.Lock) -> None:
+    """End once the trainer is gone, after the record under way: a process it forked (a
+    DataLoader worker, a logger) may hold a copy of our stdin and outlive it, so that stdin's
+    end may come much later, or never."""
+    while os.getppid() == trainer:
+        time.sleep(1.0)
+    busy.acquire()
+    os._exit(0)
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; stdin's end stops us
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    with os.fdopen(int(argv[0]), "w") as answers:
+    answers = os.fdopen(int(argv[0]), "w")
+    try:
+        _serve(answers, int(argv[1]) if len(argv) > 1 else None)
+    except BrokenPipeError:  # the trainer is gone
+        pass
+    finally:
         try:
-            _serve(answers)
-        except BrokenPipeError:  # the trainer is gone
-            return 0
+            answers.close()
+        except BrokenPipeError:  # what it could not take is still buffered
+            pass
     return 0
 
 

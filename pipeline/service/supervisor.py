@@ -30,7 +30,7 @@ from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
-from pipeline.priority import Priority, io_effective, lower
+from pipeline.priority import Priority, check, io_effective, lower
 from pipeline.priority import of as priority_of
 from pipeline.queues import SHARED, host_queue
 from pipeline.service import ports
@@ -190,6 +190,8 @@ class Supervisor:
         log.info("services run at %s%s", self.priority,
                  " (the I/O priority is ignored here: this disk's I/O scheduler is not BFQ)"
                  if self.priority.io and io is False else "")
+        for problem in check(self.priority):
+            log.warning("services cannot run below training as asked: %s", problem)
         self.settings.key()
         self.settings.admin_token()  # created here, not raced by the children that read it
         if self.settings.embedded_redis:

@@ -41,3 +41,11 @@ def test_a_thread_lowered_runs_below_the_others_and_so_do_the_threads_it_starts(
     t.join()
     assert seen == dict.fromkeys(("self", "child"), priority.Priority(17, ("best-effort", 6)))
     assert priority.of_process(threading.get_native_id()) == mine  # the caller's own thread is untouched
+
+
+def test_what_cannot_be_lowered_is_said_and_the_caller_is_untouched(monkeypatch):
+    monkeypatch.setattr(priority.platform, "machine", lambda: "loongarch64")  # no ioprio number known
+    mine = priority.of_process(threading.get_native_id())
+    assert priority.check(priority.of(10, "best-effort:7")) == ["ionice: unknown syscall number on loongarch64"]
+    assert priority.check(priority.of(10, "none")) == []
+    assert priority.of_process(threading.get_native_id()) == mine
