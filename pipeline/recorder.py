@@ -24,6 +24,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +41,20 @@ if TYPE_CHECKING:
     from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.integrations")
+
+
+#: While a record runs, how often the trainer's side looks whether its recorder was stopped...
+STOPPED_SLICE = 5.0
+#: ...and how long a stopped recorder is left before it is killed.
+STOPPED_SECONDS = 30.0
+
+
+def _state(pid: int) -> str:
+    """The state letter of process ``pid`` (``T``: stopped), '' if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class RecordFailed(CkptError):
@@ -97,7 +112,7 @@ class _Child:
         # with the settings the trainer sees now: a `ckpt up` started since publishes its roots
         self.requests.write(json.dumps({"path": path, "env": settings.child_env()}) + "\n")
         self.requests.flush()
-        line = self.answers.readline()
+        line = self._answer(path)
         if not line:
             try:
                 status = f"exit status {self.proc.wait(5)}"
@@ -107,6 +122,23 @@ class _Child:
             raise CkptError(f"the recorder process (pid {self.proc.pid}) ended ({status}) before it answered")
         answer: dict[str, Any] = json.loads(line)
         return answer
+
+    def _answer(self, path: str) -> str:
+        """The child's answer line ('' at its end); a child stopped (SIGSTOP) ``STOPPED_SECONDS``
+        while recording is killed and the declaration fails: waiting would leave every later save
+        unrecorded, and nothing said. A slow record (a big checkpoint hashing) is waited for."""
+        stopped_since: float | None = None
+        while not select.select([self.answers], [], [], STOPPED_SLICE)[0]:
+            if _state(self.proc.pid) != "T":
+                stopped_since = None
+                continue
+            stopped_since = stopped_since or time.monotonic()
+            if time.monotonic() - stopped_since >= STOPPED_SECONDS:
+                self.proc.kill()
+                self.proc.wait()
+                raise CkptError(f"the recorder process (pid {self.proc.pid}) was stopped (SIGSTOP?) for "
+                                f"{STOPPED_SECONDS:.0f} s while recording {path}: killed; the next save starts another")
+        return self.answers.readline()
 
     def close(self) -> None:
         for f in (self.requests, self.answers):

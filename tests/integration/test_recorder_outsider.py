@@ -293,3 +293,36 @@ def test_a_process_forked_after_a_save_protects_its_own_saves(tmp_path, home):
     report, err = run_trainer(train, home)
     assert ANSWERED in report["first"], (report, err[-2000:])
     assert ANSWERED in report["outcome"], (report, err[-2000:])
+
+
+def test_a_recorder_stopped_while_recording_is_replaced_and_the_failure_said(settings, tmp_path, monkeypatch):
+    """SIGSTOP on the recorder alone (not on the trainer) left every later save unrecorded, silently."""
+    from pipeline import recorder as recorder_mod
+    from pipeline.errors import CkptError
+
+    monkeypatch.setattr(recorder_mod, "STOPPED_SLICE", 0.2)
+    monkeypatch.setattr(recorder_mod, "STOPPED_SECONDS", 1.0)
+    settings.home.mkdir(parents=True)
+    path = tmp_path / "run" / "step_1.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"x" * 100)
+    rec = recorder_mod.Recorder()
+    with pytest.raises(recorder_mod.RecordFailed, match="not a checkpoint in a run"):  # started, and answers
+        rec(str(path), settings)
+    [first] = rec._children.values()
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(CkptError, match=r"was stopped \(SIGSTOP\?\) for 1 s while recording"):
+            rec(str(path), settings)
+        assert first.proc.poll() is not None  # killed, not left behind
+        with pytest.raises(recorder_mod.RecordFailed, match="not a checkpoint in a run"):  # the next: another
+            rec(str(path), settings)
+        [second] = rec._children.values()
+        assert second.proc.pid != first.proc.pid
+    finally:
+        for child in rec._children.values():
+            child.close()
+            child.proc.wait(30)
+        if first.proc.poll() is None:
+            first.proc.kill()
+            first.proc.wait()
