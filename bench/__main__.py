@@ -302,6 +302,8 @@ def main() -> None:
     ap.add_argument("--training-profile", default="target,steps",
                     help="target: ~1 GB every 2 minutes; steps: 124 MB every few steps, with priority and "
                          "thread-cap variants (default target,steps)")
+    ap.add_argument("--training-only", default="",
+                    help="only the training variants of these labels, separated by ; (default: all)")
     ap.add_argument("--training-seconds", type=float, default=330.0,
                     help="training time of each target run (default 330)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
@@ -342,7 +344,8 @@ def main() -> None:
                 print(f"== training ({profile}): off, watching, with the callbacks ...", flush=True)
                 training_docs.append(training.measure_training(
                     work, profile=profile, steps=args.training_steps, save_every=args.training_save_every,
-                    seconds=args.training_seconds))
+                    seconds=args.training_seconds,
+                    only=tuple(x.strip() for x in args.training_only.split(";") if x.strip())))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -49,11 +49,31 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+#: cgroup v1 hierarchies a confined bench (bench/README: the training part) is placed in.
+CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpuset")
+
+
+def outside(pid: int) -> None:
+    """Move process ``pid`` to the root of each cgroup hierarchy this process was confined in
+    (nothing when it was not): where it runs as another machine would, off the confined CPU."""
+    for hierarchy in CGROUPS:
+        try:
+            mine = Path(f"/proc/{os.getpid()}/cgroup").read_text()
+            name = Path(hierarchy).name
+            confined = any(line.split(":")[1] == name and line.split(":")[2].strip() != "/"
+                           for line in mine.splitlines() if line.count(":") >= 2)
+            if confined:
+                Path(hierarchy, "cgroup.procs").write_text(str(pid))
+        except OSError:
+            continue
+
+
 class System:
     #: Settings every system of this run gets (``--replication``).
     common: dict[str, str] = {}
 
-    def __init__(self, root: Path, *, up_args: tuple[str, ...] = (), **env: str) -> None:
+    def __init__(self, root: Path, *, up_args: tuple[str, ...] = (), workers_elsewhere: bool = False,
+                 **env: str) -> None:
         self.root, self.home, self.runs = root, root / "home", root / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
@@ -63,10 +83,32 @@ class System:
                          "CKPT_RESTORE_ROOTS": str(root.parent), **self.common, **env})  # restores go next to it
         self.proc: subprocess.Popen | None = None
         self.up_args = up_args  # more options of `ckpt up`
+        #: The 3 storage workers started apart from `ckpt up`, outside this process's cgroups
+        #: (:func:`outside`): on a machine that runs the bench confined, they are the other machines.
+        self.workers_elsewhere = workers_elsewhere
+        self.workers: list[subprocess.Popen] = []
+
+    def _start_workers_elsewhere(self) -> None:
+        from pipeline.cluster.client import free_port
+
+        urls = []
+        for i in range(3):
+            port = free_port()
+            log = open(self.root / f"worker-{i}.log", "wb")
+            w = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.root / f"w{i}"),
+                                  "--port", str(port), "--host", "127.0.0.1"], env=self.env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+            outside(w.pid)
+            self.workers.append(w)
+            urls.append(f"http://127.0.0.1:{port}")
+        self.env["CKPT_WORKERS"] = ",".join(urls)
 
     def __enter__(self) -> System:
         log = open(self.root / "up.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", "3", *self.up_args],
+        if self.workers_elsewhere:
+            self._start_workers_elsewhere()
+        local = "0" if self.workers_elsewhere else "3"
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--workers", local, *self.up_args],
                                      env=self.env,
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_die_with_parent)
@@ -82,6 +124,10 @@ class System:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=90)
+        for w in self.workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+                w.wait(timeout=60)
 
     def cli(self, *args: str) -> tuple[float, int, str]:
         """Run ``ckpt ARGS``; (seconds, peak RSS KiB of that process, stdout).

@@ -43,13 +43,19 @@ class Variant:
     label: str
     mode: str  # one of MODES
     env: dict[str, str] = field(default_factory=dict)  # the tool's settings (CKPT_*), on top of its defaults
+    #: The storage workers apart from the training host (bench.system.outside): what a training
+    #: host carries when its copies go to other machines, as in a deployment.
+    elsewhere: bool = False
 
 
 NICE0 = {"CKPT_NICE": "0", "CKPT_IONICE": "none"}
 #: What each profile runs by default: the tool at its defaults, then what priority and thread caps change.
 VARIANTS = {
     "target": (Variant("off", "off"), Variant("watching", "watching"), Variant("callbacks", "callbacks"),
-               Variant("callbacks, nice 0", "callbacks", NICE0), Variant("off (again)", "off")),
+               Variant("callbacks, nice 0", "callbacks", NICE0),
+               Variant("watching, workers elsewhere", "watching", elsewhere=True),
+               Variant("callbacks, workers elsewhere", "callbacks", elsewhere=True),
+               Variant("off (again)", "off")),
     "steps": (Variant("off", "off"), Variant("watching", "watching"), Variant("callbacks", "callbacks"),
               Variant("watching, nice 0", "watching", NICE0), Variant("callbacks, nice 0", "callbacks", NICE0),
               Variant("callbacks, nice 19 + idle I/O", "callbacks", {"CKPT_NICE": "19", "CKPT_IONICE": "idle"}),
@@ -191,13 +197,14 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
 
 
 def measure_training(work: Path, *, profile: str = "steps", steps: int = 40, save_every: int = 5,
-                     seconds: float = 330.0, save_seconds: float = 120.0,
-                     variants: tuple[Variant, ...] | None = None) -> dict:
+                     seconds: float = 330.0, save_seconds: float = 120.0, only: tuple[str, ...] = ()) -> dict:
+    """The profile's variants (``only``: those of these labels)."""
+    variants = tuple(v for v in VARIANTS[profile] if not only or v.label in only)
     plan = ({"seconds": seconds, "save_seconds": save_seconds} if profile == "target"
             else {"steps": steps, "save_every": save_every})
     out: dict[str, Any] = {"profile": profile, "plan": plan, "variants": []}
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    for i, v in enumerate(variants or VARIANTS[profile]):
+    for i, v in enumerate(variants):
         where = work / f"training-{profile}-{i}"
         print(f"   {v.label} ...", flush=True)
         if v.mode == "off":
@@ -205,7 +212,7 @@ def measure_training(work: Path, *, profile: str = "steps", steps: int = 40, sav
             continue
         tool = {k: x for k, x in v.env.items() if k.startswith("CKPT_")}
         threads = ("--threads", v.env["BENCH_UP_THREADS"]) if "BENCH_UP_THREADS" in v.env else ()
-        with System(where, up_args=threads, **tool) as system:
+        with System(where, up_args=threads, workers_elsewhere=v.elsewhere, **tool) as system:
             out["variants"].append(_run(profile, v, where, system.env, plan, system))
     return out
 
