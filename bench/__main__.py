@@ -7,11 +7,13 @@ retention policy (bench/month.py, its chart saved as bench/results/month.png), a
 control plane at 100k checkpoints and 1M job events (bench/scale.py), and the cluster in a
 box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fan-out and
 chain replication side by side (bench/cluster.py); and what protection costs a training run
-(``--parts training``: step times off, watching, with the callbacks; bench/training.py).
+(``--parts training``: step times off, watching, with the callbacks; bench/training.py); and a
+checkpoint to a real S3 server and back beside boto3's transfer manager (``--parts s3``: SeaweedFS
+on loopback; bench/s3.py).
 Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
 ``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
-``--out FILE``, ``--keep`` (keep the work directory).
+``--s3-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, layouts, limits, loading, month, scale, training, transitions
+from bench import cluster, layouts, limits, loading, month, s3, scale, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -306,6 +308,7 @@ def main() -> None:
                     help="only the training variants of these labels, separated by ; (default: all)")
     ap.add_argument("--training-seconds", type=float, default=330.0,
                     help="training time of each target run (default 330)")
+    ap.add_argument("--s3-gib", type=float, default=1.0, help="checkpoint size of the s3 part (GiB, default 1)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
@@ -315,7 +318,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs = [], {}, {}, {}, {}, [], []
+        sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs, s3_doc = [], {}, {}, {}, {}, [], [], {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -346,6 +349,9 @@ def main() -> None:
                     work, profile=profile, steps=args.training_steps, save_every=args.training_save_every,
                     seconds=args.training_seconds,
                     only=tuple(x.strip() for x in args.training_only.split(";") if x.strip())))
+        if "s3" in parts:
+            print(f"== S3: {args.s3_gib} GiB to SeaweedFS on loopback, ours and boto3's ...", flush=True)
+            s3_doc = s3.measure_s3(work / "s3", args.s3_gib)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -362,9 +368,12 @@ def main() -> None:
         text += "\n" + cluster.table(box)
     for doc in training_docs:
         text += "\n" + training.table(doc)
+    if s3_doc:
+        text += "\n" + s3.table(s3_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "cluster": boxes, "training": training_docs, "table": text},
+                               "scale": scale_doc, "cluster": boxes, "training": training_docs, "s3": s3_doc,
+                               "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

@@ -212,3 +212,51 @@ class MissingRow(CkptError):
     def __init__(self, table: str, key: object) -> None:
         self.table, self.key = table, key
         super().__init__(f"no {table} row {key!r} in the control plane; was it deleted while a step ran?")
+
+
+class ObjectStoreError(CkptError):
+    """Raised when an object-store target (``[[targets]]``, pipeline/objectstore) cannot do what
+    was asked. ``wait`` says what a job does with it: wait and try again later, nothing marked
+    lost (the store is throttling, down, unreachable, or needs its operator: credentials, a
+    bucket), or not (this object is bad or absent: the copy does not count and is repaired)."""
+
+    wait = True
+
+    def __init__(self, target: str, reason: str) -> None:
+        self.target, self.reason = target, reason
+        super().__init__(f"object store {target}: {reason}")
+
+
+class StoreThrottled(ObjectStoreError):
+    """The store kept answering 503 SlowDown (or another throttling code) through every retry
+    with backoff."""
+
+
+class StoreServerError(ObjectStoreError):
+    """The store kept answering 5xx (500 InternalError, 502, 504) through every retry."""
+
+
+class StoreUnreachable(ObjectStoreError):
+    """The endpoint could not be reached: connection refused, a timeout, a connection cut."""
+
+
+class StoreCredentials(ObjectStoreError):
+    """The store refused the credentials (wrong, expired, missing, a profile that does not exist,
+    or a key without the permission asked for); the message names where they came from."""
+
+
+class BucketMissing(ObjectStoreError):
+    """The target's bucket does not exist (or was deleted)."""
+
+
+class ObjectMissing(ObjectStoreError):
+    """The object a copy names is not in the store."""
+
+    wait = False
+
+
+class ObjectMismatch(ObjectStoreError):
+    """The store holds other bytes than the name says (tampered, truncated, a checksum that does
+    not match or is absent), or refused an upload whose bytes did not match their checksum."""
+
+    wait = False

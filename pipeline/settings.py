@@ -25,6 +25,7 @@ from pipeline.core.retention import Policy
 from pipeline.durable import write_once
 from pipeline.errors import ConfigError
 from pipeline.masking import masked_url
+from pipeline.objectstore import config as targets_config
 
 MiB = 1024 * 1024
 
@@ -144,6 +145,10 @@ class Settings:
     restore_roots: tuple[str, ...] = ()
     #: Static storage workers (URLs), for networks without multicast.
     workers: tuple[str, ...] = ()
+    #: Object-store targets (S3-compatible buckets), as JSON; in config.toml, ``[[targets]]``
+    #: tables (pipeline/objectstore/config.py). Never a credential: those come from the AWS
+    #: environment, a profile or an instance role.
+    targets: str = ""
     #: Shared secret of the cluster; empty means ``<home>/cluster.key`` (created on first use).
     cluster_key: str = ""
     #: Largest accepted difference between a request's timestamp and the worker's clock.
@@ -278,6 +283,10 @@ class Settings:
             mode=str(over.get("best_mode", self.remote_best_mode)),
         )
 
+    def object_targets(self) -> list[targets_config.Target]:
+        """The object-store targets (``[[targets]]``), validated."""
+        return targets_config.from_json(self.targets)
+
     def key(self) -> bytes:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
         if self.cluster_key:
@@ -395,6 +404,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
             if k == "runs" and isinstance(v, dict):  # [runs."<glob>"] tables: per-run retention
                 put("run_options", _run_options(v, str(config)), "config.toml", home.parent)
                 continue
+            if k == "targets":  # [[targets]]: object stores
+                put("targets", targets_config.to_json(targets_config.parse_targets(v, str(config))), "config.toml",
+                    home.parent)
+                continue
             if k not in names:
                 raise ConfigError(f"{config}: unknown setting {k!r}")
             put(k, v, "config.toml", home.parent)
@@ -455,6 +468,7 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
     _check_policy(s.policy_with({}), "remote retention")
     for pattern, opts in json.loads(s.run_options or "{}").items():
         _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
+    s.object_targets()
     if not 0 < s.high_watermark <= 1:
         raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
     if not 0 <= s.alert_disk_clear_margin < s.high_watermark:

