@@ -187,6 +187,7 @@ def _serve(answers: IO[str], trainer: int | None) -> None:
     for problem in priority.lower(priority.of(s.nice, s.ionice)):  # before any thread starts
         log.warning("ckpt: the recorder runs at the trainer's priority: %s", problem)
     from pipeline import api
+    from pipeline.detection import claims
     from pipeline.protector import explain
 
     busy = threading.Lock()
@@ -200,7 +201,8 @@ def _serve(answers: IO[str], trainer: int | None) -> None:
             try:
                 if "env" in request:
                     here = settings_mod.load(environ=request["env"])
-                p = api.record(path, here)
+                with claims.claim(here.home, here.host_id, path):  # the watcher does not hash it too
+                    p = api.record(path, here)
                 reply: dict[str, Any] = {"ok": True, "protected": {
                     "id": p.id, "path": p.path, "run": p.run, "step": p.step, "state": p.state,
                     "written_at": p.written_at.isoformat(), "job_id": p.job_id}}

@@ -30,7 +30,7 @@ from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
-from pipeline.detection import catalog, completeness, faults, ondisk, parts, problems, roots, waits
+from pipeline.detection import catalog, claims, completeness, faults, ondisk, parts, problems, roots, waits
 from pipeline.detection.events import Watches
 from pipeline.detection.hashpool import Apply, HashPool
 from pipeline.detection.reports import Reports, shown
@@ -366,6 +366,12 @@ class Watcher:
             return max(0.05, self.settings.settle_seconds - (time.time() - newest))
         if (why := self._too_costly(entries)) is not None:
             self.reports.problem(run, key, why)
+            return None
+        if claims.held(self.settings.home, self.settings.host_id, key):
+            return max(self.settings.settle_seconds, 1.0)  # a trainer's recorder hashes it now: look after
+        if recorded is None and self._recorded(key) == sig:  # recorded by another process (declared)
+            self.changes.seen(key, None)
+            self._unwait([key])
             return None
         return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
                                                       options, tree_ns), pool)

@@ -168,3 +168,48 @@ def test_a_run_created_after_start_is_watched_without_waiting_for_the_full_scan(
         w.stop()
         t.join(timeout=10)
     assert found is not None, "the new run's checkpoint was not detected before the next full scan"
+
+
+def test_a_save_a_trainers_recorder_is_recording_is_hashed_once(db, tmp_path, monkeypatch):
+    """The recorder's claim keeps the watcher off the path while it records; then the watcher
+    finds it recorded and does not hash it a second time. A claim whose process is gone holds
+    nothing: the watcher is the safety net."""
+    import subprocess
+    import sys
+
+    from pipeline import liveness, operations
+    from pipeline.detection import catalog, claims
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    path = str(run / "step_1.safetensors")
+    atomic_save(state_dict(0), run / "step_1.safetensors")
+    atomic_save(state_dict(1), run / "step_2.safetensors")
+    os.utime(run / "step_1.safetensors", (time.time() - 60, time.time() - 60))
+    os.utime(run / "step_2.safetensors", (time.time() - 60, time.time() - 60))
+    hashed = []
+    real = catalog.hash_checkpoint
+    monkeypatch.setattr(catalog, "hash_checkpoint", lambda run, path, *a, **k: hashed.append(path.name) or
+                        real(run, path, *a, **k))
+    w, sent = make(db)
+    w.reconcile()
+    with claims.claim(db.home, db.host_id, path):  # this process is the recorder, recording it
+        w.scan()
+        assert hashed == ["step_2.safetensors"]  # the unclaimed one only
+        operations.store(db, path, detail="declared complete by pipeline.protect")
+    hashed.clear()
+    w.scan()
+    w.scan()
+    assert hashed == [] and [x.actor for x in sent] == ["shard"]  # step_2's store; step_1's was the recorder's
+    # A claim left by a recorder that died holds nothing.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path3 = str(run / "step_3.safetensors")
+    atomic_save(state_dict(3), run / "step_3.safetensors")
+    os.utime(path3, (time.time() - 60, time.time() - 60))
+    with claims.claim(db.home, db.host_id, path3):
+        f = next((db.home / "declared").iterdir())
+        f.write_text(f.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {dead.pid}')
+                     .replace(liveness.identity(), ""))
+        w.scan()
+    assert hashed == ["step_3.safetensors"]
