@@ -7,11 +7,12 @@ retention policy (bench/month.py, its chart saved as bench/results/month.png), a
 control plane at 100k checkpoints and 1M job events (bench/scale.py), and the cluster in a
 box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fan-out and
 chain replication side by side (bench/cluster.py); and what protection costs a training run
-(``--parts training``: step times off, watching, with the callbacks; bench/training.py).
-Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
+(``--parts training``: step times off, watching, with the callbacks; bench/training.py); and
+byte-grouped compression side by side with plain zstd and zipnn (``--parts codec``;
+bench/codec.py). Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
 ``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
-``--out FILE``, ``--keep`` (keep the work directory).
+``--codec-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, layouts, limits, loading, month, scale, training, transitions
+from bench import cluster, codec, layouts, limits, loading, month, scale, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -299,6 +300,8 @@ def main() -> None:
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
+    ap.add_argument("--codec-gib", type=float, default=1.0,
+                    help="size of the bf16 checkpoint of --parts codec (GiB, default 1; 0: the 64 MiB of weights only)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
@@ -308,7 +311,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc, boxes, training_doc = [], {}, {}, {}, {}, [], {}
+        sizes, dirs, cp, month_doc, scale_doc, boxes, training_doc, codec_doc = [], {}, {}, {}, {}, [], {}, {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -336,6 +339,9 @@ def main() -> None:
             print("== training: off, watching, with the callbacks ...", flush=True)
             training_doc = training.measure_training(work, steps=args.training_steps,
                                                      save_every=args.training_save_every)
+        if "codec" in parts:
+            print("== codec: planes, zstd and zipnn side by side ...", flush=True)
+            codec_doc = codec.measure_codec(work, args.codec_gib)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -352,9 +358,12 @@ def main() -> None:
         text += "\n" + cluster.table(box)
     if training_doc:
         text += "\n" + training.table(training_doc)
+    if codec_doc:
+        text += "\n" + codec.table(codec_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "cluster": boxes, "training": training_doc, "table": text},
+                               "scale": scale_doc, "cluster": boxes, "training": training_doc, "codec": codec_doc,
+                               "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 
