@@ -291,8 +291,6 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     if coding == RAW:
         return np.frombuffer(body, dtype=np.uint8)
     try:
-        if zstandard.frame_content_size(body) != raw:
-            raise CorruptFrame(f"planes frame: a zstd section of segment {segment} does not hold its {raw:,} bytes")
         plain = dctx.decompress(body, max_output_size=raw)
     except zstandard.ZstdError as exc:
         raise CorruptFrame(f"planes frame: a zstd section of segment {segment} is corrupted ({exc})") from None
@@ -304,19 +302,13 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
 
 def encode_blocks(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (), *,
                   block: int = 4 * 1024 * 1024, level: int | None = None) -> Iterator[bytes]:
-    """The frames of ``data`` in blocks of about ``block`` bytes (each cut on an element boundary
-    of the segment it falls in, so no element is split between two frames)."""
+    """The frames of ``data`` in blocks of ``block`` bytes, each cut by the segments that fall in
+    it (an element a cut splits is bytes in both frames; the rest stay aligned)."""
     view = memoryview(data).cast("B")
     typed = [s for s in normalise(segments, len(view)) if s.dtype is not None]
-    at = 0
-    while at < len(view):
+    for at in range(0, len(view), block):
         end = min(len(view), at + block)
-        inside = next((s for s in typed if s.offset < end < s.end), None)
-        if inside is not None:
-            w = SHAPES[layout_of(inside.dtype)].width
-            end = max(at + 1, end - (end - inside.offset) % w)
         yield encode(view[at:end], clip(typed, at, end - at), level=level)
-        at = end
 
 
 def decode_frames(frames: Iterator[bytes] | Sequence[bytes]) -> bytes:

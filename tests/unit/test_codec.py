@@ -131,14 +131,16 @@ def test_a_real_models_state_dict_round_trips_by_its_header(tmp_path, block):
     assert wire < len(zstandard.ZstdCompressor(level=1).compress(data))
 
 
-def test_blocks_are_cut_between_elements():
-    """A bf16 run that starts at an odd byte, cut into odd-sized blocks, still splits into
-    aligned planes in every frame (a misaligned split shrinks no better than plain zstd)."""
+def test_blocks_cut_inside_elements_still_split_aligned():
+    """A bf16 run that starts at an odd byte, cut into blocks whose cuts fall inside elements,
+    still splits into aligned planes in every frame: as small as one frame of it (planes split
+    one byte off shrink to 0.670 instead of 0.663)."""
     data = b"x" * 3 + weights(1 << 19)
     segs = [Segment(3, len(data) - 3, "BF16")]
-    out = list(encode_blocks(data, segs, block=40_001))
-    assert b"".join(decode(f) for f in out) == data
-    assert sum(map(len, out)) / len(data) <= 0.69
+    out = list(encode_blocks(data, segs, block=400_000))
+    assert len(out) == 3 and b"".join(decode(f) for f in out) == data
+    whole = len(encode(data, segs))
+    assert sum(map(len, out)) <= whole + 0.002 * len(data)
 
 
 @SLOW
