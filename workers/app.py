@@ -9,11 +9,11 @@
                                    at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
     GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can); with
-                                   ?zstd=1 as zstd frames, chunked (pipeline/cluster/wire.py)
+                                   ?zstd=1 as planes frames, chunked (pipeline/cluster/wire.py)
     PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch; with
                                    ?next=<node>@<url>,... also stream it on to those workers as it
                                    arrives (workers/chain.py), each one's answer in "chain"; with
-                                   ?zstd=<raw length>, a chunked body of zstd frames (pipeline/cluster/wire.py)
+                                   ?zstd=<raw length>, a chunked body of planes frames (pipeline/cluster/wire.py)
     DELETE /v1/shards/<sha256>     remove a surplus copy
     POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster import auth
-from pipeline.cluster.wire import CPU, MIN_IDLE, Decompressing, file_frames
+from pipeline.cluster.wire import CONTENT_TYPE, CPU, MIN_IDLE, Decompressing, file_frames
 from pipeline.errors import AuthError, ShardRefused
 from workers import chain
 from workers.shardstore import ShardStore, Throttle, valid_name
@@ -271,9 +271,9 @@ class WorkerApp:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         if not head and parse_qs(environ.get("QUERY_STRING", "")).get("zstd") == ["1"] and (
                 self.compress == "on" or self.compress == "auto" and CPU.idle() >= MIN_IDLE):
-            # zstd frames, chunked (no Content-Length): the reader knows the shard's size. Asked,
+            # Planes frames, chunked (no Content-Length): the reader knows the shard's size. Asked,
             # not ordered: with no cores to spare this worker answers plain.
-            start("200 OK", [("Content-Type", "application/zstd"), ("X-Ckpt-Size", str(size))])
+            start("200 OK", [("Content-Type", CONTENT_TYPE), ("X-Ckpt-Size", str(size))])
             self.count_wire("sent", 0, 0)
             return file_frames(f, lambda raw, wire: self.count_wire("sent", raw, wire, shards=0))
         start("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(size))])

@@ -91,7 +91,7 @@ def put_and_forward(store: ShardStore, key: bytes, name: str, body: BinaryIO, le
                     ) -> tuple[PutResult, list[dict[str, Any]], int]:
     """Store the upload here and pass it on along ``hops`` (``stall``: how long each may leave
     the transfer with no byte moving); what each downstream worker answered, and the bytes
-    read from the wire. ``zstd``: the body is zstd frames of ``length`` raw bytes, passed on
+    read from the wire. ``zstd``: the body is planes frames of ``length`` raw bytes, passed on
     as they are."""
     node, url = hops[0]
     down: Upload | None = None

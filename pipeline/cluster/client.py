@@ -272,7 +272,7 @@ class WorkerClient:
             conn.close()
             raise
         # Asked, not ordered: a worker with no cores to spare answers plain.
-        return conn, (Decompressing(resp, size) if zstd and resp.getheader("Content-Type") == "application/zstd"
+        return conn, (Decompressing(resp, size) if zstd and resp.getheader("Content-Type") == wire_mod.CONTENT_TYPE
                       else resp)
 
     def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
@@ -342,7 +342,7 @@ class WorkerClient:
 def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, zstd: int | None = None,
                stall: float | None = None) -> str:
     """The path of an upload, with the workers it is forwarded to and how long each hop may
-    stall before the one before it gives up on it, and, if its body is zstd frames, its raw
+    stall before the one before it gives up on it, and, if its body is planes frames, its raw
     length (all signed with the request)."""
     query = []
     if zstd is not None:
@@ -359,7 +359,7 @@ class Upload:
     chain hop forwarding what it receives). A worker that stops reading (it refused early,
     or died) marks the upload ``broken``; :meth:`finish` then reports its answer, if any.
 
-    ``compress`` (True, or asked with the connected socket): the bytes sent are zstd frames
+    ``compress`` (True, or asked with the connected socket): the bytes sent are planes frames
     of ``length`` raw bytes, in a chunked body (pipeline/cluster/wire.py).
 
     Deadlines are by progress, and blame by evidence: the client's timeout is how long one

@@ -1,10 +1,13 @@
-"""Shard bytes on the wire: as they are, or zstd-compressed when the link is slower than the
-compressor (docs/design.md, "Compression on the wire").
+"""Shard bytes on the wire: as they are, or compressed in planes frames when the link is slower
+than the compressor (docs/design.md, "Compression on the wire").
 
-bf16 weights shrink to about 0.78 of their size at zstd's fastest level (their exponent bytes
-repeat; random bytes do not shrink), at 0.6-0.8 GB/s on one core here. Over a 100 Mbit link a
-shard then crosses in about 0.78 of the time; over loopback, compressing only costs. So a
-transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
+A shard of bf16 tensors shrinks to about 0.66 of its size in the planes codec (pipeline/codec:
+each value's exponent byte apart from its mantissa byte, the exponent plane through zstd, the
+dtypes from the shard's own safetensors header), at 0.7-1 GB/s on one core here; anything else
+(a file's header, an opaque file) to what zstd's fastest level makes of it (random bytes do not
+shrink). Over a 100 Mbit link a shard then crosses in about 0.66 of the time; over loopback,
+compressing only costs. So a transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the
+default) when:
 
 - the peer is on another host (the connection's two ends have different addresses);
 - the shard compresses: its first block, compressed as a sample, shrinks to ``MAX_RATIO`` of
@@ -22,18 +25,18 @@ transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
 
 An upload judges the cores block by block: one that starts while they are busy (the uploads
 sent while detection hashes the file) and should last ``BUSY_START_SECONDS`` or more on its
-link is still sent as zstd frames, each block that finds them busy as a *raw* frame (its
-bytes as they are, in stored zstd blocks: a copy, no compression; :func:`raw_frame`), each
-that finds them idle compressed, so that it compresses once the hashing is over instead of
-never. A block that does not shrink to ``MAX_RATIO`` stops the compression of the rest of
-its transfer.
+link is still sent as frames, each block that finds them busy as a *raw* frame (its bytes as
+they are: a copy and a CRC, no compression; :func:`raw_frame`), each that finds them idle
+compressed, so that it compresses once the hashing is over instead of never. A block that
+does not shrink to ``MAX_RATIO`` stops the compression of the rest of its transfer.
 
-Compressed bytes are zstd frames, one per ``BLOCK`` of raw bytes, sent as a chunked body (an
-upload, passed on as they are along a chain) or answer (a download); the raw length is in the
-request's signed query (``?zstd=<bytes>``). The receiver decompresses as it reads, never past
-the declared length, and checks the SHA-256 of what it got as for any transfer: the bytes are
-checked, not the encoding (invariant 4). A malformed stream is the sender's error (400), like
-bytes that do not match.
+Compressed bytes are planes frames (pipeline/codec/frames.py), one per ``BLOCK`` of raw
+bytes, each decodable alone, sent as a chunked body (an upload, passed on as they are along a
+chain) or answer (a download); the raw length is in the request's signed query
+(``?zstd=<bytes>``, the name it had when the frames were zstd's). The receiver decodes as it
+reads, never past the declared length, and checks the SHA-256 of what it got as for any
+transfer: the bytes are checked, not the encoding (invariant 4). A malformed stream is the
+sender's error (400), like bytes that do not match.
 """
 from __future__ import annotations
 
@@ -43,23 +46,21 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
-import zstandard
-
+from pipeline.codec import frames as planes
+from pipeline.codec.segments import Segment, clip, shard_spans
 from pipeline.errors import MalformedStream
 
-#: zstd's fastest level: the link, not the ratio, is what it is for.
-LEVEL = 1
+#: Content-Type of a download answered in frames.
+CONTENT_TYPE = "application/x-ckpt-planes"
 #: Raw bytes per frame (and the sample a sender compresses first).
 BLOCK = 4 * 1024 * 1024
 #: Shards smaller than this (a safetensors file's header shard) always cross as they are.
 MIN_SIZE = 64 * 1024
 #: A shard whose sample shrinks less than this is sent as it is.
 MAX_RATIO = 0.9
-#: Largest block of a zstd frame (the format's limit), for raw frames.
-RAW_BLOCK = 128 * 1024
 #: Compress only on a link this much slower than the compressor.
 MARGIN = 1.25
 #: Frames compressed ahead of the link.
@@ -162,7 +163,7 @@ class Meter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.compressor: float | None = None  # raw bytes/s through zstd, one core
+        self.compressor: float | None = None  # raw bytes/s through the codec, one core
         self.ratio = 0.8  # compressed / raw of this process's compressed transfers
         self.rates: dict[tuple[str, str], float] = {}  # raw bytes/s of the last transfers
 
@@ -183,7 +184,7 @@ class Meter:
         return rate is None or size >= rate * seconds
 
     def compressed(self, raw: int, seconds: float) -> None:
-        """zstd compressed ``raw`` bytes in ``seconds`` of one thread's time."""
+        """The codec compressed ``raw`` bytes in ``seconds`` of one thread's time."""
         if raw >= 1 << 20 and seconds > 0:
             self._update_speed(raw / seconds)
 
@@ -210,30 +211,20 @@ class Meter:
 METER = Meter()
 
 
-def compress_block(data: bytes | memoryview) -> bytes:
-    """One frame; the wall time it took is recorded as the compressor's speed (on a host whose
-    cores are all busy, that is the speed it really gets)."""
+def compress_block(data: bytes | memoryview, typed: Sequence[Segment] = (), at: int = 0) -> bytes:
+    """The frame of a block at raw offset ``at`` of a shard whose typed runs are ``typed``
+    (:func:`~pipeline.codec.segments.shard_spans`); the wall time it took is recorded as the
+    compressor's speed (on a host whose cores are all busy, that is the speed it really gets)."""
     t = time.perf_counter()
-    frame = zstandard.ZstdCompressor(level=LEVEL).compress(data)
+    frame = planes.encode(data, clip(typed, at, len(data)))
     METER.compressed(len(data), time.perf_counter() - t)
     return frame
 
 
 def raw_frame(data: bytes | memoryview) -> bytes:
-    """A zstd frame that holds ``data`` as it is (raw blocks; RFC 8878): any decoder reads it,
-    and making it costs a copy where compressing costs a core."""
-    n = len(data)
-    view = memoryview(data)
-    # magic; frame header: 4-byte content size, single segment (the window is the content)
-    parts: list[bytes | memoryview] = [b"\x28\xb5\x2f\xfd\xa0", n.to_bytes(4, "little")]
-    at = 0
-    while True:
-        size = min(RAW_BLOCK, n - at)
-        last = at + size >= n
-        parts += [(int(last) | size << 3).to_bytes(3, "little"), view[at:at + size]]  # type 0: raw
-        at += size
-        if last:
-            return b"".join(parts)
+    """A frame that holds ``data`` as it is: making it costs a copy and a CRC where
+    compressing costs a core."""
+    return planes.encode(data, compress=False)
 
 
 class Frames:
@@ -247,6 +238,7 @@ class Frames:
                  first: tuple[int, bytes] | None = None, *, per_block: bool = False) -> None:
         self.header, self.path, self.offset, self.length = header, path, offset, length
         self.first, self.per_block = first, per_block
+        self.typed = shard_spans(header, len(header) + length)
         self.wire = 0
         #: raw and compressed bytes of the blocks that were compressed
         self.packed = (0, 0) if first is None else (first[0], len(first[1]))
@@ -256,7 +248,7 @@ class Frames:
         self._thread: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[bytes]:
-        self._thread = threading.Thread(target=self._produce, name="ckpt-zstd", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="ckpt-planes", daemon=True)
         self._thread.start()
         try:
             while (item := self._q.get()) is not None:
@@ -305,17 +297,17 @@ class Frames:
                             raise OSError(f"{self.path} ended after {done + filled - len(self.header):,} of "
                                           f"{self.length:,} bytes from {self.offset:,}")
                         filled += got
-                    if not self._put(self._frame(view)):
+                    if not self._put(self._frame(view, done)):
                         return
                     done += n
             self._put(None)
         except BaseException as exc:  # raised in the sending thread
             self._put(exc)
 
-    def _frame(self, block: memoryview) -> bytes:
+    def _frame(self, block: memoryview, at: int) -> bytes:
         if not self._compressing or self.per_block and CPU.idle() < MIN_IDLE:
             return raw_frame(block)
-        frame = compress_block(block)
+        frame = compress_block(block, self.typed, at)
         self.packed = (self.packed[0] + len(block), self.packed[1] + len(frame))
         if len(frame) > MAX_RATIO * len(block):
             self._compressing = False  # it does not shrink: the rest goes as it is
@@ -331,20 +323,20 @@ def sample(header: bytes, path: str, offset: int, length: int) -> tuple[int, byt
     raw = head + body
     if len(raw) != n:
         raise OSError(f"{path} ended after {len(body):,} of {length:,} bytes from {offset:,}")
-    frame = compress_block(raw)
+    frame = compress_block(raw, shard_spans(header, len(header) + length))
     return n, frame, len(frame) / max(1, n)
 
 
 class Decompressing:
-    """``length`` raw bytes out of a stream of zstd frames (a file-like object with ``read``).
+    """``length`` raw bytes out of a stream of planes frames (a file-like object with ``read``).
 
-    Never yields more than ``length``; a stream that is malformed, ends early or holds more
-    is refused (:class:`~pipeline.errors.MalformedStream`, 400: the sender's error)."""
+    Never yields more than ``length``, and never decodes a frame that claims more than is left;
+    a stream that is malformed, ends early or holds more is refused
+    (:class:`~pipeline.errors.MalformedStream`, 400: the sender's error)."""
 
     def __init__(self, stream: Any, length: int) -> None:
         self.stream, self.length, self.left = _Counted(stream), length, length
-        self._reader = zstandard.ZstdDecompressor().stream_reader(cast(BinaryIO, self.stream), read_across_frames=True,
-                                                                   read_size=256 * 1024)
+        self._decoded = memoryview(b"")
 
     @property
     def wire(self) -> int:
@@ -352,17 +344,29 @@ class Decompressing:
         return self.stream.count
 
     def readinto(self, view: memoryview | bytearray) -> int:
-        view = memoryview(view)[: self.left]
-        if not len(view):
-            return 0
-        try:
-            n = self._reader.readinto(view)
-        except zstandard.ZstdError as exc:
-            raise MalformedStream(f"compressed stream is malformed ({exc})") from None
-        self.left -= n
-        if n and not self.left:
+        """Fill ``view`` (as far as the declared length goes) from as many frames as it takes."""
+        view = memoryview(view).cast("B")[: self.left]
+        filled = 0
+        while filled < len(view):
+            if not len(self._decoded):
+                self._decoded = memoryview(self._next_frame())
+            n = min(len(view) - filled, len(self._decoded))
+            view[filled:filled + n] = self._decoded[:n]
+            self._decoded = self._decoded[n:]
+            filled += n
+            self.left -= n
+        if filled and not self.left:
             self._at_end()  # before the last bytes are handed over: a shard is never stored from a stream that lies
-        return n
+        return filled
+
+    def _next_frame(self) -> bytearray:
+        raw = bytearray()
+        while not raw:  # an empty frame (a raw frame of nothing) is allowed, and skipped
+            frame = planes.read_frame(self.stream.read, most=self.left)  # a bomb is cut before it is decoded
+            if frame is None:
+                raise MalformedStream(f"compressed stream ended {self.left:,} bytes short of {self.length:,}")
+            raw = planes.decode(frame)
+        return raw
 
     def read(self, size: int = -1) -> bytes:
         buf = bytearray(self.left if size < 0 else min(size, self.left))
@@ -379,11 +383,7 @@ class Decompressing:
     _ended = False
 
     def _at_end(self) -> None:
-        try:
-            extra = self._reader.read(1)
-        except zstandard.ZstdError as exc:
-            raise MalformedStream(f"compressed stream is malformed after its {self.length:,} bytes ({exc})") from None
-        if extra:
+        if len(self._decoded) or planes.read_frame(self.stream.read) is not None:
             raise MalformedStream(f"compressed stream holds more than its {self.length:,} bytes")
         while self.stream.read(64 * 1024):  # the rest of the transport (a chunked body's end)
             pass
@@ -403,13 +403,20 @@ class _Counted:
 
 
 def file_frames(f: BinaryIO, sent: Callable[[int, int], None] | None = None) -> Iterator[bytes]:
-    """A held shard's bytes as frames (a download asked with ``?zstd=1``); ``sent`` is told
-    the raw and compressed bytes of each frame."""
+    """A held shard's bytes as frames (a download asked with ``?zstd=1``), split by the dtypes
+    of its own header if it is a shard of tensors; ``sent`` is told the raw and compressed
+    bytes of each frame."""
     try:
-        while block := f.read(BLOCK):
-            frame = compress_block(block)
+        size = os.fstat(f.fileno()).st_size
+        block = f.read(BLOCK)
+        typed = shard_spans(block, size)
+        at = 0
+        while block:
+            frame = compress_block(block, typed, at)
             if sent is not None:
                 sent(len(block), len(frame))
             yield frame
+            at += len(block)
+            block = f.read(BLOCK)
     finally:
         f.close()

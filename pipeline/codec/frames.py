@@ -227,13 +227,16 @@ def _exactly(read: Callable[[int], bytes | memoryview], n: int, before: int) -> 
     return b"".join(parts)
 
 
-def read_frame(read: Callable[[int], bytes | memoryview]) -> bytes | None:
+def read_frame(read: Callable[[int], bytes | memoryview], most: int = MAX_RAW) -> bytes | None:
     """The bytes of the next frame of a stream (``read(n)`` answers up to ``n`` bytes, fewer only
-    at its end), ``None`` at the end of the stream; a frame cut short raises CorruptFrame."""
+    at its end), ``None`` at the end of the stream; a frame cut short, or whose tables claim
+    more than ``most`` raw bytes (checked before its body is read), raises CorruptFrame."""
     try:
         table, tables = read_table(read)
     except EOFError:
         return None
+    if table.raw > most:
+        raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {most:,} were left to read")
     return tables + _exactly(read, table.size - len(tables), len(tables))
 
 

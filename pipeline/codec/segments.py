@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.codec.planes import DTYPE_LAYOUTS, SHAPES
-from pipeline.core.header import Header
+from pipeline.core.header import Header, parse_header
+from pipeline.errors import HeaderError
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,14 @@ def segments(header: Header, offset: int, length: int) -> list[Segment]:
     """The segments of bytes ``[offset, offset + length)`` of the file ``header`` describes,
     relative to ``offset`` (a shard's range: pipeline/core/planner.py)."""
     return clip(spans(header), offset, length)
+
+
+def shard_spans(head: bytes | memoryview, size: int) -> list[Segment]:
+    """The typed runs of a shard of ``size`` bytes whose first bytes are ``head``: a shard of
+    tensors is a safetensors file of its own (pipeline/core/planner.py), and anything else (a
+    file's header shard, a chunk of an opaque file, a header ``head`` does not hold whole) has
+    none: it is all bytes."""
+    try:
+        return spans(parse_header(bytes(head[:8 + int.from_bytes(bytes(head[:8]), "little")]), size))
+    except HeaderError:
+        return []

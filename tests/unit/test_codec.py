@@ -16,7 +16,7 @@ from safetensors.torch import save, save_file
 
 from pipeline.codec import frames
 from pipeline.codec.frames import RAW, ZSTD, decode, encode, encode_blocks, read_frame, read_table
-from pipeline.codec.segments import Segment, segments
+from pipeline.codec.segments import Segment, segments, shard_spans
 from pipeline.core.header import DTYPE_BITS, parse_header
 from pipeline.errors import CorruptFrame
 
@@ -227,3 +227,16 @@ def test_segments_cover_a_range_by_the_dtypes_of_its_whole_elements(case):
             else:
                 dtype, element = expected[i]
                 assert dtype == s.dtype and (element - start - s.offset) % (DTYPE_BITS[dtype] // 8) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 1000))
+def test_a_shard_that_is_no_safetensors_file_is_all_bytes(head, extra):
+    """A file's header shard, a chunk of an opaque file, anything: no typed runs, no error."""
+    assert shard_spans(head, len(head) + extra) == []
+
+
+def test_a_shard_of_tensors_is_split_by_its_own_header():
+    blob = save({"a": torch.zeros(3000, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.int64)})
+    (run,) = shard_spans(blob[:100 + int.from_bytes(blob[:8], "little")], len(blob))
+    assert (run.dtype, run.length) == ("BF16", 6000)
