@@ -11,7 +11,8 @@ chain replication side by side (bench/cluster.py); and what protection costs a t
 byte-grouped compression side by side with plain zstd and zipnn (``--parts codec``;
 bench/codec.py). Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
-``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
+``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: its former name), ``--training-steps N``,
+``--training-save-every N``,
 ``--codec-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
@@ -296,8 +297,9 @@ def main() -> None:
     ap.add_argument("--cluster-rates", default="100mbit,1gbit",
                     help="link rates of the cluster in a box, comma-separated (default 100mbit,1gbit)")
     ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
-    ap.add_argument("--cluster-modes", default="fanout,chain,chain+zstd",
-                    help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
+    ap.add_argument("--cluster-modes", default="fanout,chain,chain+planes",
+                    help="how copies leave the trainer, measured in the box (default fanout,chain,chain+planes; "
+                         "chain+zstd is chain+planes's former name)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
     ap.add_argument("--codec-gib", type=float, default=1.0,
