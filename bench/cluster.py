@@ -423,15 +423,15 @@ def table(doc: dict) -> str:
              f"limits: bytes / link {any_mode['limit_s']:.1f} s; this machine's one disk (shared by every host): "
              f"store {any_mode['disk_store_s']:.1f} s, restore {any_mode['disk_restore_s']:.1f} s; "
              "each ratio is to the slower of the two",
-             f"{'':34}" + "".join(f"{n:>12}" for n in names) + "   target"]
+             f"{'':34}" + "".join(f"{n:>14}" for n in names) + "   target"]
 
     def row(label: str, key: str, fmt: str, target: str = "") -> None:
-        lines.append(f"{label:34}" + "".join(f"{fmt.format(modes[n][key]):>12}" for n in names) + f"   {target}")
+        lines.append(f"{label:34}" + "".join(f"{fmt.format(modes[n][key]):>14}" for n in names) + f"   {target}")
 
     row("store: written -> verified (s)", "store_s", "{:.1f}")
     row("  / limit", "store_ratio", "{:.2f}x", "<= 1.15x")
     lines.append(f"{'  trainer link sent / size':34}" + "".join(
-        f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>11.2f}x" for n in names))
+        f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>13.2f}x" for n in names))
     row("half-changed step (s)", "second_s", "{:.1f}")
     row("  / first step", "second_vs_first", "{:.2f}x", "<= 0.55x")
     row("restore to the trainer (s)", "restore_s", "{:.1f}")
