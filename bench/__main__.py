@@ -9,11 +9,12 @@ box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fa
 chain replication side by side (bench/cluster.py); and what protection costs a training run
 (``--parts training``: step times off, watching, with the callbacks; bench/training.py); and a
 checkpoint to a real S3 server and back beside boto3's transfer manager (``--parts s3``: SeaweedFS
-on loopback; bench/s3.py).
+on loopback; bench/s3.py); and byte-grouped compression side by side with plain zstd and zipnn
+(``--parts codec``; bench/codec.py).
 Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
-``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
-``--s3-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
+``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: its former name), ``--training-steps N``,
+``--training-save-every N``, ``--s3-gib 1``, ``--codec-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, layouts, limits, loading, month, s3, scale, training, transitions
+from bench import cluster, codec, layouts, limits, loading, month, s3, scale, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -297,8 +298,9 @@ def main() -> None:
     ap.add_argument("--cluster-rates", default="100mbit,1gbit",
                     help="link rates of the cluster in a box, comma-separated (default 100mbit,1gbit)")
     ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
-    ap.add_argument("--cluster-modes", default="fanout,chain,chain+zstd",
-                    help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
+    ap.add_argument("--cluster-modes", default="fanout,chain,chain+planes",
+                    help="how copies leave the trainer, measured in the box (default fanout,chain,chain+planes; "
+                         "chain+zstd is chain+planes's former name)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
     ap.add_argument("--training-profile", default="target,steps",
@@ -308,6 +310,8 @@ def main() -> None:
                     help="only the training variants of these labels, separated by ; (default: all)")
     ap.add_argument("--training-seconds", type=float, default=330.0,
                     help="training time of each target run (default 330)")
+    ap.add_argument("--codec-gib", type=float, default=1.0,
+                    help="size of the bf16 checkpoint of --parts codec (GiB, default 1; 0: the 64 MiB of weights only)")
     ap.add_argument("--s3-gib", type=float, default=1.0, help="checkpoint size of the s3 part (GiB, default 1)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
@@ -318,7 +322,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         parts = set(args.parts.split(","))
-        sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs, s3_doc = [], {}, {}, {}, {}, [], [], {}
+        sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs = [], {}, {}, {}, {}, [], []
+        s3_doc: dict = {}
+        codec_doc: dict = {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -349,6 +355,9 @@ def main() -> None:
                     work, profile=profile, steps=args.training_steps, save_every=args.training_save_every,
                     seconds=args.training_seconds,
                     only=tuple(x.strip() for x in args.training_only.split(";") if x.strip())))
+        if "codec" in parts:
+            print("== codec: planes, zstd and zipnn side by side ...", flush=True)
+            codec_doc = codec.measure_codec(work, args.codec_gib)
         if "s3" in parts:
             print(f"== S3: {args.s3_gib} GiB to SeaweedFS on loopback, ours and boto3's ...", flush=True)
             s3_doc = s3.measure_s3(work / "s3", args.s3_gib)
@@ -368,12 +377,14 @@ def main() -> None:
         text += "\n" + cluster.table(box)
     for doc in training_docs:
         text += "\n" + training.table(doc)
+    if codec_doc:
+        text += "\n" + codec.table(codec_doc)
     if s3_doc:
         text += "\n" + s3.table(s3_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
                                "scale": scale_doc, "cluster": boxes, "training": training_docs, "s3": s3_doc,
-                               "table": text},
+                               "codec": codec_doc, "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

@@ -36,8 +36,10 @@ RATES = {"100mbit": 100e6, "1gbit": 1e9}
 MODES = {
     "fanout": {"CKPT_REPLICATION": "fanout", "CKPT_WIRE_COMPRESSION": "off"},
     "chain": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off"},
-    "chain+zstd": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto"},
+    "chain+planes": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto"},
 }
+#: Former names of modes: the defaults were "chain+zstd" while the wire sent zstd frames.
+ALIASES = {"chain+zstd": "chain+planes"}
 STORAGE_HOSTS = 4
 PORT = 7070
 KEY = "bench-cluster-key"
@@ -360,7 +362,7 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
     target = int(gib * layouts.GiB)
     _hidden, layers, _vocab = layouts.shape_for(target)
     out = {"rate": rate_name, "rate_bits": rate, "modes": {}}
-    for mode in modes:
+    for mode in (ALIASES.get(m, m) for m in modes):
         first = layouts.write_file(layouts.decoder(target, seed=1, normal=True), gen / "step_1.safetensors")
         second = layouts.write_file(layouts.decoder(target, seed=2, changed_from_layer=layers // 2, base_seed=1,
                                                     normal=True), gen / "step_2.safetensors")
@@ -421,15 +423,15 @@ def table(doc: dict) -> str:
              f"limits: bytes / link {any_mode['limit_s']:.1f} s; this machine's one disk (shared by every host): "
              f"store {any_mode['disk_store_s']:.1f} s, restore {any_mode['disk_restore_s']:.1f} s; "
              "each ratio is to the slower of the two",
-             f"{'':34}" + "".join(f"{n:>12}" for n in names) + "   target"]
+             f"{'':34}" + "".join(f"{n:>14}" for n in names) + "   target"]
 
     def row(label: str, key: str, fmt: str, target: str = "") -> None:
-        lines.append(f"{label:34}" + "".join(f"{fmt.format(modes[n][key]):>12}" for n in names) + f"   {target}")
+        lines.append(f"{label:34}" + "".join(f"{fmt.format(modes[n][key]):>14}" for n in names) + f"   {target}")
 
     row("store: written -> verified (s)", "store_s", "{:.1f}")
     row("  / limit", "store_ratio", "{:.2f}x", "<= 1.15x")
     lines.append(f"{'  trainer link sent / size':34}" + "".join(
-        f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>11.2f}x" for n in names))
+        f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>13.2f}x" for n in names))
     row("half-changed step (s)", "second_s", "{:.1f}")
     row("  / first step", "second_vs_first", "{:.2f}x", "<= 0.55x")
     row("restore to the trainer (s)", "restore_s", "{:.1f}")
@@ -438,4 +440,4 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RATES", "measure_cluster", "missing", "table"]
+__all__ = ["ALIASES", "RATES", "measure_cluster", "missing", "table"]

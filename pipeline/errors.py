@@ -202,6 +202,11 @@ class MalformedStream(ShardRefused):
         super().__init__(400, reason)
 
 
+class CorruptFrame(MalformedStream):
+    """Raised when a frame of the planes codec (pipeline/codec/frames.py) is truncated,
+    corrupted or not a frame at all: nothing is decoded from it, never wrong bytes."""
+
+
 class AuthError(CkptError):
     """Raised when a request does not carry a valid cluster-key signature."""
 

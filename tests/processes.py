@@ -87,8 +87,12 @@ def stop_up(up: subprocess.Popen, pids: list[int]) -> None:
 
 class StorageWorker:
     def __init__(self, data: Path, env: dict[str, str], log: Path, key: str = KEY,
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), code: Path | None = None) -> None:
+        """``code``: the source tree of another release to run (None: this one)."""
         self.data, self.env, self.log, self.key, self.args = data, env, log, key, args
+        if code is not None:  # python -m puts its working directory first on the path
+            self.env = {**env, "PYTHONPATH": str(code)}
+        self.code = code
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -98,7 +102,7 @@ class StorageWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.data), "--port", str(self.port),
                  *self.args],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.code)
         client = WorkerClient(self.url, self.key.encode(), auth.ANY_NODE)
 
         def up() -> bool:

@@ -1,6 +1,7 @@
 """The storage worker's HTTP API, as a plain WSGI application.
 
-    GET    /v1/status              node id, API version, zone, capacity, free, shard count, the shards
+    GET    /v1/status              node id, API version, zone, capacity, free, shard count, the codecs of
+                                   frames it decodes ("decodes": ["planes", "zstd"]), the shards
                                    that crossed compressed ("zstd": received_/sent_ shards, raw, wire), every
                                    upload it took ("uploads": shards and raw bytes, held ones included), the
                                    filesystem its shards are on ("filesystem": id, capacity, free: workers
@@ -9,11 +10,13 @@
                                    at that URL, holds the cluster key (421 for a URL that is not its own)
     HEAD   /v1/shards/<sha256>     200 with Content-Length if held, else 404
     GET    /v1/shards/<sha256>     the shard's bytes, streamed (sendfile where the server can); with
-                                   ?zstd=1 as zstd frames, chunked (pipeline/cluster/wire.py)
+                                   ?zstd=1 as frames, chunked: planes frames if the Accept header names
+                                   them, else zstd frames (pipeline/cluster/wire.py)
     PUT    /v1/shards/<sha256>     store; 201 created, 200 already present, 422 hash mismatch; with
                                    ?next=<node>@<url>,... also stream it on to those workers as it
                                    arrives (workers/chain.py), each one's answer in "chain"; with
-                                   ?zstd=<raw length>, a chunked body of zstd frames (pipeline/cluster/wire.py)
+                                   ?planes=<raw length> (or ?zstd=<raw length>), a chunked body of
+                                   planes (zstd) frames (pipeline/cluster/wire.py)
     DELETE /v1/shards/<sha256>     remove a surplus copy
     POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
@@ -41,7 +44,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster import auth
-from pipeline.cluster.wire import CPU, MIN_IDLE, Decompressing, file_frames
+from pipeline.cluster.decoding import CONTENT_TYPES, PLANES, ZSTD, decoding
+from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames
 from pipeline.errors import AuthError, ShardRefused
 from workers import chain
 from workers.shardstore import ShardStore, Throttle, valid_name
@@ -171,7 +175,7 @@ class WorkerApp:
                 "node_id": self.node_id, "api": API_VERSION, "zone": self.zone,
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
-                "filesystem": self.store.filesystem(),
+                "filesystem": self.store.filesystem(), "decodes": list(DECODES),
                 "zstd": dict(self.wire), "uploads": dict(self.uploads),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")
@@ -224,13 +228,16 @@ class WorkerApp:
 
     def put(self, name: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         query = parse_qs(environ.get("QUERY_STRING", ""))
-        zstd = query.get("zstd", [""])[0]
-        # A compressed body (pipeline/cluster/wire.py) is chunked; its raw length is in the
-        # signed query, and it is bounded like a plain one before anything is read.
-        raw_len = zstd if zstd else environ.get("CONTENT_LENGTH") or ""
+        # A compressed body (pipeline/cluster/wire.py) is chunked; its codec and raw length are
+        # in the signed query, and it is bounded like a plain one before anything is read.
+        named = [c for c in (PLANES, ZSTD) if c in query]
+        if len(named) > 1:
+            return _error(start, 400, "planes and zstd: a body is frames of one codec")
+        codec = named[0] if named else None
+        raw_len = query[codec][0] if codec else environ.get("CONTENT_LENGTH") or ""
         if not raw_len.isdigit() or len(raw_len) > 18:
-            if zstd:
-                return _error(start, 400, f"zstd: {zstd[:40]!r} is not a length in bytes")
+            if codec:
+                return _error(start, 400, f"{codec}: {raw_len[:40]!r} is not a length in bytes")
             return _error(start, 411, "Content-Length is required")
         if self.max_upload and int(raw_len) > self.max_upload:
             return _error(start, 413, f"upload of {int(raw_len):,} bytes exceeds this worker's limit of "
@@ -241,12 +248,12 @@ class WorkerApp:
             if any(node == self.node_id for node, _url in hops):
                 raise ShardRefused(400, f"next: names this worker ({self.node_id}) again")
             result, reached, wire = chain.put_and_forward(
-                self.store, self.key, name, environ["wsgi.input"], int(raw_len), hops, zstd=bool(zstd),
+                self.store, self.key, name, environ["wsgi.input"], int(raw_len), hops, codec=codec,
                 stall=chain.parse_stall(environ.get("QUERY_STRING", "")))
-            if zstd:
+            if codec:
                 self.count_wire("received", int(raw_len), wire)
-        elif zstd:
-            body = Decompressing(environ["wsgi.input"], int(raw_len))
+        elif codec:
+            body = decoding(codec, environ["wsgi.input"], int(raw_len))
             result = self.store.put(name, cast(BinaryIO, body), int(raw_len))
             body.finish()
             self.count_wire("received", int(raw_len), body.wire)
@@ -271,11 +278,13 @@ class WorkerApp:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         if not head and parse_qs(environ.get("QUERY_STRING", "")).get("zstd") == ["1"] and (
                 self.compress == "on" or self.compress == "auto" and CPU.idle() >= MIN_IDLE):
-            # zstd frames, chunked (no Content-Length): the reader knows the shard's size. Asked,
-            # not ordered: with no cores to spare this worker answers plain.
-            start("200 OK", [("Content-Type", "application/zstd"), ("X-Ckpt-Size", str(size))])
+            # Frames, chunked (no Content-Length): the reader knows the shard's size. Asked, not
+            # ordered: with no cores to spare this worker answers plain. In the codec the client
+            # accepts: one of the previous release names none, and reads zstd frames.
+            codec = accepted(str(environ.get("HTTP_ACCEPT") or ""))
+            start("200 OK", [("Content-Type", CONTENT_TYPES[codec]), ("X-Ckpt-Size", str(size))])
             self.count_wire("sent", 0, 0)
-            return file_frames(f, lambda raw, wire: self.count_wire("sent", raw, wire, shards=0))
+            return file_frames(f, lambda raw, wire: self.count_wire("sent", raw, wire, shards=0), codec)
         start("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(size))])
         if head:
             f.close()

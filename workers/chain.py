@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs
 
 from pipeline.cluster.client import STALL_SECONDS, Upload, WorkerClient
-from pipeline.cluster.wire import Decompressing
+from pipeline.cluster.decoding import decoding
 from pipeline.errors import ShardRefused, WorkerError
 from workers.shardstore import PutResult, ShardStore
 
@@ -87,24 +87,24 @@ class Tee:
 
 
 def put_and_forward(store: ShardStore, key: bytes, name: str, body: BinaryIO, length: int,
-                    hops: Sequence[tuple[str, str]], *, zstd: bool = False, stall: float = STALL_SECONDS,
+                    hops: Sequence[tuple[str, str]], *, codec: str | None = None, stall: float = STALL_SECONDS,
                     ) -> tuple[PutResult, list[dict[str, Any]], int]:
     """Store the upload here and pass it on along ``hops`` (``stall``: how long each may leave
     the transfer with no byte moving); what each downstream worker answered, and the bytes
-    read from the wire. ``zstd``: the body is zstd frames of ``length`` raw bytes, passed on
-    as they are."""
+    read from the wire. ``codec``: the body is frames of that codec (pipeline/cluster/wire.py),
+    of ``length`` raw bytes, passed on as they are (the sender chose a codec every hop decodes)."""
     node, url = hops[0]
     down: Upload | None = None
     try:
-        down = Upload(WorkerClient(url, key, node, timeout=stall), name, length, hops[1:], compress=zstd)
+        down = Upload(WorkerClient(url, key, node, timeout=stall), name, length, hops[1:], compress=codec)
     except WorkerError as exc:
         reached = _failed(hops, f"not reached from here: {exc}", exc.status)
     except ValueError as exc:
         reached = _failed(hops, f"not reached from here: {exc}", None)
     try:
         tee = Tee(body, down)
-        if zstd:
-            raw = Decompressing(tee, length)
+        if codec:
+            raw = decoding(codec, tee, length)
             result = store.put(name, cast(BinaryIO, raw), length)
             raw.finish()  # to the stream's end: the next worker gets all of it
             wire = raw.wire

@@ -17,8 +17,9 @@ from urllib.parse import quote, urlsplit
 
 from pipeline.cluster import auth
 from pipeline.cluster import wire as wire_mod
+from pipeline.cluster.decoding import CONTENT_TYPES, Decompressing, decoding
 from pipeline.cluster.faults import PEER_FAULTS, describe, send_all
-from pipeline.cluster.wire import METER, Decompressing
+from pipeline.cluster.wire import METER
 from pipeline.errors import AuthError, MalformedStream, UntrustedAnswer, WorkerError
 
 CONNECT_TIMEOUT = 5.0
@@ -34,6 +35,13 @@ CLOCK_TOLERANCE = 30.0
 STATUS_MAX_BYTES = 1 << 20
 #: Per worker URL: what to add to this process's clock to sign (learned from 401s).
 _CLOCK_OFFSETS: dict[str, float] = {}
+#: How long what a worker said it decodes is taken as true: a host upgraded (or rolled back)
+#: meanwhile gets the frames it decodes after this at the latest (a refused upload forgets at once).
+DECODES_SECONDS = 60.0
+#: Per worker URL: when its status was read, and the codecs it decodes (pipeline/cluster/wire.py).
+_DECODES: dict[str, tuple[float, tuple[str, ...]]] = {}
+#: What a download asks to be answered in, best first (pipeline/cluster/wire.py).
+ACCEPT = ", ".join(CONTENT_TYPES[c] for c in wire_mod.DECODES)
 log = logging.getLogger("ckpt.client")
 
 
@@ -175,7 +183,25 @@ class WorkerClient:
         doc = _decode(self.url, "GET", "/v1/status", resp.status, data, (200,))[1]
         if not isinstance(doc, dict) or doc.get("node_id") != resp.getheader(auth.RESPONDER_HEADER):
             raise WorkerError(self.url, "status answer is not a storage worker's", resp.status)
+        _DECODES[self.url] = (time.monotonic(), wire_mod.announced(doc))
         return doc
+
+    def decodes(self) -> tuple[str, ...]:
+        """The codecs of frames this worker decodes, as its status said within
+        :data:`DECODES_SECONDS` (asked now if not): none if it cannot say."""
+        known = _DECODES.get(self.url)
+        if known is None or time.monotonic() - known[0] > DECODES_SECONDS:
+            try:
+                self.status(within=CONNECT_TIMEOUT)
+            except WorkerError:
+                return ()  # whatever is sent to it will not get far: bytes as they are
+            known = _DECODES[self.url]
+        return known[1]
+
+    def forget_decodes(self) -> None:
+        """It refused frames it was thought to decode (rolled back to an older release, it
+        answers 411 to ``?planes=``): ask again."""
+        _DECODES.pop(self.url, None)
 
     def head(self, name: str) -> int | None:
         path = f"/v1/shards/{name}"
@@ -195,29 +221,34 @@ class WorkerClient:
         ``chain``: (node id, url) of workers this one forwards the bytes to as they arrive
         (workers/chain.py); the answer's ``chain`` says what each of them answered.
         ``wire="auto"``: compressed when that is faster (pipeline/cluster/wire.py); ``"on"``:
-        whenever the worker is on another host and the shard compresses."""
+        whenever the worker is on another host and the shard compresses; either in the frames
+        that this worker and every one of ``chain`` decode."""
         total = len(header) + length
         first: tuple[int, bytes] | None = None
 
-        def compress(sock: socket.socket) -> bool:
+        def compress(sock: socket.socket) -> str | None:
             nonlocal first
             if wire not in ("auto", "on") or total < wire_mod.MIN_SIZE or wire_mod.same_host(sock) \
                     or wire == "auto" and not METER.worth_it(self.url, "up", cores=False):
-                return False
+                return None
+            codec = wire_mod.common_codec(w.decodes() for w in self._along(chain))
+            if codec is None:
+                return None
             if wire == "auto" and wire_mod.CPU.idle() < wire_mod.MIN_IDLE:
                 # No cores to spare now: raw frames, and compressed blocks once there are, if
                 # it lasts long enough for that; else as it is.
-                return METER.lasts(self.url, "up", total, wire_mod.BUSY_START_SECONDS)
-            n, frame, ratio = wire_mod.sample(header, path, offset, length)
+                return codec if METER.lasts(self.url, "up", total, wire_mod.BUSY_START_SECONDS) else None
+            n, frame, ratio = wire_mod.sample(header, path, offset, length, codec)
             first = (n, frame)
-            return ratio <= wire_mod.MAX_RATIO
+            return codec if ratio <= wire_mod.MAX_RATIO else None
 
         started = time.monotonic()
         up = Upload(self, name, total, chain, compress=compress)
         frames: wire_mod.Frames | None = None
         try:
-            if up.zstd:
-                frames = wire_mod.Frames(header, path, offset, length, first, per_block=wire == "auto")
+            if up.codec:
+                frames = wire_mod.Frames(header, path, offset, length, first, per_block=wire == "auto",
+                                         codec=up.codec)
                 for frame in frames:
                     up.send(frame)
                     if up.broken is not None:
@@ -236,9 +267,24 @@ class WorkerClient:
             up.close()
             raise
         answer = up.finish()
+        if up.codec:
+            self._refused_frames(answer, chain)
         METER.transfer(self.url, "up", total, sent_bytes, time.monotonic() - started,
                        packed=frames.packed if frames is not None else None)
         return answer
+
+    def _along(self, chain: Sequence[tuple[str, str]]) -> list[WorkerClient]:
+        """This worker and the clients of those of ``chain``."""
+        return [self, *(WorkerClient(url, self.key, node, timeout=self.timeout) for node, url in chain)]
+
+    def _refused_frames(self, answer: dict[str, Any], chain: Sequence[tuple[str, str]]) -> None:
+        """Forget what the hops of ``chain`` that refused a compressed upload said they decode:
+        the copy is sent again, and they are asked first."""
+        refused = {str(r.get("node")) for r in answer.get("chain") or []
+                   if isinstance(r, dict) and isinstance(r.get("status"), int) and r["status"] >= 400}
+        for w in self._along(chain)[1:]:
+            if w.node in refused:
+                w.forget_decodes()
 
     def open_shard(self, name: str, *, size: int = 0,
                    wire: str = "off") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse | Decompressing]:
@@ -246,10 +292,10 @@ class WorkerClient:
         connection. ``wire="auto"`` (with the shard's ``size``): asked compressed when that is
         faster, and the stream given back decompresses (pipeline/cluster/wire.py)."""
         conn = self._connect()
-        zstd = (wire in ("auto", "on") and size >= wire_mod.MIN_SIZE and not wire_mod.same_host(conn.sock)
-                and (wire == "on" or METER.worth_it(self.url, "down")))
-        path = f"/v1/shards/{name}" + ("?zstd=1" if zstd else "")
-        headers = self._headers("GET", path)
+        compressed = (wire in ("auto", "on") and size >= wire_mod.MIN_SIZE and not wire_mod.same_host(conn.sock)
+                      and (wire == "on" or METER.worth_it(self.url, "down")))
+        path = f"/v1/shards/{name}" + ("?zstd=1" if compressed else "")
+        headers = self._headers("GET", path, {"Accept": ACCEPT} if compressed else None)
         try:
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
@@ -271,9 +317,10 @@ class WorkerClient:
         except WorkerError:
             conn.close()
             raise
-        # Asked, not ordered: a worker with no cores to spare answers plain.
-        return conn, (Decompressing(resp, size) if zstd and resp.getheader("Content-Type") == "application/zstd"
-                      else resp)
+        # Asked, not ordered: a worker with no cores to spare answers plain; one of the
+        # previous release, in zstd frames whatever was accepted.
+        codec = next((c for c, t in CONTENT_TYPES.items() if t == resp.getheader("Content-Type")), None)
+        return conn, (decoding(codec, resp, size) if compressed and codec else resp)
 
     def verify(self, names: list[str], rate: float = 0) -> list[dict[str, Any]]:
         """Ask the worker to re-hash ``names`` from its disk (at most ``rate`` B/s; 0: unthrottled):
@@ -339,14 +386,14 @@ class WorkerClient:
             raise WorkerError(self.url, f"GET {path} answered a list that is not of (name, size) pairs", 200) from None
 
 
-def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, zstd: int | None = None,
+def shard_path(name: str, chain: Sequence[tuple[str, str]] = (), *, frames: tuple[str, int] | None = None,
                stall: float | None = None) -> str:
     """The path of an upload, with the workers it is forwarded to and how long each hop may
-    stall before the one before it gives up on it, and, if its body is zstd frames, its raw
-    length (all signed with the request)."""
+    stall before the one before it gives up on it, and, if its body is frames, their codec
+    and its raw length (``?planes=<bytes>``, ``?zstd=<bytes>``; all signed with the request)."""
     query = []
-    if zstd is not None:
-        query.append(f"zstd={zstd}")
+    if frames is not None:
+        query.append(f"{frames[0]}={frames[1]}")
     if chain:
         query.append("next=" + ",".join(f"{node}@{quote(url, safe='')}" for node, url in chain))
         if stall is not None:
@@ -359,8 +406,9 @@ class Upload:
     chain hop forwarding what it receives). A worker that stops reading (it refused early,
     or died) marks the upload ``broken``; :meth:`finish` then reports its answer, if any.
 
-    ``compress`` (True, or asked with the connected socket): the bytes sent are zstd frames
-    of ``length`` raw bytes, in a chunked body (pipeline/cluster/wire.py).
+    ``compress`` (a codec, or asked with the connected socket: None, bytes as they are): the
+    bytes sent are frames of that codec, of ``length`` raw bytes, in a chunked body
+    (pipeline/cluster/wire.py).
 
     Deadlines are by progress, and blame by evidence: the client's timeout is how long one
     worker may leave the transfer with no byte moving. Through a chain of ``n`` workers this
@@ -369,7 +417,7 @@ class Upload:
     names the stalled hop while the ones before it are still waiting, and are not blamed."""
 
     def __init__(self, client: WorkerClient, name: str, length: int, chain: Sequence[tuple[str, str]] = (),
-                 *, compress: bool | Callable[[socket.socket], bool] = False) -> None:
+                 *, compress: str | None | Callable[[socket.socket], str | None] = None) -> None:
         self.client = client
         self.broken: str | None = None
         #: The worker took no byte for the stall timeout: no answer is coming either.
@@ -378,15 +426,17 @@ class Upload:
         self.conn = client._connect()
         try:
             self.conn.sock.settimeout(self.timeout)
-            self.zstd = compress(self.conn.sock) if callable(compress) else compress
+            #: The codec of the frames sent (None: the bytes as they are).
+            self.codec = compress(self.conn.sock) if callable(compress) else compress
         except BaseException:
             self.conn.close()
             raise
-        self.path = shard_path(name, chain, zstd=length if self.zstd else None, stall=client.timeout)
-        framing = {"Transfer-Encoding": "chunked"} if self.zstd else {"Content-Length": str(length)}
+        self.path = shard_path(name, chain, frames=(self.codec, length) if self.codec else None, stall=client.timeout)
+        framing = ({"Content-Type": CONTENT_TYPES[self.codec], "Transfer-Encoding": "chunked"} if self.codec
+                   else {"Content-Type": "application/octet-stream", "Content-Length": str(length)})
         try:
             self.conn.putrequest("PUT", self.path, skip_accept_encoding=True)
-            self.signed = client._headers("PUT", self.path, {"Content-Type": "application/octet-stream", **framing})
+            self.signed = client._headers("PUT", self.path, framing)
             for k, v in self.signed.items():
                 self.conn.putheader(k, v)
             self.conn.endheaders()
@@ -401,10 +451,10 @@ class Upload:
     def send(self, data: bytes | memoryview) -> None:
         if self.broken is None and len(data):
             try:
-                if self.zstd:
+                if self.codec:
                     send_all(self.conn.sock, b"%x\r\n" % len(data))
                 send_all(self.conn.sock, data)
-                if self.zstd:
+                if self.codec:
                     send_all(self.conn.sock, b"\r\n")
             except OSError as exc:
                 self._broke(exc)
@@ -423,7 +473,7 @@ class Upload:
         shard (at once if it stalled: a worker that took no byte for the stall timeout is not
         waited for again)."""
         c = self.client
-        if self.zstd and self.broken is None:
+        if self.codec and self.broken is None:
             try:
                 send_all(self.conn.sock, b"0\r\n\r\n")  # the chunked body's end
             except OSError as exc:
@@ -441,6 +491,8 @@ class Upload:
             self.conn.close()
         c._authentic(self.signed, resp, data, f"PUT {self.path}")
         c._learn_clock(resp)
+        if self.codec and resp.status >= 400:
+            c.forget_decodes()  # refused (a worker rolled back takes no planes frames): asked again before the next
         doc = _decode(c.url, "PUT", self.path, resp.status, data, (200, 201))[1]
         if not isinstance(doc, dict):
             raise WorkerError(c.url, f"PUT {self.path} answered {resp.status} without a JSON object", resp.status)

@@ -1,10 +1,13 @@
-"""Shard bytes on the wire: as they are, or zstd-compressed when the link is slower than the
-compressor (docs/design.md, "Compression on the wire").
+"""Shard bytes on the wire: as they are, or compressed in planes frames when the link is slower
+than the compressor (docs/design.md, "Compression on the wire").
 
-bf16 weights shrink to about 0.78 of their size at zstd's fastest level (their exponent bytes
-repeat; random bytes do not shrink), at 0.6-0.8 GB/s on one core here. Over a 100 Mbit link a
-shard then crosses in about 0.78 of the time; over loopback, compressing only costs. So a
-transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
+A shard of bf16 tensors shrinks to about 0.66 of its size in the planes codec (pipeline/codec:
+each value's exponent byte apart from its mantissa byte, the exponent plane through zstd, the
+dtypes from the shard's own safetensors header), at 0.7-1 GB/s on one core here; anything else
+(a file's header, an opaque file) to what zstd's fastest level makes of it (random bytes do not
+shrink). Over a 100 Mbit link a shard then crosses in about 0.66 of the time; over loopback,
+compressing only costs. So a transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the
+default) when:
 
 - the peer is on another host (the connection's two ends have different addresses);
 - the shard compresses: its first block, compressed as a sample, shrinks to ``MAX_RATIO`` of
@@ -22,18 +25,25 @@ transfer is compressed (``CKPT_WIRE_COMPRESSION=auto``, the default) when:
 
 An upload judges the cores block by block: one that starts while they are busy (the uploads
 sent while detection hashes the file) and should last ``BUSY_START_SECONDS`` or more on its
-link is still sent as zstd frames, each block that finds them busy as a *raw* frame (its
-bytes as they are, in stored zstd blocks: a copy, no compression; :func:`raw_frame`), each
-that finds them idle compressed, so that it compresses once the hashing is over instead of
-never. A block that does not shrink to ``MAX_RATIO`` stops the compression of the rest of
-its transfer.
+link is still sent as frames, each block that finds them busy as a *raw* frame (its bytes as
+they are: a copy and a CRC, no compression; :func:`raw_frame`), each that finds them idle
+compressed, so that it compresses once the hashing is over instead of never. A block that
+does not shrink to ``MAX_RATIO`` stops the compression of the rest of its transfer.
 
-Compressed bytes are zstd frames, one per ``BLOCK`` of raw bytes, sent as a chunked body (an
-upload, passed on as they are along a chain) or answer (a download); the raw length is in the
-request's signed query (``?zstd=<bytes>``). The receiver decompresses as it reads, never past
-the declared length, and checks the SHA-256 of what it got as for any transfer: the bytes are
-checked, not the encoding (invariant 4). A malformed stream is the sender's error (400), like
-bytes that do not match.
+Compressed bytes are frames, one per ``BLOCK`` of raw bytes, each decodable alone, sent as a
+chunked body (an upload, passed on as they are along a chain) or answer (a download): planes
+frames (pipeline/codec/frames.py), or zstd frames, the previous release's wire. The codec and
+the raw length are in the request's signed query (``?planes=<bytes>``, ``?zstd=<bytes>``) and
+its Content-Type. Hosts are upgraded one at a time, so both ways work across releases: a worker
+says what it decodes in its status (``"decodes"``; :func:`announced`: one of the previous
+release says nothing, and decodes zstd frames), and a sender sends planes frames only to a
+worker, and through a chain only along workers, that all said so; zstd frames otherwise. A
+download asks ``?zstd=1`` with the codecs it reads in its ``Accept`` header; a worker answers
+the first of its own it names (:func:`accepted`), zstd frames to a client that names none,
+and the client reads what the answer's Content-Type says. The receiver decodes as it reads
+(pipeline/cluster/decoding.py), never past the declared length, and checks the SHA-256 of
+what it got as for any transfer: the bytes are checked, not the encoding (invariant 4). A
+malformed stream is the sender's error (400), like bytes that do not match.
 """
 from __future__ import annotations
 
@@ -43,23 +53,27 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO
 
 import zstandard
 
-from pipeline.errors import MalformedStream
+from pipeline.cluster.decoding import CONTENT_TYPES, PLANES, ZSTD
+from pipeline.codec import frames as planes
+from pipeline.codec.segments import Segment, clip, shard_spans
 
-#: zstd's fastest level: the link, not the ratio, is what it is for.
-LEVEL = 1
+#: What this release decodes, best first (a worker's status says it: ``"decodes"``).
+DECODES = (PLANES, ZSTD)
+#: zstd's level for zstd frames (the previous release's wire): its fastest.
+ZSTD_LEVEL = 1
+#: Largest block of a zstd frame (the format's limit), for raw zstd frames.
+RAW_BLOCK = 128 * 1024
 #: Raw bytes per frame (and the sample a sender compresses first).
 BLOCK = 4 * 1024 * 1024
 #: Shards smaller than this (a safetensors file's header shard) always cross as they are.
 MIN_SIZE = 64 * 1024
 #: A shard whose sample shrinks less than this is sent as it is.
 MAX_RATIO = 0.9
-#: Largest block of a zstd frame (the format's limit), for raw frames.
-RAW_BLOCK = 128 * 1024
 #: Compress only on a link this much slower than the compressor.
 MARGIN = 1.25
 #: Frames compressed ahead of the link.
@@ -162,7 +176,7 @@ class Meter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.compressor: float | None = None  # raw bytes/s through zstd, one core
+        self.compressor: float | None = None  # raw bytes/s through the codec, one core
         self.ratio = 0.8  # compressed / raw of this process's compressed transfers
         self.rates: dict[tuple[str, str], float] = {}  # raw bytes/s of the last transfers
 
@@ -183,7 +197,7 @@ class Meter:
         return rate is None or size >= rate * seconds
 
     def compressed(self, raw: int, seconds: float) -> None:
-        """zstd compressed ``raw`` bytes in ``seconds`` of one thread's time."""
+        """The codec compressed ``raw`` bytes in ``seconds`` of one thread's time."""
         if raw >= 1 << 20 and seconds > 0:
             self._update_speed(raw / seconds)
 
@@ -210,21 +224,55 @@ class Meter:
 METER = Meter()
 
 
-def compress_block(data: bytes | memoryview) -> bytes:
-    """One frame; the wall time it took is recorded as the compressor's speed (on a host whose
-    cores are all busy, that is the speed it really gets)."""
+def announced(status: Mapping[str, Any]) -> tuple[str, ...]:
+    """The codecs a worker decodes, by its status answer: those it names (``"decodes"``); a
+    worker of the previous release names none and decodes zstd frames (its status counts
+    them: ``"zstd"``); one older still, none (it takes bytes as they are)."""
+    said = status.get("decodes")
+    if isinstance(said, list):
+        return tuple(c for c in DECODES if c in said)
+    return (ZSTD,) if isinstance(status.get("zstd"), dict) else ()
+
+
+def common_codec(workers: Iterable[Sequence[str]]) -> str | None:
+    """The best codec of this release that every one of ``workers`` (what each decodes)
+    decodes: frames passed along a chain as they are must be read by every hop. None: bytes
+    as they are."""
+    decoders = [tuple(w) for w in workers]  # read once: each codec is tried against all of them
+    return next((c for c in DECODES if all(c in w for w in decoders)), None)
+
+
+def accepted(accept: str, decodes: Sequence[str] = DECODES) -> str:
+    """The codec a download is answered in, by the request's ``Accept`` header: the first of
+    ``decodes`` it names; zstd if it names none (the previous release asks with ``?zstd=1``
+    alone, and reads zstd frames)."""
+    types = {t.split(";", 1)[0].strip() for t in accept.split(",")}
+    return next((c for c in decodes if CONTENT_TYPES[c] in types), ZSTD)
+
+
+def compress_block(data: bytes | memoryview, typed: Sequence[Segment] = (), at: int = 0, codec: str = PLANES) -> bytes:
+    """The frame of a block at raw offset ``at`` of a shard whose typed runs are ``typed``
+    (:func:`~pipeline.codec.segments.shard_spans`; planes frames split by them); the wall time
+    it took is recorded as the compressor's speed (on a host whose cores are all busy, that is
+    the speed it really gets)."""
     t = time.perf_counter()
-    frame = zstandard.ZstdCompressor(level=LEVEL).compress(data)
+    if codec == ZSTD:
+        frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    else:
+        frame = planes.encode(data, clip(typed, at, len(data)))
     METER.compressed(len(data), time.perf_counter() - t)
     return frame
 
 
-def raw_frame(data: bytes | memoryview) -> bytes:
-    """A zstd frame that holds ``data`` as it is (raw blocks; RFC 8878): any decoder reads it,
-    and making it costs a copy where compressing costs a core."""
+def raw_frame(data: bytes | memoryview, codec: str = PLANES) -> bytes:
+    """A frame that holds ``data`` as it is: making it costs a copy (and a CRC) where
+    compressing costs a core."""
+    if codec == PLANES:
+        return planes.encode(data, compress=False)
+    # A zstd frame of raw blocks (RFC 8878): magic; frame header: 4-byte content size,
+    # single segment (the window is the content)
     n = len(data)
     view = memoryview(data)
-    # magic; frame header: 4-byte content size, single segment (the window is the content)
     parts: list[bytes | memoryview] = [b"\x28\xb5\x2f\xfd\xa0", n.to_bytes(4, "little")]
     at = 0
     while True:
@@ -237,16 +285,17 @@ def raw_frame(data: bytes | memoryview) -> bytes:
 
 
 class Frames:
-    """The frames of ``header`` then ``length`` bytes of ``path`` from ``offset``, compressed
-    ahead of the link in a helper thread (at most ``AHEAD`` frames waiting). ``first`` is
-    the sample already compressed (the frame of the first block). ``per_block``: a block is
+    """The frames (of ``codec``) of ``header`` then ``length`` bytes of ``path`` from ``offset``,
+    compressed ahead of the link in a helper thread (at most ``AHEAD`` frames waiting). ``first``
+    is the sample already compressed (the frame of the first block). ``per_block``: a block is
     compressed only if the host's cores are idle enough when it is read, else sent as a raw
     frame; a compressed block that does not shrink to ``MAX_RATIO`` ends the compressing."""
 
     def __init__(self, header: bytes, path: str, offset: int, length: int,
-                 first: tuple[int, bytes] | None = None, *, per_block: bool = False) -> None:
+                 first: tuple[int, bytes] | None = None, *, per_block: bool = False, codec: str = PLANES) -> None:
         self.header, self.path, self.offset, self.length = header, path, offset, length
-        self.first, self.per_block = first, per_block
+        self.first, self.per_block, self.codec = first, per_block, codec
+        self.typed = shard_spans(header, len(header) + length)
         self.wire = 0
         #: raw and compressed bytes of the blocks that were compressed
         self.packed = (0, 0) if first is None else (first[0], len(first[1]))
@@ -256,7 +305,7 @@ class Frames:
         self._thread: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[bytes]:
-        self._thread = threading.Thread(target=self._produce, name="ckpt-zstd", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="ckpt-planes", daemon=True)
         self._thread.start()
         try:
             while (item := self._q.get()) is not None:
@@ -305,24 +354,24 @@ class Frames:
                             raise OSError(f"{self.path} ended after {done + filled - len(self.header):,} of "
                                           f"{self.length:,} bytes from {self.offset:,}")
                         filled += got
-                    if not self._put(self._frame(view)):
+                    if not self._put(self._frame(view, done)):
                         return
                     done += n
             self._put(None)
         except BaseException as exc:  # raised in the sending thread
             self._put(exc)
 
-    def _frame(self, block: memoryview) -> bytes:
+    def _frame(self, block: memoryview, at: int) -> bytes:
         if not self._compressing or self.per_block and CPU.idle() < MIN_IDLE:
-            return raw_frame(block)
-        frame = compress_block(block)
+            return raw_frame(block, self.codec)
+        frame = compress_block(block, self.typed, at, self.codec)
         self.packed = (self.packed[0] + len(block), self.packed[1] + len(frame))
         if len(frame) > MAX_RATIO * len(block):
             self._compressing = False  # it does not shrink: the rest goes as it is
         return frame
 
 
-def sample(header: bytes, path: str, offset: int, length: int) -> tuple[int, bytes, float]:
+def sample(header: bytes, path: str, offset: int, length: int, codec: str = PLANES) -> tuple[int, bytes, float]:
     """The first block's raw size, its frame, and how well it compressed (frame / raw)."""
     n = min(BLOCK, len(header) + length)
     head = header[:n]
@@ -331,85 +380,25 @@ def sample(header: bytes, path: str, offset: int, length: int) -> tuple[int, byt
     raw = head + body
     if len(raw) != n:
         raise OSError(f"{path} ended after {len(body):,} of {length:,} bytes from {offset:,}")
-    frame = compress_block(raw)
+    frame = compress_block(raw, shard_spans(header, len(header) + length), codec=codec)
     return n, frame, len(frame) / max(1, n)
 
 
-class Decompressing:
-    """``length`` raw bytes out of a stream of zstd frames (a file-like object with ``read``).
-
-    Never yields more than ``length``; a stream that is malformed, ends early or holds more
-    is refused (:class:`~pipeline.errors.MalformedStream`, 400: the sender's error)."""
-
-    def __init__(self, stream: Any, length: int) -> None:
-        self.stream, self.length, self.left = _Counted(stream), length, length
-        self._reader = zstandard.ZstdDecompressor().stream_reader(cast(BinaryIO, self.stream), read_across_frames=True,
-                                                                   read_size=256 * 1024)
-
-    @property
-    def wire(self) -> int:
-        """Compressed bytes read so far."""
-        return self.stream.count
-
-    def readinto(self, view: memoryview | bytearray) -> int:
-        view = memoryview(view)[: self.left]
-        if not len(view):
-            return 0
-        try:
-            n = self._reader.readinto(view)
-        except zstandard.ZstdError as exc:
-            raise MalformedStream(f"compressed stream is malformed ({exc})") from None
-        self.left -= n
-        if n and not self.left:
-            self._at_end()  # before the last bytes are handed over: a shard is never stored from a stream that lies
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        buf = bytearray(self.left if size < 0 else min(size, self.left))
-        n = self.readinto(buf)
-        return bytes(buf[:n])
-
-    def finish(self) -> None:
-        """Raise unless the stream held exactly its raw bytes and was read to its end."""
-        if self.left:
-            raise MalformedStream(f"compressed stream ended {self.left:,} bytes short of {self.length:,}")
-        if not self._ended:
-            self._at_end()
-
-    _ended = False
-
-    def _at_end(self) -> None:
-        try:
-            extra = self._reader.read(1)
-        except zstandard.ZstdError as exc:
-            raise MalformedStream(f"compressed stream is malformed after its {self.length:,} bytes ({exc})") from None
-        if extra:
-            raise MalformedStream(f"compressed stream holds more than its {self.length:,} bytes")
-        while self.stream.read(64 * 1024):  # the rest of the transport (a chunked body's end)
-            pass
-        self._ended = True
-
-
-class _Counted:
-    """A stream that counts what is read from it."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self._stream, self.count = stream, 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._stream.read(size)
-        self.count += len(data)
-        return data
-
-
-def file_frames(f: BinaryIO, sent: Callable[[int, int], None] | None = None) -> Iterator[bytes]:
-    """A held shard's bytes as frames (a download asked with ``?zstd=1``); ``sent`` is told
+def file_frames(f: BinaryIO, sent: Callable[[int, int], None] | None = None, codec: str = PLANES) -> Iterator[bytes]:
+    """A held shard's bytes as frames of ``codec`` (a download asked with ``?zstd=1``), planes
+    frames split by the dtypes of its own header if it is a shard of tensors; ``sent`` is told
     the raw and compressed bytes of each frame."""
     try:
-        while block := f.read(BLOCK):
-            frame = compress_block(block)
+        size = os.fstat(f.fileno()).st_size
+        block = f.read(BLOCK)
+        typed = shard_spans(block, size)
+        at = 0
+        while block:
+            frame = compress_block(block, typed, at, codec)
             if sent is not None:
                 sent(len(block), len(frame))
             yield frame
+            at += len(block)
+            block = f.read(BLOCK)
     finally:
         f.close()

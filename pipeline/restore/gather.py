@@ -18,7 +18,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline.cluster.client import WorkerClient
-from pipeline.cluster.wire import METER, Decompressing
+from pipeline.cluster.decoding import Decompressing
+from pipeline.cluster.wire import METER
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
 from pipeline.errors import HashMismatch, MalformedStream, RestoreError, WorkerError
 from pipeline.hashing import side_thread

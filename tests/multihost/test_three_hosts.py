@@ -90,7 +90,7 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
         try:
             wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
-            # bf16 weights: between hosts their shards cross zstd-compressed (pipeline/cluster/wire.py)
+            # bf16 weights: between hosts their shards cross compressed (planes frames, pipeline/cluster/wire.py)
             first = atomic_save(state_dict(1, layers=12, dtype=torch.bfloat16), runs / "run" / "step_1.safetensors")
             wait_for(lambda: state_of(first) == "verified", 90, "the first checkpoint verified")
 

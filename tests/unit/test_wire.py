@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 import zstandard
 
-from pipeline.cluster import auth, wire
+from pipeline.cluster import auth, decoding, wire
 from pipeline.cluster.client import Upload, WorkerClient, shard_path
 from pipeline.cluster.wire import Meter, is_loopback
+from pipeline.codec import frames as planes
+from pipeline.core.header import TensorInfo, shard_header
+from pipeline.errors import MalformedStream
 from tests.processes import KEY, StorageWorker, storage_workers, worker_client
 
 
@@ -40,13 +43,13 @@ def remote(monkeypatch):
 
 @pytest.fixture
 def sent(monkeypatch):
-    """What each upload of this test put on its connection: (compressed?, bytes)."""
+    """What each upload of this test put on its connection: (codec of its frames or None, bytes)."""
     uploads: list[list] = []
     real_init, real_send, real_sendfile = Upload.__init__, Upload.send, Upload.sendfile
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        self.counted = [self.zstd, 0]
+        self.counted = [self.codec, 0]
         uploads.append(self.counted)
 
     def send(self, data):
@@ -80,6 +83,18 @@ def upload(tmp_path, w: StorageWorker, data: bytes, header: bytes = b"", chain=(
     return name, client(w).put_range(name, header, str(src), 0, len(data), chain=chain, wire=wire_mode)
 
 
+def download(w: StorageWorker, name: str, size: int) -> tuple[bytes, int]:
+    """A shard asked compressed: its raw bytes, and the bytes that crossed."""
+    conn, stream = client(w).open_shard(name, size=size, wire="auto")
+    try:
+        assert isinstance(stream, decoding.PlanesDecompressing)
+        got = stream.read()
+        stream.finish()
+    finally:
+        conn.close()
+    return got, stream.wire
+
+
 def test_weights_cross_compressed_and_are_stored_as_their_own_bytes(three, tmp_path, remote, sent):
     data = weights(9_000_000)
     name, answer = upload(tmp_path, three[0], data, header=b"HEADER")
@@ -87,6 +102,20 @@ def test_weights_cross_compressed_and_are_stored_as_their_own_bytes(three, tmp_p
     assert three[0].shard(name).read_bytes() == b"HEADER" + data  # on disk: the raw bytes
     ((zstd, on_wire),) = sent
     assert zstd and on_wire < 0.85 * len(data), on_wire / len(data)
+
+
+def test_a_shard_of_bf16_tensors_crosses_split_by_its_own_header(three, tmp_path, remote, sent):
+    """A shard of tensors is a safetensors file of its own (pipeline/core/planner.py): its
+    upload and its download cross in frames split by the dtypes its header gives, under 0.69
+    of its size (plain zstd: 0.78), and it is stored as its own bytes."""
+    data = weights(9_000_000, seed=20)
+    header = shard_header([TensorInfo("w", "BF16", (len(data) // 2,), 0, len(data))])
+    name, _ = upload(tmp_path, three[0], data, header=header)
+    assert three[0].shard(name).read_bytes() == header + data
+    ((codec, on_wire),) = sent
+    assert codec == "planes" and on_wire < 0.69 * len(header + data), on_wire / len(header + data)
+    got, on_wire = download(three[0], name, len(header + data))
+    assert got == header + data and on_wire < 0.69 * len(got), on_wire / len(got)
 
 
 def received(w: StorageWorker) -> tuple[int, int, int]:
@@ -101,7 +130,7 @@ def test_a_chain_passes_the_compressed_bytes_on_and_every_hop_stores_the_raw_one
     assert [r["ok"] for r in answer["chain"]] == [True, True]
     for w in three:
         assert w.shard(name).read_bytes() == data
-    assert sent[0][0] is True and all(zstd for zstd, _ in sent)  # the hops forward zstd frames too
+    assert [codec for codec, _ in sent] == ["planes"]  # the hops forward the frames (their counts below)
     for w, (shards, raw, on_wire) in zip(three, before, strict=True):  # each says so in its status
         now = received(w)
         assert (now[0] - shards, now[1] - raw) == (1, len(data)) and now[2] - on_wire < 0.85 * len(data), now
@@ -110,30 +139,25 @@ def test_a_chain_passes_the_compressed_bytes_on_and_every_hop_stores_the_raw_one
 def test_a_download_is_asked_compressed_and_read_back_raw(three, tmp_path, remote):
     data = weights(8_000_000, seed=2)
     name, _ = upload(tmp_path, three[1], data, wire_mode="off")
-    conn, stream = client(three[1]).open_shard(name, size=len(data), wire="auto")
-    try:
-        assert isinstance(stream, wire.Decompressing)
-        got = stream.read()
-        stream.finish()
-    finally:
-        conn.close()
-    assert got == data and stream.wire < 0.85 * len(data)
+    got, on_wire = download(three[1], name, len(data))
+    assert got == data and on_wire < 0.85 * len(data)
 
 
 def test_what_does_not_compress_crosses_as_it_is(three, tmp_path, remote, sent):
     name, _ = upload(tmp_path, three[0], os.urandom(6_000_000))
-    assert sent == [[False, 6_000_000]]
+    assert sent == [[None, 6_000_000]]
     assert three[0].shard(name).stat().st_size == 6_000_000
 
 
 def test_a_worker_on_this_host_is_never_sent_compressed(three, tmp_path, sent):
     upload(tmp_path, three[0], weights(6_000_000, seed=3))
-    assert sent == [[False, 6_000_000]]  # loopback: the compressor would only slow it down
+    assert sent == [[None, 6_000_000]]  # loopback: the compressor would only slow it down
 
 
-def _chunked_put(w: StorageWorker, name: str, raw_len: str, frames: list[bytes]) -> tuple[int, bytes]:
+def _chunked_put(w: StorageWorker, name: str, raw_len: str, frames: list[bytes],
+                 query: str = "planes") -> tuple[int, bytes]:
     """A compressed upload sent by hand: the worker's answer, whenever it came."""
-    path = shard_path(name) + f"?zstd={raw_len}"
+    path = shard_path(name) + f"?{query}={raw_len}"
     headers = {**auth.sign(KEY.encode(), "PUT", path, node=w.node_id), "Transfer-Encoding": "chunked"}
     sock = socket.create_connection(("127.0.0.1", w.port), timeout=30)
     try:
@@ -152,23 +176,57 @@ def _chunked_put(w: StorageWorker, name: str, raw_len: str, frames: list[bytes])
         sock.close()
 
 
-@pytest.mark.parametrize("case", ["garbage", "more than declared", "less than declared", "a bomb", "not a length"])
+@pytest.mark.parametrize("case", ["garbage", "corrupted", "more than declared", "less than declared", "a bomb",
+                                  "not a length"])
 def test_a_malformed_compressed_upload_is_refused_and_never_visible(three, case):
-    """Nothing from the network is trusted (invariant 5): the worker decompresses at most the
+    """Nothing from the network is trusted (invariant 5): the worker decodes at most the
     declared length, checks the result's hash, and refuses anything else with a reason."""
     data = weights(2_000_000, seed=len(case))  # each case its own shard
     name = hashlib.sha256(data).hexdigest()
-    z = zstandard.ZstdCompressor(level=1)
+    corrupted = bytearray(planes.encode(data))
+    corrupted[len(corrupted) // 2] ^= 0x40
     frames, length = {
-        "garbage": ([b"\x28\xb5\x2f\xfd" + os.urandom(5000)], str(len(data))),
-        "more than declared": ([z.compress(data), z.compress(b"tail")], str(len(data))),
-        "less than declared": ([z.compress(data[:1_000_000])], str(len(data))),
-        "a bomb": ([z.compress(b"\0" * (256 << 20))], str(len(data))),  # 256 MiB of zeros in ~8 kB
+        "garbage": ([planes.MAGIC + os.urandom(5000)], str(len(data))),
+        "corrupted": ([bytes(corrupted)], str(len(data))),
+        "more than declared": ([planes.encode(data), planes.encode(b"tail")], str(len(data))),
+        "less than declared": ([planes.encode(data[:1_000_000])], str(len(data))),
+        "a bomb": ([planes.encode(bytes(planes.MAX_RAW))], str(len(data))),  # 64 MiB of zeros in ~2 kB
         "not a length": ([], "2e6"),  # refused before any byte of the body is read
     }[case]
     status, body = _chunked_put(three[2], name, length, frames)
     assert status == 400, (status, body)
     assert client(three[2]).head(name) is None
+
+
+@pytest.mark.parametrize("case", ["garbage", "more than declared", "less than declared", "a bomb", "planes",
+                                  "both codecs"])
+def test_a_malformed_zstd_upload_is_refused_and_never_visible(three, case):
+    """The previous release's zstd frames are taken as carefully: at most the declared length
+    decompressed, whatever the frames claim; planes frames declared as zstd are not zstd."""
+    data = weights(2_000_000, seed=100 + len(case))
+    name = hashlib.sha256(data).hexdigest()
+    z = zstandard.ZstdCompressor(level=1)
+    frames, query = {
+        "garbage": ([b"\x28\xb5\x2f\xfd" + os.urandom(5000)], "zstd"),
+        "more than declared": ([z.compress(data), z.compress(b"tail")], "zstd"),
+        "less than declared": ([z.compress(data[:1_000_000])], "zstd"),
+        "a bomb": ([z.compress(b"\0" * (256 << 20))], "zstd"),  # 256 MiB of zeros in ~8 kB
+        "planes": ([planes.encode(data)], "zstd"),
+        "both codecs": ([z.compress(data)], f"planes={len(data)}&zstd"),
+    }[case]
+    status, body = _chunked_put(three[2], name, str(len(data)), frames, query)
+    assert status == 400, (status, body)
+    assert client(three[2]).head(name) is None
+
+
+def test_a_frame_claiming_more_than_is_left_is_refused_before_its_body_is_read():
+    """A bomb (64 MiB of zeros in a 2 kB frame) declared as 1,000 bytes is cut at its tables:
+    nothing of it is read on, let alone decoded."""
+    frame = planes.encode(bytes(planes.MAX_RAW))
+    body = io.BytesIO(frame)
+    with pytest.raises(MalformedStream, match="at most 1,000"):
+        decoding.PlanesDecompressing(body, 1000).read()
+    assert body.tell() < 100 < len(frame)
 
 
 def test_the_meter_compresses_only_links_slower_than_the_compressor(monkeypatch):
@@ -248,7 +306,7 @@ def test_a_busy_worker_answers_a_compressed_download_plain(tmp_path, monkeypatch
             monkeypatch.setattr(app_mod.CPU, "idle", lambda idle=idle: idle)
             conn, stream = c.open_shard(name, size=len(data), wire="auto")
             try:
-                assert isinstance(stream, wire.Decompressing) is compressed
+                assert isinstance(stream, decoding.PlanesDecompressing) is compressed
                 assert stream.read() == data
             finally:
                 conn.close()
@@ -262,9 +320,9 @@ def test_on_compresses_between_hosts_whatever_the_load(three, tmp_path, remote, 
     data = weights(2_000_000, seed=11)
     upload(tmp_path, three[0], data, wire_mode="auto")
     upload(tmp_path, three[1], data, wire_mode="on")
-    (auto_zstd, auto_wire), (on_zstd, on_wire) = sent
+    (auto_codec, auto_wire), (on_codec, on_wire) = sent
     # auto sends raw frames (it would compress blocks if the cores freed meanwhile); on compresses
-    assert auto_zstd and auto_wire > len(data) and on_zstd and on_wire < 0.85 * len(data)
+    assert auto_codec and auto_wire > len(data) and on_codec and on_wire < 0.85 * len(data)
 
 
 def test_a_short_upload_that_starts_on_busy_cores_is_sent_as_it_is(three, tmp_path, remote, monkeypatch, sent):
@@ -277,18 +335,32 @@ def test_a_short_upload_that_starts_on_busy_cores_is_sent_as_it_is(three, tmp_pa
     upload(tmp_path, three[0], data)
     wire.METER.rates[(url, "up")] = 1e6  # 1 MB/s: 6 s
     upload(tmp_path, three[0], data + b"x")
-    assert [zstd for zstd, _ in sent] == [False, True]
+    assert [codec for codec, _ in sent] == [None, "planes"]
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 128 * 1024 + 1, wire.BLOCK])
+def test_a_raw_frame_holds_the_bytes_as_they_are(n):
+    data = weights(n + 1)[:n]
+    frame = wire.raw_frame(data)
+    assert planes.decode(frame) == data
+    table, _ = planes.read_table(io.BytesIO(frame).read)
+    assert {coding for coding, _, _ in table.sections} <= {planes.RAW} and len(frame) <= n + 32  # nothing compressed
+    # between compressed frames, as an upload mixes them
+    z = planes.encode(b"x" * 5000)
+    stream = decoding.PlanesDecompressing(io.BytesIO(z + frame + z), 10_000 + n)
+    assert stream.read() == b"x" * 5000 + data + b"x" * 5000
+    stream.finish()
 
 
 @pytest.mark.parametrize("n", [0, 1, wire.RAW_BLOCK, wire.RAW_BLOCK + 1, wire.BLOCK, 3 * wire.RAW_BLOCK - 7])
-def test_a_raw_frame_is_a_zstd_frame_of_the_bytes_as_they_are(n):
+def test_a_raw_zstd_frame_is_a_zstd_frame_of_the_bytes_as_they_are(n):
+    """For a worker of the previous release: any zstd decoder reads it."""
     data = os.urandom(n)
-    frame = wire.raw_frame(data)
+    frame = wire.raw_frame(data, "zstd")
     assert zstandard.ZstdDecompressor().decompress(frame) == data
     assert len(frame) == 9 + n + 3 * max(1, -(-n // wire.RAW_BLOCK))  # headers only: nothing compressed
-    # between compressed frames, as an upload mixes them
     z = zstandard.ZstdCompressor(level=1).compress(b"x" * 5000)
-    stream = wire.Decompressing(io.BytesIO(z + frame + z), 10_000 + n)
+    stream = decoding.ZstdDecompressing(io.BytesIO(z + frame + z), 10_000 + n)
     assert stream.read() == b"x" * 5000 + data + b"x" * 5000
     stream.finish()
 
@@ -303,9 +375,9 @@ def test_an_upload_started_while_the_cores_are_busy_compresses_once_they_free(th
     data = weights(3 * wire.BLOCK, seed=12)
     name, answer = upload(tmp_path, three[2], data)
     assert answer["created"] and three[2].shard(name).read_bytes() == data
-    ((zstd, on_wire),) = sent
+    ((codec, on_wire),) = sent
     block_wire = len(wire.raw_frame(data[:wire.BLOCK]))
-    assert zstd and block_wire + 0.7 * 2 * wire.BLOCK < on_wire < block_wire + 0.85 * 2 * wire.BLOCK
+    assert codec and block_wire + 0.7 * 2 * wire.BLOCK < on_wire < block_wire + 0.85 * 2 * wire.BLOCK
     assert 0.7 < wire.METER.ratio < 0.85
 
 
@@ -316,10 +388,10 @@ def test_a_block_that_does_not_shrink_ends_the_compressing_of_its_transfer(tmp_p
     src.write_bytes(data)
     compressed: list[int] = []
     real = wire.compress_block
-    monkeypatch.setattr(wire, "compress_block", lambda block: compressed.append(len(block)) or real(block))
+    monkeypatch.setattr(wire, "compress_block", lambda block, *a: compressed.append(len(block)) or real(block, *a))
     frames = wire.Frames(b"", str(src), 0, len(data), per_block=True)
     out = b"".join(frames)
-    stream = wire.Decompressing(io.BytesIO(out), len(data))
+    stream = decoding.PlanesDecompressing(io.BytesIO(out), len(data))
     assert stream.read() == data
     assert compressed == [wire.BLOCK, wire.BLOCK]  # the weights, then one random block: no more tries
     assert frames.packed[0] == 2 * wire.BLOCK
