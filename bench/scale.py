@@ -20,7 +20,7 @@ from pathlib import Path
 from sqlalchemy import insert
 
 from pipeline import settings as settings_mod
-from pipeline.db.engine import get_engine
+from pipeline.db.engine import get_engine, optimize
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import (
     CapacitySample,
@@ -119,6 +119,9 @@ def measure_scale(work: Path) -> dict:
     s = settings_mod.configure(settings_mod.load(environ=env))
     upgrade(s.db_url)
     out = fill(s.db_url)
+    t = time.perf_counter()
+    optimize(s.db_url)  # as the scheduler does at start (pipeline.service.scheduler)
+    out["optimize_s"] = time.perf_counter() - t
     from pipeline.status import status
     from webui import create_app
 
@@ -145,7 +148,7 @@ def table(scale: dict) -> str:
     lines = [f"control plane at {scale['checkpoints']:,} checkpoints, {scale['events']:,} job events, "
              f"{scale['contents']:,} contents, {scale['copies']:,} copies (filled in {scale['fill_s']:.0f} s)",
              f"  ckpt status: {scale['status_cli_s']:.2f} s as a command, {scale['status_in_process_s']:.2f} s of it "
-             "in the query   target < 1 s"]
+             "in the query   target <= 0.5 s"]
     for page, seconds in scale["pages"].items():
         lines.append(f"  GET {page:<40} {1000 * seconds:7.0f} ms   target < 300 ms")
     lines.append(f"  median page {1000 * statistics.median(scale['pages'].values()):.0f} ms, slowest "

@@ -20,6 +20,7 @@ from pipeline.db.models import (
     Content,
     ContentCopy,
     Job,
+    RunStateCount,
     Shard,
     StorageWorker,
     TrainingHost,
@@ -153,12 +154,12 @@ def newest_first() -> tuple[Any, ...]:
 
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per run (current versions only): how many checkpoints by state, the newest, the newest
-    protected, in one index scan and two lookups per run, whatever the runs' length."""
-    scope = [Checkpoint.current.is_(True), Checkpoint.store_state.is_not(None)]
-    scope += [Checkpoint.run.in_(runs)] if runs is not None else []
-    q = (select(Checkpoint.run, Checkpoint.store_state, Checkpoint.local_present, func.count(Checkpoint.id),
-                func.coalesce(func.sum(Checkpoint.total_bytes), 0))
-         .where(*scope).group_by(Checkpoint.run, Checkpoint.store_state, Checkpoint.local_present))
+    protected: the counts kept as data (``run_state_counts``) and two lookups per run,
+    whatever the runs' length."""
+    scope = [RunStateCount.checkpoints > 0]
+    scope += [RunStateCount.run.in_(runs)] if runs is not None else []
+    q = select(RunStateCount.run, RunStateCount.store_state, RunStateCount.local_present,
+               RunStateCount.checkpoints, RunStateCount.bytes).where(*scope)
     out: dict[str, dict[str, Any]] = {}
     for run, state, local, n, size in session.execute(q):
         entry = out.setdefault(run, {"count": 0, "by_state": {}, "newest": None, "protected": None,
@@ -183,10 +184,13 @@ def changed_on_disk(session: Session, runs: list[str]) -> dict[str, int]:
     (pipeline.detection.ondisk): "changed on disk, not protected"."""
     if not runs:
         return {}
+    # Along the disk_changed_at index (the few changed rows), not along each run's rows: the
+    # runs are picked out here, not in the query, so the planner cannot prefer the run index.
     q = (select(Checkpoint.run, func.count(Checkpoint.id))
-         .where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True), Checkpoint.run.in_(runs))
+         .where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True))
          .group_by(Checkpoint.run))
-    return {run: n for run, n in session.execute(q)}
+    wanted = set(runs)
+    return {run: n for run, n in session.execute(q) if run in wanted}
 
 
 def run_summaries(session: Session, settings: Settings, at: datetime | None = None, runs: list[str] | None = None,

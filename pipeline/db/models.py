@@ -134,6 +134,21 @@ class Checkpoint(Base):
     )
 
 
+class RunStateCount(Base):
+    """How many of a run's current checkpoints are in one state, with or without their local
+    copy, and their bytes: what the overview, ``/metrics`` and ``ckpt status`` count, read
+    without grouping the checkpoints. Kept by triggers on ``checkpoints`` in the transaction
+    of every change (migrations/versions/0016); never written by the code."""
+
+    __tablename__ = "run_state_counts"
+
+    run: Mapped[str] = mapped_column(String(4096), primary_key=True)
+    store_state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    local_present: Mapped[bool] = mapped_column(Boolean, primary_key=True)
+    checkpoints: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+
+
 class CheckpointFile(Base):
     """One file of a checkpoint, with its size and whole-file SHA-256 at detection."""
 
