@@ -7,8 +7,10 @@ retention policy (bench/month.py, its chart saved as bench/results/month.png), a
 control plane at 100k checkpoints and 1M job events (bench/scale.py), and the cluster in a
 box: a trainer and four storage hosts on links shaped to 100 Mbit and 1 Gbit, fan-out and
 chain replication side by side (bench/cluster.py); and what protection costs a training run
-(``--parts training``: step times off, watching, with the callbacks; bench/training.py).
-Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
+(``--parts training``: step times off, watching, with the callbacks; bench/training.py); and
+checkpoints per second to protected at 1,000 saves with keep-last rotation on (``--parts
+throughput``, bench/throughput.py).
+Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster,throughput``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
 ``--cluster-modes fanout,chain,chain+zstd``, ``--training-steps N``, ``--training-save-every N``,
 ``--out FILE``, ``--keep`` (keep the work directory).
@@ -26,7 +28,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, layouts, limits, loading, month, scale, training, transitions
+from bench import cluster, layouts, limits, loading, month, scale, throughput, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -297,6 +299,8 @@ def main() -> None:
     ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
     ap.add_argument("--cluster-modes", default="fanout,chain,chain+zstd",
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+zstd)")
+    ap.add_argument("--throughput-saves", type=int, default=1000,
+                    help="saves of the throughput part (default 1000)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
@@ -309,6 +313,7 @@ def main() -> None:
     try:
         parts = set(args.parts.split(","))
         sizes, dirs, cp, month_doc, scale_doc, boxes, training_doc = [], {}, {}, {}, {}, [], {}
+        throughput_doc: dict = {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -324,6 +329,9 @@ def main() -> None:
         if "scale" in parts:
             print("== the control plane at 100k checkpoints ...", flush=True)
             scale_doc = scale.measure_scale(work)
+        if "throughput" in parts:
+            print(f"== throughput: {args.throughput_saves} saves with keep-last rotation ...", flush=True)
+            throughput_doc = throughput.measure_throughput(work, saves=args.throughput_saves)
         if "cluster" in parts:
             why = cluster.missing()
             if why:
@@ -348,13 +356,16 @@ def main() -> None:
         text += f"\n  chart: {chart}"
     if scale_doc:
         text += "\n" + scale.table(scale_doc)
+    if throughput_doc:
+        text += "\n" + throughput.table(throughput_doc)
     for box in boxes:
         text += "\n" + cluster.table(box)
     if training_doc:
         text += "\n" + training.table(training_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
-                               "scale": scale_doc, "cluster": boxes, "training": training_doc, "table": text},
+                               "scale": scale_doc,
+                               "throughput": throughput_doc, "cluster": boxes, "training": training_doc, "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

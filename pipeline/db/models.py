@@ -317,6 +317,8 @@ class Job(Base):
         Index("ix_jobs_state_lease", "state", "lease_until"),
         # The latest store job of each checkpoint, from the index alone.
         Index("ix_jobs_kind_checkpoint", "kind", "checkpoint_id", "id"),
+        # Jobs counted by kind and state (/metrics) from the index alone.
+        Index("ix_jobs_kind_state", "kind", "state"),
         # One active repair per content: two repairs of one content would set aside each
         # other's new copy (pipeline.integrity.repair).
         Index("uq_jobs_active_repair", "sha256", unique=True,
@@ -325,7 +327,7 @@ class Job(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
     checkpoint_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=True, index=True
     )
