@@ -6,13 +6,14 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
 from pipeline.core import health as health_of
 from pipeline.core.health import shard_health, worker_healths
 from pipeline.db import hosts
+from pipeline.db import jobs as job_lookup
 from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard, good_copy
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
@@ -289,8 +290,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
         page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
                                search=search)
         rows = checkpoint_rows(s, settings, page, jobs=store_jobs_of(s, [c.id for c in page]))
-        active = or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
-        jobs = s.scalars(select(Job).where(active | (Job.state == "failed")).order_by(Job.id.desc()).limit(200))
+        jobs = job_lookup.newest(s, job_lookup.active_pairs() + job_lookup.failed_pairs(), limit=200)
         usage = capacity.usage(s, settings)
         return {
             "checkpoints": rows,
