@@ -10,8 +10,9 @@ chain replication side by side (bench/cluster.py); and what protection costs a t
 (``--parts training``: step times off, watching, with the callbacks; bench/training.py); and a
 checkpoint to a real S3 server and back beside boto3's transfer manager (``--parts s3``: SeaweedFS
 on loopback; bench/s3.py); and byte-grouped compression side by side with plain zstd and zipnn
-(``--parts codec``; bench/codec.py).
-Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster``,
+(``--parts codec``; bench/codec.py); and checkpoints per second to protected at 1,000 saves with
+keep-last rotation on (``--parts throughput``, bench/throughput.py).
+Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster,throughput``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
 ``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: its former name), ``--training-steps N``,
 ``--training-save-every N``, ``--s3-gib 1``, ``--codec-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
@@ -29,7 +30,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, codec, layouts, limits, loading, month, s3, scale, training, transitions
+from bench import cluster, codec, layouts, limits, loading, month, s3, scale, throughput, training, transitions
 from bench.system import System
 
 GiB = layouts.GiB
@@ -301,6 +302,8 @@ def main() -> None:
     ap.add_argument("--cluster-modes", default="fanout,chain,chain+planes",
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+planes; "
                          "chain+zstd is chain+planes's former name)")
+    ap.add_argument("--throughput-saves", type=int, default=1000,
+                    help="saves of the throughput part (default 1000)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")
     ap.add_argument("--training-save-every", type=int, default=5, help="a save every N steps (default 5)")
     ap.add_argument("--training-profile", default="target,steps",
@@ -325,6 +328,7 @@ def main() -> None:
         sizes, dirs, cp, month_doc, scale_doc, boxes, training_docs = [], {}, {}, {}, {}, [], []
         s3_doc: dict = {}
         codec_doc: dict = {}
+        throughput_doc: dict = {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -355,6 +359,9 @@ def main() -> None:
                     work, profile=profile, steps=args.training_steps, save_every=args.training_save_every,
                     seconds=args.training_seconds,
                     only=tuple(x.strip() for x in args.training_only.split(";") if x.strip())))
+        if "throughput" in parts:
+            print(f"== throughput: {args.throughput_saves} saves with keep-last rotation ...", flush=True)
+            throughput_doc = throughput.measure_throughput(work, saves=args.throughput_saves)
         if "codec" in parts:
             print("== codec: planes, zstd and zipnn side by side ...", flush=True)
             codec_doc = codec.measure_codec(work, args.codec_gib)
@@ -373,6 +380,8 @@ def main() -> None:
         text += f"\n  chart: {chart}"
     if scale_doc:
         text += "\n" + scale.table(scale_doc)
+    if throughput_doc:
+        text += "\n" + throughput.table(throughput_doc)
     for box in boxes:
         text += "\n" + cluster.table(box)
     for doc in training_docs:
@@ -384,7 +393,7 @@ def main() -> None:
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
                                "scale": scale_doc, "cluster": boxes, "training": training_docs, "s3": s3_doc,
-                               "codec": codec_doc, "table": text},
+                               "codec": codec_doc, "throughput": throughput_doc, "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

@@ -5,8 +5,10 @@ A SQLite control plane (the default) is filled the way months of training fill i
 10,000 checkpoints, each a file of 4 shards of which 3 are the previous step's content (so
 contents and copies number like a real run's), most of them forgotten or rotated, every store
 job with its timeline (10 events each: 1M in all), 3 storage workers, and a year of capacity
-samples. Then each read is timed, best of 3, in this process (the pages through Flask's test
-client, the real app) and ``ckpt status`` as the separate process a user runs.
+samples; then the scheduler's ``PRAGMA optimize`` (pipeline.db.engine.optimize), so the planner
+has the statistics it has in service. Then each read is timed, best of 3, in this process (the
+pages through Flask's test client, the real app) and ``ckpt status`` as the separate process a
+user runs.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 from sqlalchemy import insert
 
 from pipeline import settings as settings_mod
-from pipeline.db.engine import get_engine
+from pipeline.db.engine import get_engine, optimize
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import (
     CapacitySample,
@@ -119,6 +121,9 @@ def measure_scale(work: Path) -> dict:
     s = settings_mod.configure(settings_mod.load(environ=env))
     upgrade(s.db_url)
     out = fill(s.db_url)
+    t = time.perf_counter()
+    optimize(s.db_url)  # as the scheduler does at start (pipeline.service.scheduler)
+    out["optimize_s"] = time.perf_counter() - t
     from pipeline.status import status
     from webui import create_app
 
@@ -143,9 +148,10 @@ def measure_scale(work: Path) -> dict:
 
 def table(scale: dict) -> str:
     lines = [f"control plane at {scale['checkpoints']:,} checkpoints, {scale['events']:,} job events, "
-             f"{scale['contents']:,} contents, {scale['copies']:,} copies (filled in {scale['fill_s']:.0f} s)",
+             f"{scale['contents']:,} contents, {scale['copies']:,} copies (filled in {scale['fill_s']:.0f} s, "
+             f"then PRAGMA optimize as the scheduler runs it: {1000 * scale.get('optimize_s', 0):.0f} ms)",
              f"  ckpt status: {scale['status_cli_s']:.2f} s as a command, {scale['status_in_process_s']:.2f} s of it "
-             "in the query   target < 1 s"]
+             "in the query   target <= 0.5 s"]
     for page, seconds in scale["pages"].items():
         lines.append(f"  GET {page:<40} {1000 * seconds:7.0f} ms   target < 300 ms")
     lines.append(f"  median page {1000 * statistics.median(scale['pages'].values()):.0f} ms, slowest "

@@ -88,6 +88,10 @@ def scan(
 #: kernel says is available: its whole-file hash then reads it a second time from the page
 #: cache. A larger file is read once, in order (:func:`scan`).
 CACHE_SHARE = 0.25
+#: A file smaller than this is read once, in order, on the caller's thread (:func:`scan`): it
+#: is hashed in a few milliseconds, less than starting the three threads of two places costs
+#: (a save every tenth of a second spent more time starting threads than hashing).
+TWO_PLACES_MIN_BYTES = 16 * 1024 * 1024
 
 
 def available_memory() -> int:
@@ -118,12 +122,13 @@ def scan_from_two_places(
     either half is found in the time of one shard. ``on_shard`` is told each shard as it is
     found (one call at a time, in the order they are found). The CPU work is the same (two
     hashes per byte); the second read comes from the page cache, which is why a file larger
-    than ``CACHE_SHARE`` of the available memory is read once, in order, instead.
+    than ``CACHE_SHARE`` of the available memory is read once, in order, instead, and so is one
+    smaller than ``TWO_PLACES_MIN_BYTES``.
     """
     size = os.stat(path).st_size
     if expected_size is not None and size != expected_size:
         raise OSError(f"{path}: size is {size}, expected {expected_size}")
-    if len(plans) < 2 or size > CACHE_SHARE * available_memory():
+    if len(plans) < 2 or size < TWO_PLACES_MIN_BYTES or size > CACHE_SHARE * available_memory():
         return scan(path, plans, expected_size=expected_size, on_shard=on_shard)
     pos = 0
     for p in plans:

@@ -127,6 +127,10 @@ class Settings:
     worker_down_seconds: float = 30.0
     #: The scheduler probes storage workers and checks leases this often.
     tick_seconds: float = 2.0
+    #: The scheduler's leader runs SQLite's ``PRAGMA optimize`` (fresh planner statistics as
+    #: the catalog grows) when it starts and then this often; 0: never. PostgreSQL's
+    #: autovacuum keeps its own.
+    optimize_hours: float = 6.0
     #: A status probe that gets no byte of an answer for this long is that worker's failure
     #: (a peer that accepts and never answers costs each tick at most this).
     probe_seconds: float = 10.0

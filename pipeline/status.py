@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
 from pipeline.core import health as health_of
 from pipeline.core.health import shard_health, worker_healths
 from pipeline.db import hosts
+from pipeline.db import jobs as job_lookup
 from pipeline.db.copies import content_copies, fresh_after, good_copies_per_shard, good_copy
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
@@ -20,6 +22,7 @@ from pipeline.db.models import (
     Content,
     ContentCopy,
     Job,
+    RunStateCount,
     Shard,
     StorageWorker,
     TrainingHost,
@@ -153,12 +156,12 @@ def newest_first() -> tuple[Any, ...]:
 
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per run (current versions only): how many checkpoints by state, the newest, the newest
-    protected, in one index scan and two lookups per run, whatever the runs' length."""
-    scope = [Checkpoint.current.is_(True), Checkpoint.store_state.is_not(None)]
-    scope += [Checkpoint.run.in_(runs)] if runs is not None else []
-    q = (select(Checkpoint.run, Checkpoint.store_state, Checkpoint.local_present, func.count(Checkpoint.id),
-                func.coalesce(func.sum(Checkpoint.total_bytes), 0))
-         .where(*scope).group_by(Checkpoint.run, Checkpoint.store_state, Checkpoint.local_present))
+    protected: the counts kept as data (``run_state_counts``) and two lookups per run,
+    whatever the runs' length."""
+    scope = [RunStateCount.checkpoints > 0]
+    scope += [RunStateCount.run.in_(runs)] if runs is not None else []
+    q = select(RunStateCount.run, RunStateCount.store_state, RunStateCount.local_present,
+               RunStateCount.checkpoints, RunStateCount.bytes).where(*scope)
     out: dict[str, dict[str, Any]] = {}
     for run, state, local, n, size in session.execute(q):
         entry = out.setdefault(run, {"count": 0, "by_state": {}, "newest": None, "protected": None,
@@ -183,10 +186,11 @@ def changed_on_disk(session: Session, runs: list[str]) -> dict[str, int]:
     (pipeline.detection.ondisk): "changed on disk, not protected"."""
     if not runs:
         return {}
-    q = (select(Checkpoint.run, func.count(Checkpoint.id))
-         .where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True), Checkpoint.run.in_(runs))
-         .group_by(Checkpoint.run))
-    return {run: n for run, n in session.execute(q)}
+    # Counted here, not grouped in the query: grouped (by run, or with the runs named), SQLite
+    # walks every checkpoint along the run index (~35 ms at 100k); ungrouped, one pass (~10 ms).
+    q = select(Checkpoint.run).where(Checkpoint.disk_changed_at.is_not(None), Checkpoint.current.is_(True))
+    wanted = set(runs)
+    return dict(Counter(run for run in session.scalars(q) if run in wanted))
 
 
 def run_summaries(session: Session, settings: Settings, at: datetime | None = None, runs: list[str] | None = None,
@@ -286,8 +290,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
         page = checkpoint_page(s, all_versions=all_versions, run=run, state=state, before=before, limit=limit,
                                search=search)
         rows = checkpoint_rows(s, settings, page, jobs=store_jobs_of(s, [c.id for c in page]))
-        active = or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items()))
-        jobs = s.scalars(select(Job).where(active | (Job.state == "failed")).order_by(Job.id.desc()).limit(200))
+        jobs = job_lookup.newest(s, job_lookup.active_pairs() + job_lookup.failed_pairs(), limit=200)
         usage = capacity.usage(s, settings)
         return {
             "checkpoints": rows,

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, selectinload
 from pipeline import capacity, states
 from pipeline.core.health import checkpoint_health, shard_health, worker_healths
 from pipeline.db import hosts as db_hosts
+from pipeline.db import jobs as job_lookup
 from pipeline.db.copies import content_copies, fresh_after, held_per_worker
 from pipeline.db.engine import session_scope
 from pipeline.db.models import (
@@ -360,9 +361,8 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         protected = sum(f["protected_bytes"] for f in facts.values())
         unprotected = sum(f["unprotected_bytes"] for f in facts.values())
         lost = lost_checkpoints(s)
-        active = or_active()
-        running = s.scalar(select(func.count(Job.id)).where(active)) or 0
-        failed = s.scalar(select(func.count(Job.id)).where(Job.state == "failed")) or 0
+        running = job_lookup.count(s, job_lookup.active_pairs())
+        failed = job_lookup.count(s, job_lookup.failed_pairs())
         last_scrub = s.scalar(select(func.max(Job.finished_at)).where(Job.kind == JobKind.SCRUB, Job.state == "done"))
         found_problems = problem_dicts(s)
         waiting = waits.listed(s, now())
@@ -391,15 +391,6 @@ def capacity_doc(settings: Settings) -> dict[str, Any]:
     with session_scope(settings.db_url, readonly=True) as s:
         return {"capacity": capacity.usage(s, settings).as_dict(), "runs": capacity.per_run(s),
                 "history": capacity.history(s, limit=400)}
-
-
-def or_active() -> ColumnElement[bool]:
-    from sqlalchemy import and_, or_
-
-    # The state list first lets the (state, lease_until) index find the few active jobs.
-    every = sorted({state for v in states.ACTIVE.values() for state in v})
-    return and_(Job.state.in_(every),
-                or_(*(and_(Job.kind == k, Job.state.in_(sorted(v))) for k, v in states.ACTIVE.items())))
 
 
 def next_scrub(settings: Settings) -> datetime | None:

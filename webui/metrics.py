@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import alerts, capacity, consumers, queues, states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer
+from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer, RunStateCount
 from pipeline.states import JobKind, WorkerState
 from pipeline.status import degraded_runs, problem_dicts, run_summaries
 from pipeline.tasks import deadletters
@@ -45,9 +45,9 @@ class ControlPlaneCollector:
             for kind, state, n in session.execute(select(Job.kind, Job.state, func.count(Job.id))
                                                   .group_by(Job.kind, Job.state)):
                 jobs.add_metric([kind, state], n)
-            stored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
-                                    .join(Job, Job.checkpoint_id == Checkpoint.id)
-                                    .where(Job.kind == JobKind.STORE, Job.state.in_(sorted(states.PROTECTED)))) or 0
+            # The protected checkpoints' bytes, as kept with the per-run counts (run_state_counts).
+            stored = session.scalar(select(func.coalesce(func.sum(RunStateCount.bytes), 0))
+                                    .where(RunStateCount.store_state.in_(sorted(states.PROTECTED)))) or 0
             restored = session.scalar(select(func.coalesce(func.sum(Checkpoint.total_bytes), 0))
                                       .join(Job, Job.checkpoint_id == Checkpoint.id)
                                       .where(Job.kind == JobKind.RESTORE, Job.state == "done")) or 0

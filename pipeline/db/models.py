@@ -134,6 +134,21 @@ class Checkpoint(Base):
     )
 
 
+class RunStateCount(Base):
+    """How many of a run's current checkpoints are in one state, with or without their local
+    copy, and their bytes: what the overview, ``/metrics`` and ``ckpt status`` count, read
+    without grouping the checkpoints. Kept by triggers on ``checkpoints`` in the transaction
+    of every change (migrations/versions/0016); never written by the code."""
+
+    __tablename__ = "run_state_counts"
+
+    run: Mapped[str] = mapped_column(String(4096), primary_key=True)
+    store_state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    local_present: Mapped[bool] = mapped_column(Boolean, primary_key=True)
+    checkpoints: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+
+
 class CheckpointFile(Base):
     """One file of a checkpoint, with its size and whole-file SHA-256 at detection."""
 
@@ -302,6 +317,8 @@ class Job(Base):
         Index("ix_jobs_state_lease", "state", "lease_until"),
         # The latest store job of each checkpoint, from the index alone.
         Index("ix_jobs_kind_checkpoint", "kind", "checkpoint_id", "id"),
+        # Jobs counted by kind and state (/metrics) from the index alone.
+        Index("ix_jobs_kind_state", "kind", "state"),
         # One active repair per content: two repairs of one content would set aside each
         # other's new copy (pipeline.integrity.repair).
         Index("uq_jobs_active_repair", "sha256", unique=True,
@@ -310,7 +327,7 @@ class Job(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
     checkpoint_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=True, index=True
     )

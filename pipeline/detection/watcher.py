@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -301,6 +302,10 @@ class Watcher:
         """:meth:`consider`; the hashing by ``pool`` when given (returns at once; the pool
         tells when it is done)."""
         key = str(path)
+        if self._unchanged_file(path, self.known.get(key)):  # the recorded version, from one stat
+            self.changes.seen(key, None)
+            self._unwait([key])
+            return None
         if (nested := self._nested_run(run, path)) is not None:  # said once (Reports), never recorded
             self._unwait([key])
             self.reports.problem(run, key, nested)
@@ -375,6 +380,20 @@ class Watcher:
             return None
         return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
                                                       options, tree_ns), pool)
+
+    @staticmethod
+    def _unchanged_file(path: Path, recorded: catalog.Signature | None) -> bool:
+        """Whether ``path`` is a plain file (not a link) whose size and modification time are
+        the recorded version's: what examining it would compare, known without opening it.
+        Every scan looks at every entry of a run; a run of a thousand saves is then a thousand
+        stats, not a thousand header reads."""
+        if recorded is None or len(recorded) != 1 or recorded[0][0] != "":
+            return False
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == recorded[0][1:]
 
     @staticmethod
     def _nested_run(run: Path, path: Path) -> str | None:

@@ -35,7 +35,7 @@ from pipeline.db.copies import (
     short_contents,
     short_without,
 )
-from pipeline.db.engine import rowcount, session_scope
+from pipeline.db.engine import optimize, rowcount, session_scope
 from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
@@ -315,6 +315,7 @@ class Scheduler:
         self.stopping = threading.Event()
         self.leader: bool | None = None  # unknown until the first tick, which logs it
         self._last_sweep = float("-inf")
+        self._last_optimize = float("-inf")  # at start, then every optimize_hours
         self._ready = False
         #: The alert webhook's sender (its own thread: a dead endpoint never slows a tick).
         self.notifier = Notifier(settings.alert_webhook, settings.key()) if settings.alert_webhook else None
@@ -354,6 +355,10 @@ class Scheduler:
             self._part("the nightly scrub", lambda: self.send(nightly_scrub(settings, now())))
             self._part("the scheduled collection", lambda: self.send(scheduled_gc(settings, now())))
             self._part("evaluating alerts", self.evaluate_alerts)
+        hours = settings.optimize_hours
+        if hours > 0 and self.clock() - self._last_optimize >= hours * 3600:
+            self._last_optimize = self.clock()
+            self._part("optimizing the database", lambda: optimize(settings.db_url))
 
     def evaluate_alerts(self) -> None:
         """Bring the alerts up to date (pipeline/alerts.py); the webhook is told of each change."""

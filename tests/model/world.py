@@ -31,7 +31,9 @@ guarantee). Each method is one thing that happens, and appends a readable line t
     summary's newest protected checkpoint are the same: a current protected checkpoint, the
     newest protected by ``pipeline.core.retention.recency``; and when the run's newest complete
     save (by the model's clock) is protected, it is that save, not an older one with a higher
-    step (unless their recorded completion times are equal: then the writer's step decides).
+    step (unless their recorded completion times are equal: then the writer's step decides);
+(g) the per-run counts by state kept as data (``run_state_counts``) equal a recount of the
+    checkpoints.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ from pipeline.errors import AttemptsExhausted, CkptError
 from pipeline.service import scheduler
 from pipeline.status import run_facts
 from pipeline.steps import Send
+from tests.counts import kept, recount
 from tests.model.writers import Written, build
 from tests.processes import KEY
 from tests.processes import StorageWorker as WorkerProcess
@@ -750,7 +753,15 @@ class World:
         self._check_newest()
         self._check_latest()
         self._check_outside()
+        self._check_counts()
         self.stats.longest = max(self.stats.longest, len(self.history))
+
+    def _check_counts(self) -> None:
+        """(g): what the overview and /metrics count is what a recount finds."""
+        with session_scope(self.settings.db_url, readonly=True) as s:
+            counted, held = recount(s), kept(s)
+        if counted != held:
+            self._violate(f"run_state_counts {held} differ from a recount {counted}")
 
     def _check_deletions(self) -> None:
         """(a): every file the trainer left that is gone or changed now was removed by the

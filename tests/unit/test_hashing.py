@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import pytest
 
@@ -24,6 +25,26 @@ def _plans(cuts: list[int], headers: bool = False) -> list[ShardPlan]:
 def _expected(data: bytes, plans: list[ShardPlan]) -> tuple[str, list[str]]:
     return (hashlib.sha256(data).hexdigest(),
             [hashlib.sha256(p.header + data[p.src_offset:p.src_offset + p.length]).hexdigest() for p in plans])
+
+
+@pytest.fixture(autouse=True)
+def two_places_for_any_size(monkeypatch):
+    """These files are small: hashed from two places all the same, unless a test says not."""
+    monkeypatch.setattr(hashing, "TWO_PLACES_MIN_BYTES", 0)
+
+
+def test_a_small_file_is_read_once_in_order_on_the_callers_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "TWO_PLACES_MIN_BYTES", 300_001)
+    data = os.urandom(300_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    plans = _plans([100_000, 200_000, 300_000])
+    told: list[tuple[int, str]] = []
+    assert hashing.scan_from_two_places(
+        path, plans, on_shard=lambda p, _sha: told.append((p.seq, threading.current_thread().name))) == \
+        _expected(data, plans)
+    assert told == [(0, threading.current_thread().name), (1, threading.current_thread().name),
+                    (2, threading.current_thread().name)]
 
 
 @pytest.mark.parametrize("cuts", [

@@ -115,3 +115,43 @@ def test_a_leader_whose_lock_lapsed_while_it_probed_acts_on_nothing(db, monkeypa
     sched.tick()
     assert sent == [], "a scheduler that no longer leads re-drove work"
     assert sched.leader is False
+
+
+def test_the_leader_optimizes_sqlite_at_start_and_every_optimize_hours(settings):
+    """Planner statistics (``sqlite_stat1``) are written at the leader's first tick, not again
+    before ``optimize_hours``, and again after."""
+    import dataclasses
+
+    from pipeline.db.engine import get_engine
+    from pipeline.db.migrate import upgrade
+    from tests.unit.test_migrations import insert_checkpoint
+
+    upgrade(settings.db_url)
+    with get_engine(settings.db_url).connect() as conn:
+        for i in range(1, 21):
+            insert_checkpoint(conn, i)
+        conn.commit()
+
+    def stats() -> list[str]:
+        with get_engine(settings.db_url).connect() as conn:
+            if not conn.exec_driver_sql("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_stat1'").all():
+                return []
+            return sorted({t for (t,) in conn.exec_driver_sql("SELECT tbl FROM sqlite_stat1")})
+
+    def forget_stats() -> None:
+        with get_engine(settings.db_url).connect() as conn:
+            conn.exec_driver_sql("DELETE FROM sqlite_stat1")
+            conn.commit()
+
+    clock = [1000.0]
+    sched = scheduler.Scheduler(dataclasses.replace(settings, optimize_hours=6.0), [].extend, clock=lambda: clock[0])
+    assert stats() == []
+    sched.tick()
+    assert "checkpoints" in stats()
+    forget_stats()
+    clock[0] += 5 * 3600
+    sched.tick()
+    assert stats() == [], "optimized again before optimize_hours"
+    clock[0] += 3600
+    sched.tick()
+    assert "checkpoints" in stats()

@@ -34,6 +34,27 @@ def test_new_checkpoint_is_detected_once_with_one_store_job(db, tmp_path):
         assert s.scalar(select(Job.state)) == "detected"
 
 
+def test_a_recorded_file_unchanged_on_disk_is_not_opened_by_later_scans(db, tmp_path, monkeypatch):
+    """A run of many saves is scanned at every change: each recorded save is one stat, not a
+    header read; a save changed in place (new size or time) is examined again."""
+    from pipeline.detection import completeness
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir()
+    paths = [atomic_save(state_dict(i), run / f"step_{i}.safetensors") for i in (1, 2)]
+    w, sent = make(db)
+    w.scan()
+    examined: list[str] = []
+    real = completeness.examine
+    monkeypatch.setattr(completeness, "examine", lambda path, **kw: examined.append(path.name) or real(path, **kw))
+    w.scan()
+    assert examined == []
+    os.utime(paths[1], ns=(time.time_ns(), time.time_ns() - 10**9))
+    w.scan()
+    assert examined == ["step_2.safetensors"]
+    assert [x.actor for x in sent] == ["shard", "shard"]
+
+
 def test_temporary_and_incomplete_entries_are_not_detected(db, tmp_path):
     run = tmp_path / "runs" / "r1"
     run.mkdir()
