@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.system import System, descendants
+from pipeline.settings import Settings
 from pipeline.states import ACTIVE, PROTECTED, JobKind
 
 MODES = ("off", "watching", "callbacks")
@@ -210,7 +211,9 @@ def measure_training(work: Path, *, profile: str = "steps", steps: int = 40, sav
         if v.mode == "off":
             out["variants"].append(_run(profile, v, where, {**base, "CKPT_HOME": str(where / "no-home")}, plan))
             continue
-        tool = {k: x for k, x in v.env.items() if k.startswith("CKPT_")}
+        # The tool at its own defaults (the bench's System ticks faster, for latency measurements).
+        tool = {"CKPT_TICK_SECONDS": str(Settings.tick_seconds),
+                **{k: x for k, x in v.env.items() if k.startswith("CKPT_")}}
         threads = ("--threads", v.env["BENCH_UP_THREADS"]) if "BENCH_UP_THREADS" in v.env else ()
         with System(where, up_args=threads, workers_elsewhere=v.elsewhere, **tool) as system:
             out["variants"].append(_run(profile, v, where, system.env, plan, system))

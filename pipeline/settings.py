@@ -116,6 +116,10 @@ class Settings:
     #: Each Dramatiq worker process says this often which queues it consumes; a queue silent
     #: for three beats has no live consumer: its host is down (pipeline/consumers.py).
     consumer_beat_seconds: float = 5.0
+    #: An idle Dramatiq consumer of `ckpt up` looks for messages at most this many ms apart
+    #: (backing off from a few ms after its last message): a step whose queue was idle may wait
+    #: this long; lower costs CPU on an idle host (100: 2 s a minute, 500: 0.5 s).
+    poll_ms: int = 500
     #: Executions of one step before its job is marked failed (stale deliveries not included).
     max_attempts: int = 5
     #: A replica verification older than this no longer allows rotation.
@@ -483,6 +487,8 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         raise ConfigError(f"quiet_seconds must be >= 0, got {s.quiet_seconds}")
     if s.shard_size < 4096:
         raise ConfigError(f"shard_size must be at least 4096 bytes, got {s.shard_size}")
+    if s.poll_ms < 10:
+        raise ConfigError(f"poll_ms must be at least 10, got {s.poll_ms}")
     if s.hash_threads < 1:
         raise ConfigError(f"hash_threads must be at least 1, got {s.hash_threads}")
     priority.of(s.nice, s.ionice)  # raises ConfigError naming the bad value

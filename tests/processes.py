@@ -27,6 +27,7 @@ FAST = {  # settings that make a test cluster react in seconds, not minutes
     "CKPT_SCAN_INTERVAL": "1",
     "CKPT_LEASE_SECONDS": "6",
     "CKPT_TICK_SECONDS": "0.5",
+    "CKPT_POLL_MS": "100",
     "CKPT_WORKER_DOWN_SECONDS": "2",
     "CKPT_MIN_BACKOFF_MS": "200",
     "CKPT_MAX_BACKOFF_MS": "2000",
