@@ -7,7 +7,7 @@ the training host, a second pass over every byte of every save. The recorder hol
 while it records, a file ``<home>/declared/<digest>.json`` naming the path and the recorder's
 process (pipeline/liveness.py: pid and start time); the watcher leaves a claimed path alone and
 looks again shortly, then finds it recorded. A claim whose process is gone, or older than
-``MAX_SECONDS``, holds nothing (and is removed): the watcher stays the safety net.
+``MAX_SECONDS`` (10 minutes), holds nothing (and is removed): the watcher stays the safety net.
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from pathlib import Path
 from pipeline import liveness
 from pipeline.durable import write_private
 
-#: A claim older than this holds nothing, whatever its process (a recorder stuck for hours).
-MAX_SECONDS = 3600.0
+#: A claim older than this holds nothing, whatever its process: a recorder stuck (a lock, a hung
+#: disk) delays the watcher's safety net at most this long; a record that really takes longer (a
+#: save of hundreds of GB) is then hashed by both, as before claims.
+MAX_SECONDS = 600.0
 
 
 def _file(home: Path, host: str, path: str) -> Path:
