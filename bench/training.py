@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.system import System, descendants
+from pipeline.liveness import stat_fields
 from pipeline.settings import Settings
 from pipeline.states import ACTIVE, PROTECTED, JobKind
 
@@ -150,7 +151,7 @@ def _cpu_seconds(pid: int) -> float:
     total = 0.0
     for p in (pid, *descendants(pid)):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(p)
         except OSError:
             continue
         total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime

@@ -18,6 +18,14 @@ from typing import Any
 _PROC = Path("/proc")
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name, so that ``[0]`` is field 3
+    (the state) and ``[n - 3]`` field n; OSError when there is no such process."""
+    stat = (_PROC / str(pid) / "stat").read_text()
+    # Field 2, the command name, is in parentheses and may hold spaces and ")": count after the last one.
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def identity(pid: int | None = None) -> str:
     """``"<boot id> <pid namespace> <start time>"`` of ``pid`` as this process sees it (this
     process when None), or "" when there is no such process or ``/proc`` cannot tell."""
@@ -25,11 +33,9 @@ def identity(pid: int | None = None) -> str:
         boot = (_PROC / "sys/kernel/random/boot_id").read_text().strip()
         # The namespace the pid is a number in: this process's (a pid means what it means here).
         space = os.readlink(_PROC / "self/ns/pid")
-        stat = (_PROC / ("self" if pid is None else str(pid)) / "stat").read_text()
+        fields = stat_fields("self" if pid is None else pid)
     except OSError:
         return ""
-    # Field 2, the command name, is in parentheses and may hold spaces and ")": count after the last one.
-    fields = stat[stat.rindex(")") + 2:].split()
     return f"{boot} {space} {fields[19]}"
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.liveness import stat_fields
 
 _IOPRIO_CLASS = {"realtime": 1, "best-effort": 2, "idle": 3}
 _IOPRIO_SHIFT = 13
@@ -95,7 +96,7 @@ def check(p: Priority) -> list[str]:
 
 def of_process(pid: int) -> Priority:
     """The priority thread ``pid`` runs at (a process's: its main thread's), as :func:`lower` sets it."""
-    nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    nice = int(stat_fields(pid)[16])  # field 19
     number = _SYS_IOPRIO.get(platform.machine(), (None, None))[1]
     if number is None:
         return Priority(nice, None)

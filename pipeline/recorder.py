@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from pipeline.errors import CkptError
+from pipeline.liveness import stat_fields
 
 if TYPE_CHECKING:
     from pipeline.api import Protected
@@ -52,7 +53,7 @@ STOPPED_SECONDS = 30.0
 def _state(pid: int) -> str:
     """The state letter of process ``pid`` (``T``: stopped), '' if it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat_fields(pid)[0]
     except (OSError, IndexError):
         return ""
 
