@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline import effective, hostid, masking, priority
 from pipeline import home as home_mod
+from pipeline.core.copies import Need
 from pipeline.core.retention import Policy
 from pipeline.durable import write_once
 from pipeline.errors import ConfigError
@@ -157,6 +158,13 @@ class Settings:
     #: tables (pipeline/objectstore/config.py). Never a credential: those come from the AWS
     #: environment, a profile or an instance role.
     targets: str = ""
+    #: Copies of each content on object stores, when ``[[targets]]`` are configured (per run,
+    #: ``target_copies`` in a ``[runs."<glob>"]`` table); 0: none.
+    target_copies: int = 1
+    #: ``lag``: the object-store copies are made beside the workers' and rotation does not wait
+    #: for them (status shows how far they lag); ``required``: a local copy goes only once they
+    #: are confirmed too. Per run, ``target_mode``.
+    target_mode: str = "lag"
     #: Shared secret of the cluster; empty means ``<home>/cluster.key`` (created on first use).
     cluster_key: str = ""
     #: Largest accepted difference between a request's timestamp and the worker's clock.
@@ -290,6 +298,18 @@ class Settings:
             metric=str(over.get("best_metric", self.remote_best_metric)),
             mode=str(over.get("best_mode", self.remote_best_mode)),
         )
+
+    def need_for(self, run: str) -> Need:
+        """The good copies each content of ``run`` needs before its local copy may go: RF on
+        storage workers and, in ``required`` mode, its object-store copies too."""
+        copies, mode = self.target_policy(run)
+        return Need(self.rf, copies if mode == "required" else 0)
+
+    def target_policy(self, run: str) -> tuple[int, str]:
+        """``(copies, mode)`` on object stores for ``run`` (no copies when no target is configured)."""
+        over = self.run_table(run)[1]
+        copies = int(over.get("target_copies", self.target_copies)) if self.object_targets() else 0
+        return copies, str(over.get("target_mode", self.target_mode))
 
     def object_targets(self) -> list[targets_config.Target]:
         """The object-store targets (``[[targets]]``), validated."""
@@ -476,7 +496,15 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
     _check_policy(s.policy_with({}), "remote retention")
     for pattern, opts in json.loads(s.run_options or "{}").items():
         _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
-    s.object_targets()
+    configured = len(s.object_targets())
+    for where, opts in [("", {}), *[(f"runs.{p!r}.", o) for p, o in json.loads(s.run_options or "{}").items()]]:
+        copies = int(opts.get("target_copies", s.target_copies))
+        mode = str(opts.get("target_mode", s.target_mode))
+        if mode not in ("lag", "required"):
+            raise ConfigError(f"{where}target_mode must be lag or required, got {mode!r}")
+        if not 0 <= copies <= max(configured, 1):
+            raise ConfigError(f"{where}target_copies must be between 0 and the number of [[targets]] "
+                              f"({configured}), got {copies}")
     if not 0 < s.high_watermark <= 1:
         raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
     if not 0 <= s.alert_disk_clear_margin < s.high_watermark:
@@ -567,7 +595,7 @@ def _absolute(name: str, value: Any, base: Path) -> Any:
 _ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str, "replication": str}
 _RUN_KEYS: dict[str, type] = {"keep_last": int, "keep_every": int, "keep_hourly": int, "keep_daily": int,
                               "keep_weekly": int, "keep_monthly": int, "keep_best": int, "best_metric": str,
-                              "best_mode": str}
+                              "best_mode": str, "target_copies": int, "target_mode": str}
 
 
 def _root_options(tables: dict[str, Any], where: str) -> str:

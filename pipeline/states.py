@@ -260,6 +260,13 @@ RETIRED: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value, _
 REUSABLE: frozenset[str] = frozenset({_Rep.ABANDONED.value, _Rep.TRIMMED.value})
 
 
+class Tier(StrEnum):
+    """Where a storage "worker" row keeps its copies (``storage_workers.tier``)."""
+
+    WORKERS = "workers"          # a storage worker daemon (workers/): its copies count toward RF
+    OBJECT_STORE = "objectstore"  # an S3-compatible bucket (pipeline/objectstore/): counted by the tier policy
+
+
 class WorkerState(StrEnum):
     """A storage worker as the control plane sees it (a row of ``storage_workers``)."""
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from pipeline.states import COUNTING_WORKERS, DAMAGED, ContentState, CopyState
+from pipeline.states import COUNTING_WORKERS, DAMAGED, ContentState, CopyState, Tier
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,19 @@ class Copy:
     verified_at: datetime | None = None
     #: The content's state: only a live content's copies count (a condemned one is being collected).
     content_state: str = "live"
+    #: The tier of its worker row: a copy on an object store is good by the same rule, and is
+    #: counted by the tier policy (:class:`Need`), never toward the workers' RF.
+    tier: str = Tier.WORKERS.value
+
+
+@dataclass(frozen=True)
+class Need:
+    """How many good copies of each content a run's checkpoints need before their local copy
+    may go: ``rf`` on storage workers and ``targets`` on object stores (0 when the object-store
+    copy may lag: it is made after ``verified``, and rotation does not wait for it)."""
+
+    rf: int
+    targets: int = 0
 
 
 def is_good(copy: Copy, fresh_after: datetime | None = None) -> bool:
@@ -51,12 +64,26 @@ def is_good(copy: Copy, fresh_after: datetime | None = None) -> bool:
     )
 
 
-def good_workers(copies: Iterable[Copy], fresh_after: datetime | None = None) -> frozenset[str]:
-    """The distinct workers holding a good copy of one content, from every row recorded
-    for that content (whichever checkpoint's shard it belongs to)."""
-    rows = list(copies)
+def good_workers(copies: Iterable[Copy], fresh_after: datetime | None = None,
+                 tier: str = Tier.WORKERS) -> frozenset[str]:
+    """The distinct workers of ``tier`` (storage workers, by default: what RF counts) holding a
+    good copy of one content, from every row recorded for that content (whichever checkpoint's
+    shard it belongs to)."""
+    rows = [c for c in copies if c.tier == tier]
     damaged = {c.worker_id for c in rows if c.state in DAMAGED}
     return frozenset(c.worker_id for c in rows if is_good(c, fresh_after) and c.worker_id not in damaged)
+
+
+def short_of(shard: ShardCopies, need: Need, fresh_after: datetime | None = None) -> str | None:
+    """What ``shard`` lacks of ``need`` ("1/2 ... on live workers"), or None."""
+    n = len(good_workers(shard.copies, fresh_after))
+    if n < need.rf:
+        pinned = "; the local copy is pinned while the shard has no good replica" if n == 0 else ""
+        return f"{shard.label} has {n}/{need.rf} fresh verified replicas on live workers{pinned}"
+    t = len(good_workers(shard.copies, fresh_after, Tier.OBJECT_STORE))
+    if t < need.targets:
+        return f"{shard.label} has {t}/{need.targets} fresh confirmed copies on object stores"
+    return None
 
 
 @dataclass(frozen=True)
@@ -73,7 +100,7 @@ class ShardCopies:
 def deletion_blocker(
     shards: Sequence[ShardCopies],
     *,
-    rf: int,
+    need: Need,
     fresh_after: datetime,
     active_job: int | None = None,
     changed: str | None = None,
@@ -82,8 +109,9 @@ def deletion_blocker(
 
     It may only when no other job is active on it (``active_job``), its local files are
     what was stored (``changed`` says what differs), it has a shard manifest, and every
-    shard has good, fresh copies on at least ``rf`` distinct workers. The workers are then
-    asked to confirm (:func:`confirmation_blocker`) before the deciding transaction.
+    shard has good, fresh copies on at least ``need.rf`` distinct workers and ``need.targets``
+    object stores. The workers and stores are then asked to confirm
+    (:func:`confirmation_blocker`) before the deciding transaction.
     """
     if active_job is not None:
         return f"job {active_job} is still active on this checkpoint"
@@ -92,19 +120,18 @@ def deletion_blocker(
     if changed:
         return f"{changed}; its new content is not protected yet"
     for shard in shards:
-        n = len(good_workers(shard.copies, fresh_after))
-        if n < rf:
-            pinned = "; the local copy is pinned while the shard has no good replica" if n == 0 else ""
-            return f"{shard.label} has {n}/{rf} fresh verified replicas on live workers{pinned}"
+        if short := short_of(shard, need, fresh_after):
+            return short
     return None
 
 
-def to_confirm(shards: Sequence[ShardCopies], fresh_after: datetime) -> dict[str, dict[str, int]]:
-    """worker id -> {shard SHA-256: size} of the good, fresh copies each worker must confirm."""
+def to_confirm(shards: Sequence[ShardCopies], fresh_after: datetime, need: Need) -> dict[str, dict[str, int]]:
+    """worker id -> {shard SHA-256: size} of the good, fresh copies each worker must confirm
+    (an object store's only when ``need`` counts them)."""
     asks: dict[str, dict[str, int]] = {}
     for shard in shards:
         for c in shard.copies:
-            if is_good(c, fresh_after):
+            if is_good(c, fresh_after) and (c.tier == Tier.WORKERS or need.targets):
                 asks.setdefault(c.worker_id, {})[shard.sha256] = shard.size
     return asks
 
@@ -113,10 +140,11 @@ def confirmation_blocker(
     shards: Sequence[ShardCopies],
     answers: Mapping[str, Mapping[str, int | None] | str],
     *,
-    rf: int,
+    need: Need,
     fresh_after: datetime,
 ) -> str | None:
-    """Why the workers' answers do not confirm RF copies of every shard, or None.
+    """Why the answers do not confirm ``need`` (RF copies on workers, ``targets`` on object
+    stores) of every shard, or None.
 
     ``answers`` maps a worker id to the size it holds of each shard asked about (None:
     absent), or to the error text of a worker that could not answer (it confirms nothing).
@@ -126,21 +154,24 @@ def confirmation_blocker(
     for worker_id, reply in answers.items():
         if isinstance(reply, str):
             problems.append(f"worker {worker_id} could not confirm its replicas ({reply})")
-    confirmed: dict[int, int] = {}
+    confirmed: dict[tuple[int, str], int] = {}
     for i, shard in enumerate(shards):
-        confirmed[i] = 0
-        for worker_id in sorted(good_workers(shard.copies, fresh_after)):
-            answer: Mapping[str, int | None] | str | None = answers.get(worker_id)
-            if answer is None or isinstance(answer, str):
-                continue
-            held = answer.get(shard.sha256)
-            if held == shard.size:
-                confirmed[i] += 1
-            else:
-                problems.append(f"worker {worker_id} no longer holds shard {shard.sha256[:12]} "
-                                f"(answered size {held})")
+        for tier in Tier:
+            confirmed[i, tier] = 0
+            for worker_id in sorted(good_workers(shard.copies, fresh_after, tier)):
+                answer: Mapping[str, int | None] | str | None = answers.get(worker_id)
+                if answer is None or isinstance(answer, str):
+                    continue
+                held = answer.get(shard.sha256)
+                if held == shard.size:
+                    confirmed[i, tier] += 1
+                else:
+                    problems.append(f"worker {worker_id} no longer holds shard {shard.sha256[:12]} "
+                                    f"(answered size {held})")
     for i, shard in enumerate(shards):
-        if confirmed[i] < rf:
-            why = "; ".join(problems[:3]) or "too few copies"
-            return f"{shard.label} has {confirmed[i]}/{rf} copies confirmed by the workers: {why}"
+        for tier, wanted, where in ((Tier.WORKERS, need.rf, "the workers"), (Tier.OBJECT_STORE, need.targets,
+                                                                             "the object stores")):
+            if confirmed[i, tier] < wanted:
+                why = "; ".join(problems[:3]) or "too few copies"
+                return f"{shard.label} has {confirmed[i, tier]}/{wanted} copies confirmed by {where}: {why}"
     return None

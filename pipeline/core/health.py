@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from pipeline.core.copies import Copy, good_workers, is_good
-from pipeline.states import READABLE_WORKERS, RETIRED, CopyState, WorkerState
+from pipeline.states import READABLE_WORKERS, RETIRED, CopyState, Tier, WorkerState
 
 #: Replica healths of a good copy: the ones a shard's health counts.
 COUNTS = ("verified", "stale")
@@ -44,11 +44,12 @@ def replica_health(copy: Copy, fresh_after: datetime) -> str:
 _WORST_FIRST = ("corrupt", "missing", "draining", "unverified", "pending", "stale", "verified")
 
 
-def worker_healths(copies: Iterable[Copy], fresh_after: datetime) -> dict[str, str]:
-    """Per worker, the health of its copy of one content, from every row recorded for that
-    content (of any checkpoint): the same answer for every checkpoint that shares it."""
-    rows = [c for c in copies if c.state not in RETIRED]
-    fresh, good = good_workers(rows, fresh_after), good_workers(rows)
+def worker_healths(copies: Iterable[Copy], fresh_after: datetime, tier: str = Tier.WORKERS) -> dict[str, str]:
+    """Per worker of ``tier`` (storage workers: what a shard's health counts), the health of its
+    copy of one content, from every row recorded for that content (of any checkpoint): the same
+    answer for every checkpoint that shares it."""
+    rows = [c for c in copies if c.state not in RETIRED and c.tier == tier]
+    fresh, good = good_workers(rows, fresh_after, tier), good_workers(rows, tier=tier)
     out: dict[str, str] = {}
     for c in rows:
         if c.worker_id in fresh:

@@ -31,14 +31,17 @@ from pipeline.states import (
     SENT,
     ContentState,
     CopyState,
+    Tier,
     copy_sources,
 )
 
 
-def good_copy(fresh_after: datetime | None = None) -> ColumnElement[bool]:
+def good_copy(fresh_after: datetime | None = None, tier: str | None = Tier.WORKERS) -> ColumnElement[bool]:
     """SQL form of :func:`pipeline.core.copies.is_good`: true for a ``ContentCopy`` row (joined to
-    its ``StorageWorker`` and ``Content``) that counts toward RF."""
+    its ``StorageWorker`` and ``Content``) that counts toward RF; with ``tier``, on that tier
+    only (by default storage workers, what RF counts; None: any)."""
     cond = and_(
+        StorageWorker.tier == tier if tier is not None else True,
         ContentCopy.state == CopyState.VERIFIED.value,
         StorageWorker.state.in_(sorted(COUNTING_WORKERS)),
         Content.state == ContentState.LIVE.value,
@@ -56,7 +59,7 @@ def fresh_after(freshness_seconds: float) -> datetime:
 
 def copy_of(c: ContentCopy, content_state: str | None = None) -> Copy:
     return Copy(c.worker_id, c.state, c.worker.state, c.stored_at, c.verified_at,
-                content_state or c.content.state)
+                content_state or c.content.state, c.worker.tier)
 
 
 def content_copies(session: Session, shas: Iterable[str]) -> dict[str, list[Copy]]:
@@ -66,14 +69,14 @@ def content_copies(session: Session, shas: Iterable[str]) -> dict[str, list[Copy
         return out
     rows = session.execute(
         select(ContentCopy.sha256, ContentCopy.worker_id, ContentCopy.state, StorageWorker.state,
-               ContentCopy.stored_at, ContentCopy.verified_at, Content.state)
+               ContentCopy.stored_at, ContentCopy.verified_at, Content.state, StorageWorker.tier)
         .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
         .join(Content, Content.sha256 == ContentCopy.sha256)
         .where(ContentCopy.sha256.in_(list(out)))
         .order_by(ContentCopy.id)
     )
-    for sha, worker_id, state, worker_state, stored_at, verified_at, content_state in rows:
-        out[sha].append(Copy(worker_id, state, worker_state, stored_at, verified_at, content_state))
+    for sha, worker_id, state, worker_state, stored_at, verified_at, content_state, tier in rows:
+        out[sha].append(Copy(worker_id, state, worker_state, stored_at, verified_at, content_state, tier))
     return out
 
 
@@ -192,16 +195,18 @@ def shas_on(session: Session, worker_id: str, states: Iterable[str], after: str 
     return list(session.scalars(q))
 
 
-def live_candidates(session: Session) -> list[placement.Candidate]:
-    """The storage workers placement may choose: up and below the high watermark."""
-    rows = session.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(PLACEABLE_WORKERS))))
+def live_candidates(session: Session, tier: str = Tier.WORKERS) -> list[placement.Candidate]:
+    """The rows of ``tier`` placement may choose: up and below the high watermark (or quota)."""
+    rows = session.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(PLACEABLE_WORKERS)),
+                                                       StorageWorker.tier == tier))
     return [placement.Candidate(w.id, w.free_bytes, w.zone) for w in rows]
 
 
-def place(session: Session, content: Content, wanted: int, *, candidates: list[placement.Candidate] | None = None
-          ) -> list[ContentCopy]:
+def place(session: Session, content: Content, wanted: int, *, candidates: list[placement.Candidate] | None = None,
+          tier: str = Tier.WORKERS) -> list[ContentCopy]:
     """New pending copies of ``content`` until it has ``wanted`` copies placed (pending, stored
-    or verified) on counting workers; returns the new ones.
+    or verified) on counting rows of ``tier`` (storage workers, or object stores); returns the
+    new ones.
 
     A worker that already holds a placed, damaged or deleting copy is never chosen again (one
     copy per worker); a reusable row (abandoned, trimmed) on a chosen worker is reused. Raises
@@ -209,13 +214,13 @@ def place(session: Session, content: Content, wanted: int, *, candidates: list[p
     """
     rows = {c.worker_id: c for c in content.copies}
     counting = {w.id for w in session.scalars(select(StorageWorker).where(
-        StorageWorker.state.in_(sorted(COUNTING_WORKERS))))}
+        StorageWorker.state.in_(sorted(COUNTING_WORKERS)), StorageWorker.tier == tier))}
     have = sum(1 for c in rows.values() if c.state in PLACED and c.worker_id in counting)
     need = wanted - have
     if need <= 0:
         return []
     busy = frozenset(w for w, c in rows.items() if c.state not in REUSABLE)
-    pool = live_candidates(session) if candidates is None else candidates
+    pool = live_candidates(session, tier) if candidates is None else candidates
     targets = placement.place(content.sha256, pool, need, exclude=busy)
     out = []
     for target in targets:
@@ -229,19 +234,19 @@ def place(session: Session, content: Content, wanted: int, *, candidates: list[p
     return out
 
 
-def placed_count(session: Session, sha: str) -> int:
-    """Copies of content ``sha`` placed (pending, stored or verified) on counting workers: what
-    :func:`place` tops up to the replication factor, read without loading the content."""
+def placed_count(session: Session, sha: str, tier: str = Tier.WORKERS) -> int:
+    """Copies of content ``sha`` placed (pending, stored or verified) on counting rows of
+    ``tier``: what :func:`place` tops up to the replication factor, read without loading the content."""
     return int(session.scalar(
         select(func.count(ContentCopy.id)).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-        .where(ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED)),
+        .where(ContentCopy.sha256 == sha, ContentCopy.state.in_(sorted(PLACED)), StorageWorker.tier == tier,
                StorageWorker.state.in_(sorted(COUNTING_WORKERS)))) or 0)
 
 
-def place_one(session: Session, content: Content) -> ContentCopy:
-    """One more pending copy on a placeable worker that holds none (repair, replacements)."""
+def place_one(session: Session, content: Content, tier: str = Tier.WORKERS) -> ContentCopy:
+    """One more pending copy on a placeable row of ``tier`` that holds none (repair, replacements)."""
     busy = frozenset(c.worker_id for c in content.copies if c.state not in REUSABLE)
-    target = placement.place(content.sha256, live_candidates(session), 1, exclude=busy)[0]
+    target = placement.place(content.sha256, live_candidates(session, tier), 1, exclude=busy)[0]
     row = next((c for c in content.copies if c.worker_id == target), None)
     if row is None:
         row = new_copy(content, target)
@@ -251,15 +256,15 @@ def place_one(session: Session, content: Content) -> ContentCopy:
     return row
 
 
-def good_copies_per_shard(checkpoints: ColumnElement[bool]) -> Subquery:
-    """(cid, sid, n): per shard of the selected checkpoints, the workers holding a good copy
-    of its content. The count that RF is measured against (a deletion also asks freshness)."""
+def good_copies_per_shard(checkpoints: ColumnElement[bool], tier: str = Tier.WORKERS) -> Subquery:
+    """(cid, sid, n): per shard of the selected checkpoints, the rows of ``tier`` holding a good
+    copy of its content. The count that RF is measured against (a deletion also asks freshness)."""
     selected = (select(CheckpointFile.checkpoint_id.label("cid"), Shard.id.label("sid"), Shard.sha256.label("sha"))
                 .join(Shard, Shard.file_id == CheckpointFile.id).where(checkpoints)).subquery()
     good = (select(ContentCopy.sha256, ContentCopy.worker_id)
             .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
             .join(Content, Content.sha256 == ContentCopy.sha256)
-            .where(ContentCopy.sha256.in_(select(selected.c.sha)), good_copy())).subquery()
+            .where(ContentCopy.sha256.in_(select(selected.c.sha)), good_copy(tier=tier))).subquery()
     return (
         select(selected.c.cid, selected.c.sid, func.count(func.distinct(good.c.worker_id)).label("n"))
         .outerjoin(good, good.c.sha256 == selected.c.sha)

@@ -256,8 +256,12 @@ class StorageWorker(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     url: Mapped[str] = mapped_column(String(1024))
     zone: Mapped[str] = mapped_column(String(128), default="")
-    #: "local" (started by ckpt up), "static" (CKPT_WORKERS) or "mdns".
+    #: "local" (started by ckpt up), "static" (CKPT_WORKERS), "mdns", or "target" (a
+    #: ``[[targets]]`` object store: its url is ``s3://bucket/prefix``).
     source: Mapped[str] = mapped_column(String(16))
+    #: pipeline.states.Tier: "workers" (a storage worker: its copies count toward RF) or
+    #: "objectstore" (an S3 bucket: its copies are counted by the tier policy).
+    tier: Mapped[str] = mapped_column(String(16), default="workers", server_default="workers")
     #: pipeline.states.WorkerState: "up", "full" (above the high watermark: keeps serving and
     #: counting, receives nothing new), "down", "candidate", "rejected", "draining", "removable".
     state: Mapped[str] = mapped_column(String(16), default="up")
@@ -300,6 +304,10 @@ class ContentCopy(Base):
     #: Last time the copy was checked (verify or scrub), whatever the result.
     checked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: On an object store: the ``ChecksumSHA256`` the store keeps for the object (the SHA-256
+    #: itself for one PUT; the composite ``<base64>-<parts>`` of a multipart upload), which
+    #: confirming the copy compares. None on a storage worker.
+    checksum: Mapped[str | None] = mapped_column(String(96), nullable=True)
     #: The key (Dramatiq message id) of the last replicate message sent for it, and when: a
     #: delivery with another key is stale and dropped (pipeline/deliveries.py).
     sent_key: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -148,13 +148,14 @@ class ObjectStore:
 
     # -- the contract -----------------------------------------------------------------------
 
-    def put(self, sha256: str, source: Path, *, offset: int = 0, length: int | None = None) -> Stored:
-        """Store the bytes of ``source`` (or its range ``offset``, ``length``) named ``sha256``:
+    def put(self, sha256: str, source: Path, *, offset: int = 0, length: int | None = None,
+            head: bytes = b"") -> Stored:
+        """Store the bytes of ``source`` (or its range ``offset``, ``length``, after ``head``) named ``sha256``:
         one PUT up to the target's multipart threshold, else a multipart upload that continues
         an interrupted one. Raises ObjectMismatch when the bytes do not hash to ``sha256``."""
         from pipeline.objectstore import upload
 
-        return upload.put(self, sha256, source, offset=offset, length=length)
+        return upload.put(self, sha256, source, offset=offset, length=length, head=head)
 
     def head(self, sha256: str) -> Stored:
         """The object as the store describes it (ObjectMissing if there is none)."""

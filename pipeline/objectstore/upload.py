@@ -33,13 +33,30 @@ if TYPE_CHECKING:
 BLOCK = 1024 * 1024
 
 
-class FileRange(io.RawIOBase):
-    """``length`` bytes of an open file from ``offset``, as a seekable body botocore can send
-    and rewind for a retry (positional reads: many ranges of one descriptor at once)."""
+class Source:
+    """The bytes of a shard: ``head`` (a safetensors shard's own header, built in memory) then
+    ``length`` bytes of an open file from ``offset``, read by position (many parts at once)."""
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    def __init__(self, fd: int, offset: int, length: int, head: bytes = b"") -> None:
+        self.fd, self.offset, self.length, self.head = fd, offset, length, head
+        self.size = len(head) + length
+
+    def pread(self, n: int, at: int) -> bytes:
+        if at < len(self.head):
+            return self.head[at:at + n]
+        data = os.pread(self.fd, min(n, self.size - at), self.offset + at - len(self.head))
+        if not data and at < self.size:
+            raise ObjectMismatch("source", f"the source ended {self.size - at} bytes early (truncated while sent?)")
+        return data
+
+
+class FileRange(io.RawIOBase):
+    """``length`` bytes of a :class:`Source` from ``start``, as a seekable body botocore can send
+    and rewind for a retry."""
+
+    def __init__(self, src: Source, start: int, length: int) -> None:
         super().__init__()
-        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+        self.src, self.start, self.length, self.pos = src, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -63,9 +80,7 @@ class FileRange(io.RawIOBase):
         n = left if size is None or size < 0 else min(size, left)
         if n <= 0:
             return b""
-        data = os.pread(self.fd, n, self.offset + self.pos)
-        if not data:
-            raise ObjectMismatch("source", f"the source ended {left} bytes early (truncated while sent?)")
+        data = self.src.pread(n, self.start + self.pos)
         self.pos += len(data)
         return data
 
@@ -75,33 +90,29 @@ class FileRange(io.RawIOBase):
         return len(data)
 
 
-def sha256_of(fd: int, offset: int, length: int) -> bytes:
+def sha256_of(src: Source, start: int, length: int) -> bytes:
     h = hashlib.sha256()
-    buf = bytearray(min(BLOCK, max(1, length)))
-    view = memoryview(buf)
-    done = 0
-    while done < length:
-        n = os.preadv(fd, [view[:min(len(buf), length - done)]], offset + done)
-        if n == 0:
-            raise ObjectMismatch("source", f"the source ended {length - done} bytes early")
-        h.update(view[:n])
-        done += n
+    body = FileRange(src, start, length)
+    while chunk := body.read(BLOCK):
+        h.update(chunk)
     return h.digest()
 
 
-def put(store: ObjectStore, sha256: str, source: Path, *, offset: int = 0, length: int | None = None) -> Stored:
+def put(store: ObjectStore, sha256: str, source: Path, *, offset: int = 0, length: int | None = None,
+        head: bytes = b"") -> Stored:
     from pipeline.objectstore.client import Stored
 
     fd = os.open(source, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size - offset if length is None else length
+        src = Source(fd, offset, os.fstat(fd).st_size - offset if length is None else length, head)
+        size = src.size
         key = store.key(sha256)
         t = store.target
         if size <= t.multipart_threshold:
-            store.call(f"put of {key}", store.s3.put_object, Bucket=t.bucket, Key=key, Body=FileRange(fd, offset, size),
+            store.call(f"put of {key}", store.s3.put_object, Bucket=t.bucket, Key=key, Body=FileRange(src, 0, size),
                        ContentLength=size, ChecksumSHA256=keys.full_checksum(sha256), **store.sse_args())
             return Stored(key, size, keys.full_checksum(sha256))
-        return Stored(key, size, _multipart(store, sha256, key, fd, offset, size))
+        return Stored(key, size, _multipart(store, sha256, key, src))
     finally:
         os.close(fd)
 
@@ -131,8 +142,9 @@ def _find_upload(store: ObjectStore, key: str) -> tuple[str | None, dict[int, di
     return upload_id, parts
 
 
-def _multipart(store: ObjectStore, sha256: str, key: str, fd: int, offset: int, size: int) -> str:
+def _multipart(store: ObjectStore, sha256: str, key: str, src: Source) -> str:
     t = store.target
+    size = src.size
     upload_id, have = _find_upload(store, key)
     if upload_id is None:
         created = store.call(f"multipart upload of {key}", store.s3.create_multipart_upload, Bucket=t.bucket,
@@ -142,12 +154,12 @@ def _multipart(store: ObjectStore, sha256: str, key: str, fd: int, offset: int, 
     spans = keys.ranges(size, part)
 
     def send(n: int, at: int, length: int) -> tuple[str, bytes]:
-        digest = sha256_of(fd, offset + at, length)
+        digest = sha256_of(src, at, length)
         held = have.get(n)
         if held and int(held["Size"]) == length and held.get("ChecksumSHA256") in (None, keys.b64(digest)):
             return str(held["ETag"]), digest  # sent before an interruption: kept (the completion checks it)
         r = store.call(f"part {n} of {key}", store.s3.upload_part, Bucket=t.bucket, Key=key, UploadId=upload_id,
-                       PartNumber=n, Body=FileRange(fd, offset + at, length), ContentLength=length,
+                       PartNumber=n, Body=FileRange(src, at, length), ContentLength=length,
                        ChecksumSHA256=keys.b64(digest))
         failpoints.hit("objectstore.part_sent")
         return str(r["ETag"]), digest
@@ -156,7 +168,7 @@ def _multipart(store: ObjectStore, sha256: str, key: str, fd: int, offset: int, 
         futures: list[Future[tuple[str, bytes]]] = [pool.submit(send, n, at, length)
                                                     for n, (at, length) in enumerate(spans, 1)]
         # The whole source, once and in order, beside the parts (which read it from the page cache).
-        whole = sha256_of(fd, offset, size).hex()
+        whole = sha256_of(src, 0, size).hex()
         try:
             done = [f.result() for f in futures]
         except BaseException:

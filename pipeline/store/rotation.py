@@ -21,7 +21,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline import states
-from pipeline.cluster.client import WorkerClient
 from pipeline.core import copies
 from pipeline.core.layouts import save_group
 from pipeline.core.retention import LocalCheckpoint, to_rotate
@@ -32,7 +31,8 @@ from pipeline.db.transitions import note, transition
 from pipeline.detection import parts, roots
 from pipeline.detection.catalog import file_sig, latest_store_job, on_host, own_files, owner_elsewhere
 from pipeline.detection.ondisk import differs as changed_since_detection
-from pipeline.errors import OutsideRoots, WorkerError
+from pipeline.errors import ObjectStoreError, OutsideRoots, WorkerError
+from pipeline.objectstore.tier import client_for
 from pipeline.settings import Settings
 from pipeline.states import JobKind
 from pipeline.steps import Send
@@ -115,8 +115,8 @@ def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_
     ckpt = session.get(Checkpoint, checkpoint_id)
     changed = changed_since_detection(Path(ckpt.path), ckpt.is_dir, own_files(ckpt)) if ckpt is not None else None
     return copies.deletion_blocker(
-        shard_copies(session, checkpoint_id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
-        active_job=active, changed=changed,
+        shard_copies(session, checkpoint_id), need=settings.need_for(ckpt.run if ckpt is not None else ""),
+        fresh_after=fresh_after(settings.freshness_seconds), active_job=active, changed=changed,
     )
 
 
@@ -130,14 +130,14 @@ def confirm_with_workers(settings: Settings, checkpoint_id: int) -> str | None:
     with session_scope(settings.db_url) as s:
         shards = shard_copies(s, checkpoint_id)
         urls = {w.id: w.url for w in s.scalars(select(StorageWorker))}
-    key = settings.key()
+        need = settings.need_for(one(s, Checkpoint, checkpoint_id).run)
     answers: dict[str, dict[str, int | None] | str] = {}
-    for worker_id, sizes in copies.to_confirm(shards, since).items():
+    for worker_id, sizes in copies.to_confirm(shards, since, need).items():
         try:
-            answers[worker_id] = WorkerClient(urls[worker_id], key, worker_id).stat(sorted(sizes))
-        except WorkerError as exc:
+            answers[worker_id] = client_for(settings, worker_id, urls[worker_id]).stat(sorted(sizes))
+        except (WorkerError, ObjectStoreError) as exc:
             answers[worker_id] = exc.reason
-    return copies.confirmation_blocker(shards, answers, rf=settings.rf, fresh_after=since)
+    return copies.confirmation_blocker(shards, answers, need=need, fresh_after=since)
 
 
 def rotate(settings: Settings, job_id: int) -> list[Send]:
@@ -247,7 +247,8 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
             ckpt = one(s, Checkpoint, job.checkpoint_id)
             mine = [f for f in ckpt.files if f.host == host]
             reason = copies.deletion_blocker(
-                shard_copies(s, ckpt.id), rf=settings.rf, fresh_after=fresh_after(settings.freshness_seconds),
+                shard_copies(s, ckpt.id), need=settings.need_for(ckpt.run),
+                fresh_after=fresh_after(settings.freshness_seconds),
                 active_job=None, changed=changed_since_detection(Path(path), True, mine))
             if reason is None:
                 trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
-from pipeline.core.copies import deletion_blocker, is_good
+from pipeline.core.copies import Need, deletion_blocker, is_good
 from pipeline.db.copies import content_copies, fresh_after, place, shard_copies
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
@@ -195,13 +195,13 @@ def test_a_corrupt_copy_found_through_one_checkpoint_counts_for_every_checkpoint
         a = checkpoint(s, "a", [1, 2])
         b = checkpoint(s, "b", [2, 3])
         since = fresh_after(db.freshness_seconds)
-        assert deletion_blocker(shard_copies(s, a), rf=2, fresh_after=since) is None
+        assert deletion_blocker(shard_copies(s, a), need=Need(2), fresh_after=since) is None
         # B's verify (or a scrub) finds content 2 corrupt on w0: one row, so A sees it too.
         s.execute(update(ContentCopy).where(ContentCopy.sha256 == sha(2), ContentCopy.worker_id == "w0")
                   .values(state="corrupt"))
-        blocked = deletion_blocker(shard_copies(s, a), rf=2, fresh_after=since)
+        blocked = deletion_blocker(shard_copies(s, a), need=Need(2), fresh_after=since)
         assert blocked is not None and "1/2" in blocked
-        assert deletion_blocker(shard_copies(s, b), rf=2, fresh_after=since) is not None
+        assert deletion_blocker(shard_copies(s, b), need=Need(2), fresh_after=since) is not None
 
 
 def test_a_lost_repair_does_not_block_rotation_once_the_content_recovered(db):

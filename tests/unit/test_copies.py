@@ -15,6 +15,7 @@ from sqlalchemy import delete, select
 
 from pipeline.core.copies import (
     Copy,
+    Need,
     ShardCopies,
     confirmation_blocker,
     deletion_blocker,
@@ -42,7 +43,7 @@ def shard(*copies: Copy, sha: str = SHA, size: int = 100, label: str = "shard 1 
 
 
 def decide(*shards: ShardCopies, rf: int = 2, **kw) -> str | None:
-    return deletion_blocker(list(shards), rf=rf, fresh_after=FRESH, **kw)
+    return deletion_blocker(list(shards), need=Need(rf), fresh_after=FRESH, **kw)
 
 
 def test_rf_good_fresh_copies_allow_deletion():
@@ -124,11 +125,11 @@ def test_rf_three():
 
 def test_confirmation_asks_only_good_fresh_copies_and_needs_rf_answers():
     shards = [shard(good("w1"), good("w2"), good("w3", verified=FRESH - timedelta(days=1)))]
-    assert to_confirm(shards, FRESH) == {"w1": {SHA: 100}, "w2": {SHA: 100}}
-    assert confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": {SHA: 100}}, rf=2, fresh_after=FRESH) is None
-    wrong_size = confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": {SHA: 99}}, rf=2, fresh_after=FRESH)
+    assert to_confirm(shards, FRESH, Need(2)) == {"w1": {SHA: 100}, "w2": {SHA: 100}}
+    assert confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": {SHA: 100}}, need=Need(2), fresh_after=FRESH) is None
+    wrong_size = confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": {SHA: 99}}, need=Need(2), fresh_after=FRESH)
     assert "1/2 copies confirmed" in wrong_size and "no longer holds shard" in wrong_size
-    unreachable = confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": "connection refused"}, rf=2,
+    unreachable = confirmation_blocker(shards, {"w1": {SHA: 100}, "w2": "connection refused"}, need=Need(2),
                                        fresh_after=FRESH)
     assert "could not confirm" in unreachable
 
@@ -148,7 +149,7 @@ shard_lists = st.lists(st.builds(lambda cs, i: shard(*cs, sha=f"{i:064x}"),
 @settings(max_examples=400, deadline=None)
 @given(shard_lists, st.integers(1, 3), st.none() | st.integers(1, 9), st.none() | st.just("f changed"))
 def test_never_safe_with_fewer_than_rf_good_fresh_copies(shards, rf, active, changed):
-    verdict = deletion_blocker(shards, rf=rf, fresh_after=FRESH, active_job=active, changed=changed)
+    verdict = deletion_blocker(shards, need=Need(rf), fresh_after=FRESH, active_job=active, changed=changed)
     if verdict is None:
         assert shards and active is None and changed is None
         for sh in shards:
@@ -165,8 +166,8 @@ def test_never_safe_with_fewer_than_rf_good_fresh_copies(shards, rf, active, cha
 @settings(max_examples=200, deadline=None)
 @given(shard_lists, st.integers(1, 3))
 def test_confirmed_by_every_worker_is_still_never_safe_below_rf(shards, rf):
-    answers = {w: dict.fromkeys(sizes, 100) for w, sizes in to_confirm(shards, FRESH).items()}
-    verdict = confirmation_blocker(shards, answers, rf=rf, fresh_after=FRESH)
+    answers = {w: dict.fromkeys(sizes, 100) for w, sizes in to_confirm(shards, FRESH, Need(rf)).items()}
+    verdict = confirmation_blocker(shards, answers, need=Need(rf), fresh_after=FRESH)
     if verdict is None:
         assert all(len(good_workers(sh.copies, FRESH)) >= rf for sh in shards)
 
