@@ -33,7 +33,7 @@ from pipeline.db.models import ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import UntrustedAnswer, WorkerError
 from pipeline.settings import Settings
-from pipeline.states import COUNTING_WORKERS, WorkerState
+from pipeline.states import COUNTING_WORKERS, Tier, WorkerState
 
 log = logging.getLogger("ckpt.membership")
 
@@ -107,7 +107,8 @@ def probe_all(settings: Settings, extra_urls: tuple[str, ...] = (), *,
               only: tuple[str, ...] | None = None) -> ProbeResult:
     """Challenge every known worker (or ``only`` these URLs) and record what it proved."""
     with session_scope(settings.db_url) as s:
-        recorded = s.scalars(select(StorageWorker).where(StorageWorker.state != WorkerState.REMOVABLE))
+        recorded = s.scalars(select(StorageWorker).where(StorageWorker.state != WorkerState.REMOVABLE,
+                                                         StorageWorker.tier == Tier.WORKERS))
         known = {w.url: w.source for w in recorded}
     urls = {u.rstrip("/"): "static" for u in (*settings.workers, *extra_urls)}
     for url, source in known.items():

@@ -28,6 +28,7 @@ from pipeline.cron import last_fire
 from pipeline.db import workers
 from pipeline.db.copies import (
     contents_of,
+    good_copies_per_shard,
     just,
     move,
     place,
@@ -40,6 +41,7 @@ from pipeline.db.models import (
     Checkpoint,
     CheckpointFile,
     CheckpointPart,
+    Content,
     ContentCopy,
     Job,
     Lock,
@@ -53,9 +55,11 @@ from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import repair_damaged, request_repair
 from pipeline.integrity.retention import apply_policy, compact_history
 from pipeline.integrity.scrub import request_scrub
+from pipeline.objectstore import tier
+from pipeline.objectstore.tier import is_target
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
-from pipeline.states import ContentState, CopyState, JobKind, WorkerState
+from pipeline.states import ContentState, CopyState, JobKind, Tier, WorkerState
 from pipeline.steps import Send
 from pipeline.webhook import Notifier
 
@@ -285,6 +289,49 @@ def under_replicated(settings: Settings) -> list[Send]:
     return sends
 
 
+#: Contents a sweep places or sends to object stores at most (the next sweep goes on).
+STORE_SWEEP_LIMIT = 500
+
+
+def store_sweep(settings: Settings) -> list[Send]:
+    """The copies the object-store policy still owes: for the checkpoints on their way or
+    protected whose run wants ``target_copies``, each content short of them on object stores is
+    placed there (a store that could not take it when the checkpoint was sharded, a copy found
+    bad), and every such copy still pending is sent (again: one a store throttled or could not
+    take waits pending with its error). A store job that requires them fans in as they land."""
+    sends: list[Send] = []
+    t = now()
+    with session_scope(settings.db_url) as s:
+        owed = select(Job.checkpoint_id).where(
+            Job.id.in_(latest_store_ids()),
+            Job.state.in_(sorted(states.PROTECTED | {S.SHARDED.value, S.REPLICATED.value})))
+        runs = set(s.scalars(select(Checkpoint.run).where(Checkpoint.id.in_(owed)).distinct()))
+        for run in sorted(runs):
+            wanted = settings.target_policy(run)[0]
+            if not wanted:
+                continue
+            per_shard = good_copies_per_shard(
+                CheckpointFile.checkpoint_id.in_(owed.where(Job.checkpoint_id.in_(
+                    select(Checkpoint.id).where(Checkpoint.run == run)))), tier=Tier.OBJECT_STORE)
+            short = select(per_shard.c.sid).where(per_shard.c.n < wanted)
+            shas = list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()
+                                  .limit(STORE_SWEEP_LIMIT - len(sends))))
+            for content in s.scalars(select(Content).where(Content.sha256.in_(shas),
+                                                           Content.state == ContentState.LIVE)):
+                try:
+                    with s.begin_nested():
+                        place(s, content, wanted, tier=Tier.OBJECT_STORE)
+                except PlacementError:
+                    pass  # no store takes it now: the next sweep tries again
+                for cp in content.copies:
+                    quiet = cp.sent_at is None or t - cp.sent_at > timedelta(seconds=settings.lease_seconds)
+                    if cp.state == CopyState.PENDING and is_target(cp.worker_id) and quiet:
+                        sends.append(Send("replicate", (cp.id,)))
+            if len(sends) >= STORE_SWEEP_LIMIT:
+                break
+    return sends
+
+
 def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
@@ -337,6 +384,8 @@ class Scheduler:
             log.warning("scheduler %s lost the lead while probing the storage workers; standing by", self.holder)
             self.leader = False
             return
+        if settings.object_targets():
+            self._part("probing the object stores", lambda: tier.probe(settings))
         self._part("reconciling returned workers", lambda: self.send(reconcile_returned(settings, probe.returned)))
         self._part("re-driving expired work", lambda: self.send(expired_work(settings)))
         if probe.went_down or self.clock() - self._last_sweep >= settings.tick_seconds * 10:
@@ -350,6 +399,7 @@ class Scheduler:
             self._part("the retention sweep", lambda: retention_sweep(settings))
             self._part("sampling capacity", sample)
             self._part("repairing under-replicated content", lambda: self.send(under_replicated(settings)))
+            self._part("copies owed to object stores", lambda: self.send(store_sweep(settings)))
             self._part("retrying waiting stores", lambda: self.send(retry_waiting(settings)))
             self._part("finishing drains", lambda: finish_drains(settings))
             self._part("the nightly scrub", lambda: self.send(nightly_scrub(settings, now())))

@@ -29,13 +29,13 @@ from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
 from pipeline.db.copies import move, place_one
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import note, now, renew_lease, transition
 from pipeline.deliveries import still_keyed
 from pipeline.errors import AttemptsExhausted, PlacementError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
-from pipeline.states import COUNTING_WORKERS, ContentState, CopyState, JobKind, WorkerState
+from pipeline.states import COUNTING_WORKERS, ContentState, CopyState, JobKind, Tier, WorkerState
 from pipeline.steps import Send
 from pipeline.store.source import Source, local_source, named_source, shard_prefix, source_matches
 
@@ -88,8 +88,16 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
         sha, size, worker_id, url = cp.sha256, cp.content.size, cp.worker_id, cp.worker.url
         peers = [] if src is not None else [
             (c.worker.url, c.worker_id) for c in cp.content.copies
-            if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS]
+            if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS
+            and c.worker.tier == Tier.WORKERS]
         hops = [Hop(c.id, c.worker_id, c.worker.url) for c in rest]
+        to_store = cp.worker.tier == Tier.OBJECT_STORE
+
+    if to_store:  # an object store: never in a chain (pipeline.store.sharding.replicate_sends)
+        from pipeline.store import bucket_copy  # it uses this module's follow-ups
+
+        with leased(settings, waiting):
+            return bucket_copy.send_to_store(settings, cp.id, sha, size, worker_id, src, peers, named)
 
     # One upload can outlast the lease on a slow link: the stores waiting for it keep theirs
     # by time meanwhile, or the scheduler would send this step again beside the running one.
@@ -211,14 +219,15 @@ def _copy_from_peer(settings: Settings, target: WorkerClient, sha: str, size: in
     return False
 
 
-def short_contents(session: Session, checkpoint_id: int, rf: int) -> int:
-    """How many of a checkpoint's contents have fewer than ``rf`` copies stored on counting workers."""
+def short_contents(session: Session, checkpoint_id: int, rf: int, tier: str = Tier.WORKERS) -> int:
+    """How many of a checkpoint's contents have fewer than ``rf`` copies stored on counting rows
+    of ``tier``."""
     shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)
     stored = (
         select(ContentCopy.sha256, func.count(ContentCopy.id).label("n"))
         .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
         .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(states.SENT)),
-               StorageWorker.state.in_(sorted(COUNTING_WORKERS)))
+               StorageWorker.state.in_(sorted(COUNTING_WORKERS)), StorageWorker.tier == tier)
         .group_by(ContentCopy.sha256)
     ).subquery()
     return int(session.scalar(
@@ -228,12 +237,19 @@ def short_contents(session: Session, checkpoint_id: int, rf: int) -> int:
 
 
 def fan_in_job(s: Session, settings: Settings, job_id: int) -> list[Send]:
-    """Move one ``sharded`` store job on when every content of its checkpoint has RF copies stored."""
+    """Move one ``sharded`` store job on when every content of its checkpoint has RF copies
+    stored on workers (and, when its run requires them, its copies on object stores)."""
     job = one(s, Job, job_id)
-    if job.state != S.SHARDED or job.checkpoint_id is None or short_contents(s, job.checkpoint_id, settings.rf):
+    if job.state != S.SHARDED or job.checkpoint_id is None:
+        return []
+    need = settings.need_for(one(s, Checkpoint, job.checkpoint_id).run)
+    if short_contents(s, job.checkpoint_id, need.rf) or (
+            need.targets and short_contents(s, job.checkpoint_id, need.targets, Tier.OBJECT_STORE)):
         return []
     if transition(s, job_id, JobKind.STORE, S.SHARDED, S.REPLICATED, lease_seconds=settings.lease_seconds,
-                  detail="every content has RF stored copies", bytes_done=job.bytes_total):
+                  detail="every content has RF stored copies"
+                         + (f" and {need.targets} on object stores" if need.targets else ""),
+                  bytes_done=job.bytes_total):
         return [Send("verify", (job_id,))]
     return []
 

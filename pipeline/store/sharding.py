@@ -32,8 +32,9 @@ from pipeline.errors import PlacementError
 from pipeline.hashing import scan
 from pipeline.integrity.repair import repair_damaged
 from pipeline.leases import leased
+from pipeline.objectstore.tier import is_target
 from pipeline.settings import Settings
-from pipeline.states import ContentState, CopyState, JobKind
+from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, begin_step
 from pipeline.store.replication import fan_in_job
 
@@ -81,6 +82,7 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
             with s.begin_nested():  # all contents placed, or none
                 for c in contents:
                     place(s, c, settings.rf)
+            place_on_stores(s, settings, contents, run)
         except PlacementError:
             s.expire_all()
             blocked = contents_of(s, ckpt_id)
@@ -114,13 +116,31 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
     return sends
 
 
+def place_on_stores(s: Session, settings: Settings, contents: list[Content], run: str) -> None:
+    """The copies ``run``'s policy wants on object stores (``target_copies``), where a store can
+    take them now. One that cannot yet is placed by the scheduler's object-store sweep later
+    (a store job that requires it waits in ``sharded`` meanwhile): never a reason to hold back
+    the workers' copies."""
+    wanted = settings.target_policy(run)[0]
+    for c in contents if wanted else ():
+        try:
+            with s.begin_nested():
+                place(s, c, wanted, tier=Tier.OBJECT_STORE)
+        except PlacementError as exc:
+            log.info("content %s: no object store takes its copy now (%s); placed later", c.sha256[:12], exc)
+            return
+
+
 def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     """The messages that send ``pending`` copies: one per copy (``fanout``), or one per content
     whose first copy's worker passes the bytes on to the others' (``chain``), the first hops
     spread so that every worker's link works (:func:`pipeline.core.placement.chain_orders`).
-    The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION."""
+    The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION.
+    A copy on an object store is sent by a message of its own (never a hop of a chain)."""
+    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id)]
+    pending = [cp for cp in pending if not is_target(cp.worker_id)]
     if mode != "chain":
-        return [Send("replicate", (cp.id,)) for cp in pending]
+        return [Send("replicate", (cp.id,)) for cp in pending] + alone
     per_content: dict[str, dict[str, ContentCopy]] = {}
     for cp in pending:
         per_content.setdefault(cp.sha256, {})[cp.worker_id] = cp
@@ -130,7 +150,7 @@ def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     for g, order in zip(groups, orders, strict=True):
         ids = [g[w].id for w in order]
         sends.append(Send("replicate", (ids[0], ids[1:]) if len(ids) > 1 else (ids[0],)))
-    return sends
+    return sends + alone
 
 
 def revive(s: Session, contents: list[Content]) -> list[Content]:

@@ -23,15 +23,17 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.core.copies import Need
 from pipeline.db import workers
 from pipeline.db.copies import just, move, on, place, shas_of
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, ContentCopy, Job, StorageWorker
-from pipeline.db.transitions import now, transition
-from pipeline.errors import PlacementError, WorkerError
+from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.transitions import note, now, transition
+from pipeline.errors import ObjectMismatch, ObjectMissing, ObjectStoreError, PlacementError, WorkerError
 from pipeline.integrity.repair import repair_damaged
+from pipeline.objectstore.tier import is_target, store_for
 from pipeline.settings import Settings
-from pipeline.states import CopyState, JobKind, WorkerState
+from pipeline.states import CopyState, JobKind, Tier, WorkerState
 from pipeline.steps import Send, begin_step
 from pipeline.store.replication import fan_in_job
 
@@ -54,6 +56,31 @@ class WorkerAsk:
     rehash: list[str] = field(default_factory=list)
     #: shards re-hashed when they were stored: only confirm they are still there (name -> size)
     present: dict[str, int] = field(default_factory=dict)
+    #: On an object store: each shard's size and the checksum the store keeps for it, which
+    #: confirming it compares (the store's own checksum stands for a re-hash).
+    expect: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+
+
+def confirm_on_store(settings: Settings, worker_id: str, expect: dict[str, tuple[int, str | None]]
+                     ) -> dict[str, str | None] | str:
+    """What an object store's checksums say of its copies, in the form of a worker's re-hash:
+    name -> the name (confirmed), None (absent) or what is wrong; the error text if the store
+    could not answer."""
+    out: dict[str, str | None] = {}
+    try:
+        store = store_for(settings, worker_id)
+        for name, (size, checksum) in sorted(expect.items()):
+            try:
+                store.confirm(name, size, checksum)
+                out[name] = name
+            except ObjectMissing:
+                out[name] = None
+            except ObjectMismatch as exc:
+                out[name] = exc.reason
+    except ObjectStoreError as exc:
+        log.warning("confirming copies on %s failed: %s", worker_id, exc)
+        return exc.reason
+    return out
 
 
 def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[str, dict[str, str | None] | str]:
@@ -66,6 +93,8 @@ def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[st
 
     def ask(item: tuple[str, WorkerAsk]) -> tuple[str, dict[str, str | None] | str]:
         worker_id, a = item
+        if is_target(worker_id):
+            return worker_id, confirm_on_store(settings, worker_id, a.expect)
         client = WorkerClient(a.url, key, worker_id)
         try:
             out: dict[str, str | None] = {}
@@ -85,15 +114,26 @@ def rehash_on_workers(settings: Settings, asks: dict[str, WorkerAsk]) -> dict[st
         return dict(pool.map(ask, asks.items()))
 
 
+def checked(copies: list[ContentCopy], need: Need) -> list[ContentCopy]:
+    """The copies the verify step checks: every one on a worker, and those on object stores
+    only when the run requires them (a lagging one is not this step's)."""
+    return [cp for cp in copies if need.targets or not is_target(cp.worker_id)]
+
+
 def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: str, error: str, *,
                  at: datetime | None = None) -> list[Send]:
     """Stop counting ``cp`` (moved to ``state`` at ``at``) and, if its content is now short of RF,
     place fresh copies on other placeable workers; the messages that send them. With nowhere to
     place one now, the store's next re-drive places it (pipeline.service.scheduler.resume)."""
     move(session, cp, state, at=at, error=error)
+    tier = cp.worker.tier
+    referencing = select(CheckpointFile.checkpoint_id).join(Shard, Shard.file_id == CheckpointFile.id).where(
+        Shard.sha256 == cp.sha256)
+    run = session.scalar(select(Checkpoint.run).where(Checkpoint.id.in_(referencing)).limit(1)) or ""
+    wanted = settings.rf if tier == Tier.WORKERS else settings.target_policy(run)[0]
     try:
         with session.begin_nested():
-            fresh = place(session, cp.content, settings.rf)
+            fresh = place(session, cp.content, wanted, tier=tier)
     except PlacementError as exc:
         log.warning("content %s: no worker for a replacement copy yet: %s", cp.sha256[:12], exc)
         # A worker that holds a damaged copy takes no new one: rebuild those in place.
@@ -139,7 +179,7 @@ def _stale(copies: list[ContentCopy], since: datetime) -> dict[str, WorkerAsk]:
     """What to ask each worker: its copies among ``copies`` not re-hashed since ``since``."""
     asks: dict[str, WorkerAsk] = {}
     for cp in copies:
-        if cp.verified_at is None or cp.verified_at < since:
+        if (cp.verified_at is None or cp.verified_at < since) and not is_target(cp.worker_id):
             asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url)).rehash.append(cp.sha256)
     return asks
 
@@ -163,13 +203,17 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
         job = begin_step(s, settings, job_id, S.REPLICATED)
         if job is None:
             return []
-        checkpoint_id, since = one(s, Checkpoint, job.checkpoint_id).id, job.created_at
+        ckpt = one(s, Checkpoint, job.checkpoint_id)
+        checkpoint_id, since, need = ckpt.id, job.created_at, settings.need_for(ckpt.run)
         asks: dict[str, WorkerAsk] = {}
         confirmed: set[int] = set()
         beside = 0  # of those, copies stored before this job, re-hashed by its recheck
-        for cp in copies_of(s, checkpoint_id, states.SENT):
+        for cp in checked(copies_of(s, checkpoint_id, states.SENT), need):
             a = asks.setdefault(cp.worker_id, WorkerAsk(cp.worker.url))
-            if cp.state == CopyState.VERIFIED and cp.verified_at is not None and cp.verified_at >= since:
+            if is_target(cp.worker_id):
+                a.expect[cp.sha256] = (cp.content.size, cp.checksum)
+                confirmed.add(cp.id)
+            elif cp.state == CopyState.VERIFIED and cp.verified_at is not None and cp.verified_at >= since:
                 a.present[cp.sha256] = cp.content.size  # re-hashed since this job started
                 confirmed.add(cp.id)
                 beside += cp.stored_at is None or cp.stored_at < since
@@ -182,13 +226,17 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
     with session_scope(settings.db_url) as s:
         t = now()
         bad: list[str] = []
+        waits: list[str] = []
         for worker_id, answer in answers.items():
-            if isinstance(answer, str):
+            if isinstance(answer, str) and not is_target(worker_id):
                 workers.observe(s, one(s, StorageWorker, worker_id), WorkerState.DOWN, error=answer)
-        for cp in copies_of(s, checkpoint_id, states.SENT):
+        for cp in checked(copies_of(s, checkpoint_id, states.SENT), need):
             reply = answers.get(cp.worker_id)
             if reply is None:
                 continue  # stored since the question was asked: the next verify sees it
+            if isinstance(reply, str) and is_target(cp.worker_id):
+                waits.append(reply)  # a store that cannot answer now: nothing is lost, the job waits
+                continue
             if isinstance(reply, str):  # unreachable: its copies do not count; copy elsewhere
                 sends += replace_copy(s, settings, cp, CopyState.ABANDONED, f"worker unreachable at verify: {reply}")
                 bad.append(f"content {cp.sha256[:12]} unreachable on {cp.worker_id}")
@@ -207,6 +255,11 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
             else:
                 sends += replace_copy(s, settings, cp, CopyState.CORRUPT, f"at verify the worker gave {actual}", at=t)
                 bad.append(f"content {cp.sha256[:12]} corrupt on {cp.worker_id}")
+        if waits and not bad:
+            why = f"waiting for the object store: {waits[0]}"
+            note(s, job_id, why)
+            log.warning("job %d: %s", job_id, why)
+            return sends  # still replicated: verified again when its lease ends
         if bad:
             transition(s, job_id, JobKind.STORE, S.REPLICATED, S.SHARDED, lease_seconds=settings.lease_seconds,
                        detail="re-replicating: " + "; ".join(bad[:10]))
