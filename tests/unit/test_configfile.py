@@ -109,6 +109,14 @@ def test_a_header_inside_a_multiline_string_is_not_taken_for_a_table():
         configfile.removed(text, data_of(text), "targets", 0, WHERE)
 
 
+def test_a_cut_that_parses_to_other_data_is_refused():
+    """The one header line is inside a string and the real table's header is quoted: the line
+    count agrees, the cut parses, but to other data than the file without that table."""
+    text = '[["targets"]]\nname = "a"\nurl = "s3://bucket-a"\nnote = """\n[[targets]]\n[end"""\n'
+    with pytest.raises(ConfigError, match="by hand"):
+        configfile.removed(text, data_of(text), "targets", 0, WHERE)
+
+
 def test_a_new_file_is_private_and_an_existing_one_keeps_its_mode(tmp_path):
     new = tmp_path / "config.toml"
     configfile.write(new, "rf = 2\n")

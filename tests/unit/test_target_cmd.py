@@ -43,7 +43,7 @@ def test_an_added_target_is_what_the_settings_load_and_the_rest_of_the_file_is_k
     assert rc == 0
     assert "added target ckpt-archive (s3://ckpt-archive/team-a)" in out and "restart" not in out
     text = (home / "config.toml").read_text()
-    assert text.startswith(BEFORE)
+    assert text.startswith(BEFORE) and '\nurl = "s3://ckpt-archive/team-a"\n' in text  # as the loader reads it
     [t] = settings_mod.load({"home": home}, environ={}).object_targets()
     assert (t.name, t.bucket, t.prefix, t.endpoint, t.region, t.profile, t.addressing_style, t.sse, t.quota_bytes) == (
         "ckpt-archive", "ckpt-archive", "team-a", "http://st1:8333", "us-east-1", "ckpt", "path", "AES256", 500 * 10**9)
