@@ -73,8 +73,9 @@ def cmd_add(args: argparse.Namespace) -> int:
     if args.no_check:
         print("not checked (--no-check): `ckpt target list --check` checks it")
     else:
-        print(f"checked with the credentials from {checked}: the bucket answers, and a probe object was put with "
-              "its SHA-256, confirmed by the store's checksum and deleted")
+        whose = f" (profile {target.profile!r})" if target.profile else ""
+        print(f"checked with the credentials from {checked}{whose}: the bucket answers, and a probe object was put "
+              "with its SHA-256, confirmed by the store's checksum and deleted")
     print("no credential is recorded: each process that talks to the store (those of `ckpt up`) finds its own, "
           "the same way (the environment, the target's profile, or an instance role)")
     for line in _restart_notes(home, sources["targets"]):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.seaweed import free_port
+from bench.seaweed import ACCESS_KEY, SECRET_KEY, free_port
 from pipeline import settings as settings_mod
 from pipeline.cli.main import main
 from tests.objectstore.conftest import raw_client
@@ -76,3 +76,17 @@ def test_a_store_that_is_down_is_unreachable_and_no_config_toml_is_made(aws_env,
     rc, _, err = add(home, capsys, "s3://bucket-a", f"http://127.0.0.1:{free_port()}")
     assert rc == 2 and "endpoint unreachable" in err
     assert not (home / "config.toml").exists()
+
+
+def test_a_profile_is_checked_with_its_own_keys_and_only_its_name_is_written(server, bucket, home, capsys, monkeypatch,
+                                                                             tmp_path):
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[ckpt]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    rc, out, err = add(home, capsys, f"s3://{bucket}", server.endpoint, "--profile", "ckpt")
+    assert rc == 0, err
+    assert "checked with the credentials from ~/.aws/credentials (profile 'ckpt')" in out
+    text = (home / "config.toml").read_text()
+    assert 'profile = "ckpt"' in text and SECRET_KEY not in text and ACCESS_KEY not in text

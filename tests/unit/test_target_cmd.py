@@ -5,10 +5,12 @@ home, an unknown name, a file that does not parse and a target from CKPT_TARGETS
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from pipeline import effective
 from pipeline import settings as settings_mod
 from pipeline.cli.main import main
 
@@ -144,3 +146,20 @@ def test_the_list_says_where_credentials_come_from_never_them(home, capsys, monk
         assert "the environment (AWS_ACCESS_KEY_ID" in out
         assert "very-secret-value" not in out and "AKIDTESTTESTTEST" not in out
     assert "very-secret-value" not in (home / "config.toml").read_text()
+
+
+def test_a_running_ckpt_up_is_told_to_restart_and_the_list_says_it_runs_with_other_targets(home, capsys):
+    """`ckpt up` reads config.toml when it starts (its record, effective.toml, is this process's)."""
+    effective.write(settings_mod.load({"home": home}, environ={}), {})
+    try:
+        rc, out, _ = ckpt(home, capsys, "add", "s3://bucket-a", "--no-check")
+        assert rc == 0 and f"the running `ckpt up` (pid {os.getpid()})" in out and "once restarted" in out
+        rc, out, _ = ckpt(home, capsys, "list")
+        assert rc == 0 and "bucket-a" in out
+        assert "uses the targets config.toml had when it started (none): restart it" in out
+        rc, out, _ = ckpt(home, capsys, "remove", "bucket-a")
+        assert rc == 0 and "it uses this target until it is restarted" in out
+    finally:
+        effective.remove(home)
+    rc, out, _ = ckpt(home, capsys, "add", "s3://bucket-a", "--no-check")
+    assert "`ckpt up` uses it from its next start" in out
