@@ -19,10 +19,16 @@ def write_private(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``, readable by this user only (0600): a temporary name,
     fsynced, renamed, the directory fsynced. For files that may hold secrets (up.json can
     hold a database URL with its password)."""
+    replace_file(path, text, mode=0o600)
+
+
+def replace_file(path: Path, text: str, *, mode: int) -> None:
+    """Replace ``path`` with ``text`` (permissions ``mode``) atomically and durably: a reader
+    sees the old file or the new one, and a crash leaves one of them."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its old mode otherwise
+        os.fchmod(fd, mode)  # a leftover temporary file keeps its old mode otherwise
         os.write(fd, text.encode())
         os.fsync(fd)
     finally:

@@ -421,10 +421,7 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
 
     config = home / "config.toml"
     if config.exists():
-        try:
-            data = tomllib.loads(config.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{config}: {exc}") from exc
+        data = read_config(config.read_text(), config)
         for k, v in data.items():
             if k == "roots" and isinstance(v, dict):  # [roots."<root>"] tables: per-root options
                 put("root_options", _root_options(v, str(config)), "config.toml", home.parent)
@@ -528,6 +525,14 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
 
 #: What each URL ``ckpt up`` may run with is, in a message.
 _URLS = {"database_url": "database", "redis_url": "broker"}
+
+
+def read_config(text: str, path: Path) -> dict[str, Any]:
+    """The text of config.toml at ``path``, parsed; a mistake names its line and column."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
 
 
 def _same_control_plane(record: effective.Record, values: Mapping[str, Any], sources: Mapping[str, str],

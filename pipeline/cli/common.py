@@ -5,6 +5,7 @@ import argparse
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,14 @@ def explained(args: argparse.Namespace, *, create: bool = False, recorded: bool 
     s, sources = settings_mod.explain(overrides, recorded=recorded)
     sources["home"] = found.source  # --home is passed on as a flag whichever way the home was found
     return settings_mod.configure(s), sources
+
+
+def existing_home(args: argparse.Namespace) -> Path:
+    """The home this command edits (pipeline/home.py), which must exist already."""
+    found = home.find(getattr(args, "home", None), os.environ)
+    if not found.exists:
+        raise CkptError(found.missing())
+    return found.path
 
 
 def add_home_option(parser: argparse.ArgumentParser) -> None:

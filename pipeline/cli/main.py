@@ -14,6 +14,7 @@
     ckpt gc [--dry-run] [--wait]                         delete unreferenced content from workers
     ckpt dead-letters [--requeue ID|all]                 failed messages
     ckpt config [--json]                                 each setting and where it came from
+    ckpt target [add s3://B/P [--endpoint U] | list [--check] | remove NAME]   object-store targets
     ckpt scheduler | ckpt watch | ckpt migrate           the services ckpt up runs
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pipeline.cli.config_cmd import add_parser as add_config_parser
 from pipeline.cli.progress import wait_job
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
+from pipeline.cli.target_cmd import add_parser as add_target_parser
 from pipeline.cli.workers_cmd import add_parser as add_workers_parser
 from pipeline.errors import CkptError
 from pipeline.masking import masked_url
@@ -339,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_retention_parsers(sub)
     add_workers_parser(sub)
     add_config_parser(sub)
+    add_target_parser(sub)
 
     for name, func, text in (("scheduler", cmd_scheduler, "run the scheduler (leases, probes, rotation)"),
                              ("watch", cmd_watch, "run the watcher on the roots"),

@@ -95,18 +95,25 @@ class ObjectStore:
                 self._client = self._session.client("s3", endpoint_url=t.endpoint or None, config=config)
             return self._client
 
+    def credentials_source(self) -> str:
+        """Where the credentials come from, in words ("" when none are found); never them."""
+        if self._profile_error is not None:
+            return ""
+        try:
+            creds = self._session.get_credentials()
+        except bx.BotoCoreError:
+            return ""
+        method = str(getattr(creds, "method", "")) if creds else ""
+        return SOURCES.get(method, method)
+
     def credentials_hint(self) -> str:
         """Where the credentials came from and what to do, never the credentials themselves."""
         p = self.target.profile
         if self._profile_error is not None:
             return (f"profile {p!r} is in neither ~/.aws/credentials nor ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, "
                     f"AWS_CONFIG_FILE): add it (`aws configure --profile {p}`) or fix the target's profile")
-        try:
-            creds = self._session.get_credentials()
-        except bx.BotoCoreError:
-            creds = None
-        where = SOURCES.get(getattr(creds, "method", ""), getattr(creds, "method", "")) if creds else None
-        if where is None:
+        where = self.credentials_source()
+        if not where:
             return ("no credentials were found in the environment, a profile or an instance role: export "
                     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set the target's profile")
         whose = f" for profile {p!r}" if p else ""
