@@ -141,8 +141,8 @@ def readable_disks(session: Session) -> list[Filesystem]:
 
 
 def usage(session: Session, settings: Settings) -> Usage:
-    workers = list(session.scalars(select(StorageWorker).where(
-        StorageWorker.state.in_(sorted(states.READABLE_WORKERS)))))
+    workers = list(session.scalars(select(StorageWorker).where(  # the workers' tier: object stores have quotas
+        StorageWorker.state.in_(sorted(states.READABLE_WORKERS)), StorageWorker.tier == states.Tier.WORKERS)))
     disks = filesystems(workers)
     capacity = sum(d.capacity for d in disks)
     used = sum(d.used for d in disks)
@@ -220,7 +220,8 @@ def per_run(session: Session, runs: list[str] | None = None) -> dict[str, dict[s
 
 def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> str:
     """Why copies cannot be placed, in numbers: what is missing, on how many workers."""
-    counting = {w.id for w in s.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(COUNTING_WORKERS))))}
+    counting = {w.id for w in s.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(COUNTING_WORKERS)),
+                                                                    StorageWorker.tier == states.Tier.WORKERS))}
     need = workers = 0
     for c in contents:
         have = sum(1 for cp in c.copies if cp.state in PLACED and cp.worker_id in counting)
@@ -228,7 +229,7 @@ def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> 
         workers = max(workers, settings.rf - have)
     placeable = len(live_candidates(s))
     total = s.scalar(select(func.count(StorageWorker.id)).where(
-        StorageWorker.state.in_(sorted(COUNTING_WORKERS)))) or 0
+        StorageWorker.state.in_(sorted(COUNTING_WORKERS)), StorageWorker.tier == states.Tier.WORKERS)) or 0
     only = "only " if placeable < workers else ""
     damaged = sorted({cp.worker_id for c in contents for cp in c.copies
                       if cp.state in DAMAGED and cp.worker_id in counting})

@@ -47,7 +47,7 @@ from pipeline.db.transitions import create_worker_jobs, now, renew_lease, transi
 from pipeline.errors import CkptError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
-from pipeline.states import ContentState, CopyState, JobKind
+from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, start_job
 
 log = logging.getLogger("ckpt.gc")
@@ -146,7 +146,8 @@ def request_gc(session: Session, settings: Settings, *, worker_ids: list[str] | 
     """One collection job per worker holding copies of condemned content (run :func:`mark` first)."""
     holders = select(ContentCopy.worker_id).join(Content, Content.sha256 == ContentCopy.sha256).where(
         Content.state == ContentState.CONDEMNED).distinct()
-    q = select(StorageWorker.id).where(StorageWorker.id.in_(holders))
+    # An object store's condemned copies wait for its collection through inventories (not built yet).
+    q = select(StorageWorker.id).where(StorageWorker.id.in_(holders), StorageWorker.tier == Tier.WORKERS)
     if worker_ids:
         unknown = sorted(set(worker_ids) - set(session.scalars(select(StorageWorker.id)
                                                                .where(StorageWorker.id.in_(worker_ids)))))

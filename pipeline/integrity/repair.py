@@ -30,7 +30,7 @@ from pipeline.db.transitions import create_job, note, now, renew_lease, transiti
 from pipeline.errors import CkptError, WorkerError
 from pipeline.leases import leased
 from pipeline.settings import Settings
-from pipeline.states import ContentState, CopyState, JobKind, StoreState
+from pipeline.states import ContentState, CopyState, JobKind, StoreState, Tier
 from pipeline.steps import Send, start_job
 from pipeline.store.replication import fan_in_job, waiting_jobs
 from pipeline.store.source import Source, holding_hosts, local_source, shard_prefix, source_matches
@@ -86,7 +86,8 @@ def repair_damaged(session: Session, settings: Settings, shas: Select[str], reas
             .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
             .join(Content, Content.sha256 == ContentCopy.sha256)
             .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(states.DAMAGED)),
-                   StorageWorker.state.in_(sorted(states.COUNTING_WORKERS)), Content.state == ContentState.LIVE)):
+                   StorageWorker.state.in_(sorted(states.COUNTING_WORKERS)), StorageWorker.tier == Tier.WORKERS,
+                   Content.state == ContentState.LIVE)):
         job = request_repair(session, settings, sha, reason)
         if job is not None:
             sends.append(Send("repair", (job.id,)))
@@ -100,6 +101,8 @@ def plan(s: Session, settings: Settings, sha: str) -> ContentWork | None:
         return None
     w = ContentWork(sha, content.size, local_source(s, sha, settings.host_id))
     for c in s.scalars(select(ContentCopy).where(ContentCopy.sha256 == sha).order_by(ContentCopy.id)):
+        if c.worker.tier != Tier.WORKERS:
+            continue  # an object store's copy: not read nor rebuilt by a worker's repair (next)
         ws = c.worker.state
         if c.state in states.READABLE_COPIES and ws in states.READABLE_WORKERS:
             w.sources.append((c.worker_id, c.worker.url))  # re-hashed before it is used

@@ -29,7 +29,7 @@ from pipeline.errors import CkptError
 from pipeline.integrity.repair import request_repair
 from pipeline.leases import leased
 from pipeline.settings import Settings
-from pipeline.states import HELD, CopyState, JobKind
+from pipeline.states import HELD, CopyState, JobKind, Tier
 from pipeline.steps import Send, start_job
 
 log = logging.getLogger("ckpt.scrub")
@@ -38,10 +38,12 @@ C = states.ScrubState
 
 def request_scrub(session: Session, settings: Settings, *, worker_ids: list[str] | None = None,
                   dedupe: str | None = None, reason: str = "requested") -> list[Job]:
-    """Create one scrub job per live storage worker (or the named ones); the caller sends them."""
-    q = select(StorageWorker).where(StorageWorker.state.in_(sorted(states.SCRUBBED_WORKERS)))
+    """Create one scrub job per live storage worker (or the named ones); the caller sends them.
+    Object stores are not scrubbed by a worker's re-hash (their read-back is not built yet)."""
+    q = select(StorageWorker).where(StorageWorker.state.in_(sorted(states.SCRUBBED_WORKERS)),
+                                    StorageWorker.tier == Tier.WORKERS)
     if worker_ids:
-        q = select(StorageWorker).where(StorageWorker.id.in_(worker_ids))
+        q = select(StorageWorker).where(StorageWorker.id.in_(worker_ids), StorageWorker.tier == Tier.WORKERS)
     workers = list(session.scalars(q.order_by(StorageWorker.id)))
     if worker_ids and len(workers) != len(set(worker_ids)):
         missing = sorted(set(worker_ids) - {w.id for w in workers})

@@ -6,6 +6,7 @@ the same answers as the Python form on random rows, on SQLite and PostgreSQL.
 """
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -217,3 +218,30 @@ def test_sql_form_of_the_rule_agrees_with_the_python_form(db, data, w3_state, fr
         ckpt = s.scalar(select(Checkpoint.id).where(Checkpoint.name == "c0"))
         python = {(sc.sha256, w) for sc in shard_copies(s, ckpt) for w in good_workers(sc.copies, since)}
     assert sql == python
+
+
+def on_store(name: str, **kw) -> Copy:
+    return dataclasses.replace(good(f"target:{name}", **kw), tier="objectstore")
+
+
+def test_a_copy_on_an_object_store_never_counts_toward_the_workers_rf():
+    one_and_store = shard(good("w1"), on_store("s3"))
+    assert good_workers(one_and_store.copies) == {"w1"}
+    assert "1/2 fresh verified replicas" in deletion_blocker([one_and_store], need=Need(2), fresh_after=FRESH)
+    # Required on the store: RF 1 on workers plus the store's copy.
+    assert deletion_blocker([one_and_store], need=Need(1, 1), fresh_after=FRESH) is None
+    blocked = deletion_blocker([shard(good("w1"), good("w2"))], need=Need(2, 1), fresh_after=FRESH)
+    assert "0/1 fresh confirmed copies on object stores" in blocked
+    stale = shard(good("w1"), on_store("s3", verified=FRESH - timedelta(seconds=1)))
+    assert "object stores" in deletion_blocker([stale], need=Need(1, 1), fresh_after=FRESH)
+
+
+def test_the_object_store_confirms_only_when_the_policy_requires_its_copy():
+    both = [shard(good("w1"), on_store("s3"))]
+    assert set(to_confirm(both, FRESH, Need(1))) == {"w1"}
+    assert set(to_confirm(both, FRESH, Need(1, 1))) == {"w1", "target:s3"}
+    answers = {"w1": {SHA: 100}, "target:s3": "object store s3: unreachable"}
+    verdict = confirmation_blocker(both, answers, need=Need(1, 1), fresh_after=FRESH)
+    assert verdict is not None and "0/1 copies confirmed by the object stores" in verdict
+    assert confirmation_blocker(both, {"w1": {SHA: 100}, "target:s3": {SHA: 100}}, need=Need(1, 1),
+                                fresh_after=FRESH) is None
