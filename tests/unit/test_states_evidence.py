@@ -12,6 +12,7 @@ worker processes.
 from __future__ import annotations
 
 import dataclasses
+import re
 import logging
 import shutil
 import time
@@ -96,7 +97,9 @@ def test_how_long_an_entry_waited_survives_a_watcher_restart(db):
     with session_scope(db.db_url) as session:
         assert session.scalars(select(DetectionWait.since)).one() == since
         reasons = session.scalars(select(DetectionProblem.reason)).all()
-    assert len(reasons) == 1 and reasons[0].startswith("incomplete for 2 s:"), reasons
+    # Counted from before the restart (2.2 s, more on a busy machine), never from it (1 s: not yet
+    # a problem at a 2 s quiet period).
+    assert len(reasons) == 1 and (m := re.match(r"incomplete for (\d+) s:", reasons[0])) and int(m[1]) >= 2, reasons
     assert status(db)["waiting"] == []  # listed under "not protected" now, not twice
     shutil.rmtree(out)
     again.scan()
