@@ -12,8 +12,8 @@ worker processes.
 from __future__ import annotations
 
 import dataclasses
-import re
 import logging
+import re
 import shutil
 import time
 import warnings
