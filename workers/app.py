@@ -3,7 +3,8 @@
     GET    /v1/status              node id, API version, zone, capacity, free, shard count, the codecs of
                                    frames it decodes ("decodes": ["planes", "zstd"]), the shards
                                    that crossed compressed ("zstd": received_/sent_ shards, raw, wire), every
-                                   upload it took ("uploads": shards and raw bytes, held ones included), the
+                                   upload it took ("uploads": shards and raw bytes, held ones included), what it put on
+                                   object stores ("pushes": shards and bytes), the
                                    filesystem its shards are on ("filesystem": id, capacity, free: workers
                                    on one disk report one id, and the cluster counts it once), and
                                    with X-Ckpt-Nonce and X-Ckpt-Url a proof that this worker, reached
@@ -19,6 +20,9 @@
                                    planes (zstd) frames (pipeline/cluster/wire.py)
     DELETE /v1/shards/<sha256>     remove a surplus copy
     POST   /v1/verify              {"shards": [...], "rate": B/s} -> re-hash each from the disk
+    POST   /v1/push                {"shards": [sha256], "size": n, "url": presigned PUT, "headers": {x-amz-*}}
+                                   -> put the shard on an object store (workers/push.py): {"push":
+                                   {"status", "checksum", "error"}}
     POST   /v1/stat                {"shards": [...]} -> size of each, or null
     POST   /v1/quarantine          {"shards": [...]} -> move aside (not served, not counted)
     POST   /v1/quarantine/purge    {"shards": [...]} -> delete the quarantined copies
@@ -47,7 +51,7 @@ from pipeline.cluster import auth
 from pipeline.cluster.decoding import CONTENT_TYPES, PLANES, ZSTD, decoding
 from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames
 from pipeline.errors import AuthError, ShardRefused
-from workers import chain
+from workers import chain, push
 from workers.shardstore import ShardStore, Throttle, valid_name
 
 API_VERSION = 1
@@ -102,6 +106,8 @@ class WorkerApp:
         self.wire: Counter[str] = Counter()
         #: Every upload taken (a shard sent twice counts twice): shards and raw bytes.
         self.uploads: Counter[str] = Counter()
+        #: Its copies it put on object stores (POST /v1/push): shards and bytes the stores took.
+        self.pushes: Counter[str] = Counter()
         self._wire_lock = threading.Lock()
 
     def count_wire(self, way: str, raw: int, wire: int, shards: int = 1) -> None:
@@ -176,7 +182,7 @@ class WorkerApp:
                 "capacity": self.store.capacity_bytes(), "free": self.store.free_bytes(),
                 "shards": count, "used": used, "quarantined": len(self.store.quarantined()),
                 "filesystem": self.store.filesystem(), "decodes": list(DECODES),
-                "zstd": dict(self.wire), "uploads": dict(self.uploads),
+                "zstd": dict(self.wire), "uploads": dict(self.uploads), "pushes": dict(self.pushes),
             }
             nonce = environ.get("HTTP_X_CKPT_NONCE")
             dialled = str(environ.get("HTTP_X_CKPT_URL") or "")[:512]
@@ -199,6 +205,17 @@ class WorkerApp:
                 sha, size = self.store.rehash(name, throttle)
                 results.append({"name": name, "sha256": sha, "size": size})
             return _json(start, 200, {"results": results})
+        if path == "/v1/push" and method == "POST":
+            doc = self._body(environ)
+            names = self._names_of(doc)
+            if len(names) != 1:
+                raise ShardRefused(400, "a push names one shard")
+            url, headers, size = push.check(doc)
+            answer = push.push(self.store, names[0], url, headers, size)
+            if answer.get("status") in (200, 201):
+                with self._wire_lock:
+                    self.pushes.update({"shards": 1, "bytes": size})
+            return _json(start, 200, {"push": answer})
         if path == "/v1/quarantine" and method == "POST":
             names = self._names(environ)
             return _json(start, 200, {"moved": {n: self.store.quarantine_shard(n) is not None for n in names}})

@@ -333,6 +333,13 @@ class WorkerClient:
                                         f"{len(names)} shards asked", 200)
         return results
 
+    def push(self, name: str, size: int, url: str, headers: dict[str, str]) -> dict[str, Any]:
+        """Have the worker PUT its copy of ``name`` to ``url`` (a presigned object-store PUT,
+        workers/push.py): the store's ``{"status", "checksum", "error"}``. A worker of an
+        earlier release answers 404 (no such endpoint): a :class:`WorkerError` with that status."""
+        doc = {"shards": [name], "size": size, "url": url, "headers": headers}
+        return self._request_json("POST", "/v1/push", doc, "push", dict)
+
     def quarantine(self, names: list[str]) -> dict[str, bool]:
         return self._request_json("POST", "/v1/quarantine", {"shards": names}, "moved", dict)
 

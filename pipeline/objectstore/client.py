@@ -81,6 +81,7 @@ class ObjectStore:
             if self._client is None:
                 t = self.target
                 config = Config(
+                    signature_version="s3v4",  # presigned PUTs too sign their checksum header
                     retries={"mode": "standard", "total_max_attempts": t.max_attempts},
                     connect_timeout=t.connect_timeout, read_timeout=t.read_timeout,
                     max_pool_connections=max(10, 2 * t.concurrency),
@@ -163,6 +164,22 @@ class ObjectStore:
         from pipeline.objectstore import upload
 
         return upload.put(self, sha256, source, offset=offset, length=length, head=head)
+
+    def presign_put(self, sha256: str, *, expires: int = 900) -> tuple[str, dict[str, str]]:
+        """A URL and headers that PUT ``sha256``'s object for ``expires`` seconds, with its
+        SHA-256 as a signed ``x-amz-checksum-sha256`` header (the store refuses other bytes):
+        what a storage worker uses to put its own copy without credentials (workers/push.py)."""
+        key = self.key(sha256)
+        params: dict[str, Any] = {"Bucket": self.target.bucket, "Key": key,
+                                  "ChecksumSHA256": keys.full_checksum(sha256), **self.sse_args()}
+        url = self.call(f"presign of {key}", self.s3.generate_presigned_url, ClientMethod="put_object",
+                        Params=params, ExpiresIn=expires)
+        headers = {"x-amz-checksum-sha256": keys.full_checksum(sha256)}
+        if self.target.sse:
+            headers["x-amz-server-side-encryption"] = self.target.sse
+            if self.target.sse_kms_key_id:
+                headers["x-amz-server-side-encryption-aws-kms-key-id"] = self.target.sse_kms_key_id
+        return str(url), headers
 
     def head(self, sha256: str) -> Stored:
         """The object as the store describes it (ObjectMissing if there is none)."""

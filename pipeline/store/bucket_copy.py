@@ -1,8 +1,11 @@
 """The replicate step for a copy on an object store (docs/design.md, "Object-store targets").
 
-The bytes come from the local file that holds the content, as for a storage worker, else from a
-worker's verified copy (a lagging copy made after rotation removed the local one), streamed to a
-temporary file of this host and hashed on the way before anything is put. The store checks each
+A storage worker that holds a verified copy puts it itself, through a PUT presigned here with the
+shard's SHA-256 signed in (workers/push.py: it needs no credential, and the store refuses other
+bytes), so the trainer's link carries the bytes once; a shard above the multipart threshold, or
+no worker able to (one of an earlier release has no push), and the bytes come from the local
+file, else from a worker's verified copy streamed to a temporary file of this host and hashed on
+the way before anything is put. The store checks each
 request's SHA-256 as it receives it; the copy is then confirmed by the store's own checksum
 (``HeadObject``): ``pending → stored → verified`` with that checksum recorded on the copy row.
 An object the store already holds under the name (another home's, a put whose answer was lost)
@@ -41,6 +44,8 @@ from pipeline.store.source import Source, shard_prefix, source_matches
 
 log = logging.getLogger("ckpt.replicate")
 BLOCK = 1 << 20
+#: The slowest a worker's put on an object store is allowed to be (bytes/s) before its wait ends.
+PUSH_RATE = 1 << 20
 
 
 def send_to_store(settings: Settings, copy_id: int, sha: str, size: int, worker_id: str, src: Source | None,
@@ -49,6 +54,8 @@ def send_to_store(settings: Settings, copy_id: int, sha: str, size: int, worker_
     try:
         store = store_for(settings, worker_id)
         stored = _held(store, sha, size)
+        if stored is None and size <= store.target.multipart_threshold:
+            stored = _pushed(settings, store, sha, size, peers)
         if stored is None:
             if src is not None:
                 put = store.put(sha, Path(src.path), offset=src.offset, length=src.length,
@@ -75,6 +82,32 @@ def send_to_store(settings: Settings, copy_id: int, sha: str, size: int, worker_
             s.execute(update(ContentCopy).where(ContentCopy.id == copy_id).values(checksum=stored.checksum))
             move(s, ContentCopy.id == copy_id, CopyState.VERIFIED, at=t, from_=(CopyState.STORED,))
         return replication.fan_in(s, settings, sha)
+
+
+def _pushed(settings: Settings, store: ObjectStore, sha: str, size: int,
+            peers: list[tuple[str, str]]) -> Stored | None:
+    """The object put by a worker from its verified copy (workers/push.py: a presigned PUT, the
+    SHA-256 signed into it) and confirmed here; None when no worker could (one of an earlier
+    release has no push: the bytes go from here)."""
+    key = settings.key()
+    for url, peer_id in peers:
+        presigned, headers = store.presign_put(sha)
+        try:
+            answer = WorkerClient(url, key, peer_id, timeout=max(settings.stall_seconds, size / PUSH_RATE)).push(
+                sha, size, presigned, headers)
+        except WorkerError as exc:
+            log.info("worker %s did not put %s on %s (%s); trying another way", peer_id, sha[:12],
+                     store.target.name, exc)
+            continue
+        if answer.get("status") not in (200, 201):
+            log.warning("worker %s's put of %s on %s: %s %s", peer_id, sha[:12], store.target.name,
+                        answer.get("status"), str(answer.get("error"))[:200])
+            continue
+        try:
+            return store.confirm(sha, size)
+        except (ObjectMissing, ObjectMismatch) as exc:
+            log.warning("worker %s's put of %s: not confirmed (%s)", peer_id, sha[:12], exc)
+    return None
 
 
 def _held(store: ObjectStore, sha: str, size: int) -> Stored | None:

@@ -92,6 +92,10 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
             and c.worker.tier == Tier.WORKERS]
         hops = [Hop(c.id, c.worker_id, c.worker.url) for c in rest]
         to_store = cp.worker.tier == Tier.OBJECT_STORE
+        if to_store:  # a worker's copy is put by the worker itself when it can (the trainer's link once)
+            peers = [(c.worker.url, c.worker_id) for c in cp.content.copies
+                     if c.state == CopyState.VERIFIED and c.worker.state in states.READABLE_WORKERS
+                     and c.worker.tier == Tier.WORKERS]
 
     if to_store:  # an object store: never in a chain (pipeline.store.sharding.replicate_sends)
         from pipeline.store import bucket_copy  # it uses this module's follow-ups
@@ -180,8 +184,24 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
             grown = Job.bytes_done + size * len(results)
             s.execute(update(Job).where(Job.id == job.id)
                       .values(bytes_done=case((grown > Job.bytes_total, Job.bytes_total), else_=grown)))
-        sends = fan_in(s, settings, sha)
+        sends = fan_in(s, settings, sha) + to_stores_once_held(s, sha, len(results))
     return sends + resend + [m for h, entry in failed for m in _hop_failed(settings, h, entry, named)]
+
+
+def to_stores_once_held(s: Session, sha: str, just_verified: int) -> list[Send]:
+    """The messages that send content ``sha``'s pending copies on object stores, when the copies
+    just verified are its first on workers (pipeline.store.sharding.replicate_sends held them back
+    for a worker to put)."""
+    on_workers = s.scalar(
+        select(func.count(ContentCopy.id)).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .where(ContentCopy.sha256 == sha, ContentCopy.state == CopyState.VERIFIED,
+               StorageWorker.tier == Tier.WORKERS)) or 0
+    if not just_verified or on_workers > just_verified:
+        return []
+    return [Send("replicate", (cid,)) for cid in s.scalars(
+        select(ContentCopy.id).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .where(ContentCopy.sha256 == sha, ContentCopy.state == CopyState.PENDING,
+               StorageWorker.tier == Tier.OBJECT_STORE))]
 
 
 def _hop_failed(settings: Settings, hop: Hop, entry: dict[str, Any], named: dict[str, Any] | None) -> list[Send]:

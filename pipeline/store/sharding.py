@@ -136,8 +136,12 @@ def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     whose first copy's worker passes the bytes on to the others' (``chain``), the first hops
     spread so that every worker's link works (:func:`pipeline.core.placement.chain_orders`).
     The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION.
-    A copy on an object store is sent by a message of its own (never a hop of a chain)."""
-    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id)]
+    A copy on an object store is sent by a message of its own (never a hop of a chain), once a
+    worker holds the content when it is still on its way to them."""
+    to_workers = {cp.sha256 for cp in pending if not is_target(cp.worker_id)}
+    # A content on its way to workers goes to an object store once a worker holds it (the worker
+    # puts it there: pipeline.store.replication sends it then); one already on workers goes now.
+    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and cp.sha256 not in to_workers]
     pending = [cp for cp in pending if not is_target(cp.worker_id)]
     if mode != "chain":
         return [Send("replicate", (cp.id,)) for cp in pending] + alone

@@ -1,7 +1,8 @@
 """An object store as a tier of a real cluster: `ckpt up` (real Dramatiq, scheduler, watcher),
 three storage worker processes, and a real SeaweedFS bucket as a ``[[targets]]`` target.
 
-Copies on the bucket are copy rows like a worker's, confirmed by the store's own checksum; the
+Copies on the bucket are copy rows like a worker's, confirmed by the store's own checksum, put by
+a worker from its own copy through a presigned PUT (the trainer's host sends each byte once); the
 tier policy decides whether rotation waits for them (``required``) or not (``lag``); a store
 that cannot take a copy leaves it pending with its error, nothing marked lost, and it lands once
 the store answers again (from a worker's copy when the local file is gone).
@@ -14,12 +15,12 @@ import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, ContentCopy, Shard, StorageWorker
+from pipeline.db.models import CheckpointFile, ContentCopy, JobEvent, Shard, StorageWorker
 from pipeline.objectstore import keys
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job, make_cluster  # noqa: F401 (fixture)
 from tests.objectstore.conftest import FlakyFront, raw_client
-from tests.processes import wait_for
+from tests.processes import wait_for, worker_client
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +67,10 @@ def test_required_copies_are_confirmed_by_the_store_before_the_local_copy_goes(m
     assert all(checksum == keys.full_checksum(sha) for sha, _s, checksum, _e in copies)
     held = in_bucket(server, bucket)
     assert wanted <= set(held)
+    # Each object was put by a worker from its own copy (a presigned PUT): the trainer's host
+    # sent the bytes once, to the workers, and nothing to the store.
+    pushed = [worker_client(w).status().get("pushes", {}) for w in cluster.workers]
+    assert sum(p.get("shards", 0) for p in pushed) == len(wanted), pushed
 
     new = atomic_save(state_dict(2), run / "step_2.safetensors")
     cluster.wait_job(checkpoint_job(cluster, new), ("verified",), timeout=90)
@@ -97,8 +102,12 @@ def test_a_throttling_store_holds_a_required_rotation_and_loses_nothing(make_clu
         new_job = checkpoint_job(cluster, new)
 
         # The workers take their copies; the store throttles: the job waits, saying why.
-        blocked = wait_for(lambda: cluster.job(old_job).blocked_reason, 90, "the store job to say it waits")
-        assert "object-store copy" in blocked and "throttled (503)" in blocked
+        def said() -> list[str]:
+            with session_scope(cluster.settings.db_url) as s:
+                return [d for d in s.scalars(select(JobEvent.detail).where(JobEvent.job_id == old_job))
+                        if "waiting for its object-store copy" in d]
+        notes = wait_for(said, 90, "the store job's timeline to say it waits for the store")
+        assert "throttled (503)" in notes[0]
         assert cluster.job(old_job).state == "sharded" and old.exists()
 
         front.failures = 0  # the store takes requests again
