@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.elsewhere import Elsewhere
 from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
@@ -49,25 +50,6 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-#: cgroup v1 hierarchies a confined bench (bench/README: the training part) is placed in.
-CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpuset")
-
-
-def outside(pid: int) -> None:
-    """Move process ``pid`` to the root of each cgroup hierarchy this process was confined in
-    (nothing when it was not): where it runs as another machine would, off the confined CPU."""
-    for hierarchy in CGROUPS:
-        try:
-            mine = Path(f"/proc/{os.getpid()}/cgroup").read_text()
-            name = Path(hierarchy).name
-            confined = any(line.split(":")[1] == name and line.split(":")[2].strip() != "/"
-                           for line in mine.splitlines() if line.count(":") >= 2)
-            if confined:
-                Path(hierarchy, "cgroup.procs").write_text(str(pid))
-        except OSError:
-            continue
-
-
 class System:
     #: Settings every system of this run gets (``--replication``).
     common: dict[str, str] = {}
@@ -83,10 +65,11 @@ class System:
                          "CKPT_RESTORE_ROOTS": str(root.parent), **self.common, **env})  # restores go next to it
         self.proc: subprocess.Popen | None = None
         self.up_args = up_args  # more options of `ckpt up`
-        #: The 3 storage workers started apart from `ckpt up`, outside this process's cgroups
-        #: (:func:`outside`): on a machine that runs the bench confined, they are the other machines.
+        #: The 3 storage workers started apart from `ckpt up`, in cgroups of their own beside this
+        #: process's (bench.elsewhere): on a machine that runs the bench confined, the other machines.
         self.workers_elsewhere = workers_elsewhere
         self.workers: list[subprocess.Popen] = []
+        self.elsewhere = Elsewhere()
 
     def _start_workers_elsewhere(self) -> None:
         from pipeline.cluster.client import free_port
@@ -98,7 +81,7 @@ class System:
             w = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.root / f"w{i}"),
                                   "--port", str(port), "--host", "127.0.0.1"], env=self.env, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-            outside(w.pid)
+            self.elsewhere.place(w.pid)
             self.workers.append(w)
             urls.append(f"http://127.0.0.1:{port}")
         self.env["CKPT_WORKERS"] = ",".join(urls)
@@ -128,6 +111,7 @@ class System:
             if w.poll() is None:
                 w.send_signal(signal.SIGTERM)
                 w.wait(timeout=60)
+        self.elsewhere.remove()
 
     def cli(self, *args: str) -> tuple[float, int, str]:
         """Run ``ckpt ARGS``; (seconds, peak RSS KiB of that process, stdout).

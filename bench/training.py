@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ class Variant:
     label: str
     mode: str  # one of MODES
     env: dict[str, str] = field(default_factory=dict)  # the tool's settings (CKPT_*), on top of its defaults
-    #: The storage workers apart from the training host (bench.system.outside): what a training
+    #: The storage workers apart from the training host (bench.elsewhere): what a training
     #: host carries when its copies go to other machines, as in a deployment.
     elsewhere: bool = False
 
@@ -158,6 +159,32 @@ def _cpu_seconds(pid: int) -> float:
     return total
 
 
+def _run_queue_seconds(pids: list[int]) -> float:
+    """Seconds the live threads of ``pids`` and their descendants waited to run (schedstat)."""
+    total = 0
+    for pid in {q for p in pids for q in (p, *descendants(p))}:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
+def _timeline(system: System) -> list[list[Any]]:
+    """Every store job's transitions: checkpoint path, time (UTC), from, to, detail."""
+    from sqlalchemy import select
+
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Checkpoint, Job, JobEvent
+
+    with session_scope(system.settings.db_url, readonly=True) as s:
+        rows = s.execute(select(Checkpoint.path, JobEvent.at, JobEvent.from_state, JobEvent.to_state, JobEvent.detail)
+                         .join(Job, Job.id == JobEvent.job_id).join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
+                         .where(Job.kind == JobKind.STORE).order_by(JobEvent.id)).all()
+    return [[path, at.isoformat(), old, new, detail] for path, at, old, new, detail in rows]
+
+
 def _protected(system: System) -> dict[str, str]:
     """Each recorded checkpoint of the bench run and the state of its store."""
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--json"], env=system.env,
@@ -172,6 +199,8 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
     run, out = work / "runs" / "train", work / "train.json"
     run.mkdir(parents=True, exist_ok=True)
     cpu0 = _cpu_seconds(system.proc.pid) if system and system.proc else 0.0
+    apart = [w.pid for w in system.workers] if system else []
+    apart0 = (sum(_cpu_seconds(p) for p in apart), _run_queue_seconds(apart))
     p = subprocess.run([sys.executable, "-m", "bench.training", profile, v.mode, str(run), str(out), json.dumps(plan)],
                        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
                        timeout=3600)
@@ -185,6 +214,11 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
     if system is not None and system.proc is not None:
         doc["tool_cpu_s"] = _cpu_seconds(system.proc.pid) - cpu0 + doc.get("recorder_cpu_s", 0.0)
         ended = time.monotonic()
+        doc["ended_at"] = datetime.now(UTC).replace(tzinfo=None).isoformat()  # as the timeline's
+        if apart:  # did the workers apart get the CPU they asked for (bench.elsewhere)?
+            doc["workers_apart"] = {"placement": system.elsewhere.placement,
+                                    "cpu_s": sum(_cpu_seconds(p) for p in apart) - apart0[0],
+                                    "run_queue_wait_s": _run_queue_seconds(apart) - apart0[1]}
         states = _protected(system)
         doc["protected_at_end"] = sum(s in PROTECTED for s in states.values())
         while any(s in ACTIVE[JobKind.STORE] for s in states.values()):
@@ -195,6 +229,7 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
         doc["recorded"] = len(states)
         doc["protected"] = sum(s in PROTECTED for s in states.values())
         doc["catch_up_s"] = time.monotonic() - ended
+        doc["timeline"] = _timeline(system)  # when each save reached each state, against ended_at
     return doc
 
 
@@ -243,7 +278,25 @@ def table(doc: dict) -> str:
         lines.append(f"  {m['label']:<42} {med * 1000:>9.0f}ms {_pct(m['steps'], 0.99) * 1000:>7.0f}ms "
                      f"{m['total_s']:>6.0f}s {(med / off - 1) * 100:>+6.1f}% {cpu:>9} {m['saves']:>5} "
                      f"{m.get('protected_at_end', '-'):>17} {after:>6} {m.get('protected', '-'):>6}")
+        lines += _evidence(m)
     return "\n".join(lines)
+
+
+def _evidence(row: dict) -> list[str]:
+    """Under a row: how its workers apart fared, and when each save unprotected at the end of
+    training was detected and verified (seconds against that end)."""
+    out = []
+    if "workers_apart" in row:
+        w = row["workers_apart"]
+        out.append(f"    workers apart: {w['cpu_s']:.1f} s of CPU, {w['run_queue_wait_s']:.1f} s waiting for one; "
+                   f"{w['placement']}")
+    if row.get("protected_at_end", 0) < row.get("recorded", 0):
+        end = datetime.fromisoformat(row["ended_at"])
+        for path, at, _old, new, detail in row["timeline"]:
+            if new in ("detected", "verified"):
+                out.append(f"    {Path(path).name} {new} at {(datetime.fromisoformat(at) - end).total_seconds():+.0f} s"
+                           f" ({detail})")
+    return out
 
 
 if __name__ == "__main__":
