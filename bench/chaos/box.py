@@ -10,6 +10,9 @@ four storage hosts, each storage worker on a disk of its own.
   the storage workers, not from the control plane (a limit of the box; docs/design.md).
 - ``s1``..``s4``: ``ckpt worker`` each, its data on an ext4 image of its own (a loop mount), so
   that a full disk is a real ENOSPC on that worker only.
+- ``objstore``: the object store's front (bench/chaos/front.py), the only way into the S3 bucket
+  (bench/chaos/bucket.py) that every process has as a ``[[targets]]`` target: run ``hf``
+  ``required`` (rotation waits for the bucket's confirmed copies), run ``sft`` ``lag``.
 
 The box acts as systemd does for the processes it started (``Restart=always``): one that dies
 and is not held down on purpose is started again after ``RESTART_SECONDS``.
@@ -25,13 +28,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.chaos.bucket import FRONT_PORT, REQUIRED_RUN, SoakBucket
 from bench.cluster import Box
 
 PORT = 7070
 KEY = "chaos-soak-cluster-key"
 TRAINERS = ("t1", "t2")
 STORAGE = ("s1", "s2", "s3", "s4")
-HOSTS = ["control", *TRAINERS, *STORAGE]
+STORE = "objstore"
+HOSTS = ["control", *TRAINERS, *STORAGE, STORE]
 NORMAL_RATE = 1e9
 RESTART_SECONDS = 2.0
 PY = sys.executable
@@ -52,7 +57,8 @@ class Proc:
 class ChaosBox:
     """The namespaces, disks and processes of one soak; :meth:`down` removes all of them."""
 
-    def __init__(self, root: Path, *, disk_bytes: int, env: dict[str, str], trainer: dict[str, object]) -> None:
+    def __init__(self, root: Path, *, disk_bytes: int, env: dict[str, str], trainer: dict[str, object],
+                 bucket: SoakBucket) -> None:
         self.root = root
         self.box = Box(root, NORMAL_RATE, hosts=list(HOSTS), prefix="cx")
         self.disk_bytes, self.extra_env, self.trainer = disk_bytes, env, trainer
@@ -61,6 +67,9 @@ class ChaosBox:
         self.logs = root / "logs"
         self.control_home = root / "control-home"
         self.urls = {h: f"http://{self.box.addr[h]}:{PORT}" for h in STORAGE}
+        self.bucket = bucket
+        #: The front's mode file: ``throttle`` (503 SlowDown to every request) or ``pass``.
+        self.store_mode = root / "objstore-mode"
 
     # -- layout --------------------------------------------------------------------------
 
@@ -81,11 +90,13 @@ class ChaosBox:
         return self.root / f"train-{host}" / "restored"
 
     def env(self, host: str) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "AWS_"))}
         base.update({
             "CKPT_CLUSTER_KEY": KEY, "CKPT_MDNS": "0", "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "",
             "CKPT_GC_CRON": "", "CKPT_WORKERS": ",".join(self.urls.values()), "CKPT_HOST": host,
             "PYTHONUNBUFFERED": "1", "dramatiq_worker_timeout": "100", "HF_HUB_OFFLINE": "1",
+            **self.bucket.env(f"http://{self.box.addr[STORE]}:{FRONT_PORT}", self.root),
+            "CKPT_RUN_OPTIONS": json.dumps({str(self.runs("t*") / REQUIRED_RUN): {"target_mode": "required"}}),
             **self.extra_env,
         })
         if host == "control":
@@ -118,6 +129,9 @@ class ChaosBox:
         for h in TRAINERS:
             self.runs(h).mkdir(parents=True, exist_ok=True)
             self.restored(h).mkdir(parents=True, exist_ok=True)
+        self.store_mode.write_text("pass")
+        self.add(STORE, "front", [PY, "-m", "bench.chaos.front", self.box.addr[STORE], str(FRONT_PORT),
+                                  str(self.bucket.socket), str(self.store_mode)])
         for w in STORAGE:
             self.add(w, "worker", [PY, "-m", "pipeline.cli", "worker", "--data", str(self.data(w)),
                                    "--host", self.box.addr[w], "--port", str(PORT)])

@@ -7,6 +7,10 @@
   the good copies of every shard on the workers' disks. Fewer than RF is an unsafe deletion.
 - :func:`protection`: at the end, every save the trainers completed (their ledger) is still
   whole on its host's disk, or each of its shards has RF good copies on distinct workers' disks.
+- The object store, asked directly (bench/chaos/bucket.py): a save of the ``required`` run leaves
+  its host only once the bucket holds each of its shards (:class:`Guard`), and after the heal
+  every protected save of either run has all its shards there (:func:`off_bucket`); no copy on
+  the store was given up or found bad because the store was down (:func:`store_copy_states`).
 - :func:`stuck_jobs`, :func:`workers_not_up`, :func:`redis_sample`: jobs with no sign of life
   for lease x 3, workers the control plane does not count, Redis memory and queue depths.
 """
@@ -23,6 +27,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from bench.chaos.box import STORAGE, TRAINERS, ChaosBox
+from bench.chaos.bucket import REQUIRED_RUN, SoakBucket
 from bench.chaos.trainer import sha256_of
 from pipeline import states
 from pipeline.db.engine import session_scope
@@ -42,6 +47,11 @@ class Save:
 
     def local(self, rel: str) -> Path:
         return Path(self.path) / rel if rel else Path(self.path)
+
+    @property
+    def required(self) -> bool:
+        """Whether its run's object-store copies are ``required`` before a local deletion."""
+        return Path(self.path).parent.name == REQUIRED_RUN
 
 
 def read_ledgers(box: ChaosBox) -> list[Save]:
@@ -93,6 +103,9 @@ class Manifest:
     shards: dict[str, list[str]] = field(default_factory=dict)  # relpath -> shard SHA-256s
     sizes: dict[str, int] = field(default_factory=dict)  # relpath -> bytes
     problem: str = ""
+
+    def all_shards(self) -> list[str]:
+        return sorted({sha for shas in self.shards.values() for sha in shas})
 
 
 def manifest(db_url: str, save: Save) -> Manifest:
@@ -147,6 +160,7 @@ class Guard:
 
     def __init__(self, box: ChaosBox, rf: int, context: Callable[[], str], every: float = 0.25) -> None:
         self.box, self.rf, self.context, self.every = box, rf, context, every
+        self.bucket: SoakBucket = box.bucket
         self.index = DiskIndex(box)
         self.deletions: list[Deletion] = []
         self._present: dict[str, str] = {}  # path -> host
@@ -199,6 +213,9 @@ class Guard:
         if m.checkpoint_id is None:
             return Deletion(host, path, at, False, m.problem, self.context())
         problems, _ = short_copies(m, self.index, self.rf)
+        if save.required:  # the bucket's own word, asked now (HeadObject: a listing may lag a put)
+            problems += [f"object store: {sha[:12]}: {why}" for sha in m.all_shards()
+                         if (why := self.bucket.proof(sha))]
         detail = f"checkpoint {m.checkpoint_id}, store {m.store_state}"
         if problems:
             detail += ": " + "; ".join(problems[:4]) + (f" (+{len(problems) - 4})" if len(problems) > 4 else "")
@@ -212,6 +229,7 @@ class SaveVerdict:
     detail: str = ""
     lost_bytes: int = 0
     store_state: str | None = None
+    shards: list[str] = field(default_factory=list)
 
 
 def protection(box: ChaosBox, saves: list[Save], rf: int) -> list[SaveVerdict]:
@@ -228,7 +246,7 @@ def protection(box: ChaosBox, saves: list[Save], rf: int) -> list[SaveVerdict]:
         problems, lost = short_copies(m, index, rf)
         if not problems:
             out.append(SaveVerdict(save, "protected", f"checkpoint {m.checkpoint_id}, store {m.store_state}",
-                                   store_state=m.store_state))
+                                   store_state=m.store_state, shards=m.all_shards()))
         elif local:
             bad = m.store_state in (states.StoreState.FAILED,)
             out.append(SaveVerdict(save, "GIVEN UP" if bad else "local",
@@ -241,6 +259,33 @@ def protection(box: ChaosBox, saves: list[Save], rf: int) -> list[SaveVerdict]:
                                    f"checkpoint {m.checkpoint_id}, store {m.store_state}: " + "; ".join(problems[:4]),
                                    lost_bytes, m.store_state))
     return out
+
+
+def off_bucket(bucket: SoakBucket, verdicts: list[SaveVerdict]) -> tuple[list[str], int]:
+    """Protected saves (verified or rotated) whose shards the bucket does not hold (listed, and
+    proven by HeadObject), described; and how many shards were proven there."""
+    listed = bucket.listing()
+    out, proven = [], 0
+    for v in verdicts:
+        if v.store_state not in states.PROTECTED:
+            continue
+        missing = bucket.missing(v.shards, listed)
+        proven += len(v.shards) - len(missing)
+        if missing:
+            what = "required run" if v.save.required else "lagging copies never landed"
+            out.append(f"save {v.save.path} ({v.save.host}, {v.detail}): {what}: {len(missing)}/{len(v.shards)} "
+                       f"shards not on the object store: " + "; ".join(missing[:3]))
+    return out, proven
+
+
+def store_copy_states(db_url: str) -> dict[str, int]:
+    """The object-store tier's copy rows by state (the control plane's view, for the table and
+    for copies it gave up or found bad)."""
+    with session_scope(db_url, readonly=True) as s:
+        rows = s.execute(select(ContentCopy.state, func.count())
+                         .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+                         .where(StorageWorker.tier == "objectstore").group_by(ContentCopy.state)).all()
+    return {state: n for state, n in rows}
 
 
 def failed_stores(db_url: str) -> list[str]:

@@ -7,7 +7,9 @@ control plane restarted (SIGTERM to ``ckpt up``, then started again), a worker's
 ballast file fills its own ext4 disk), one link shaped to a crawl (tbf at 300 kbit; netem is
 not available), a stranger answering garbage on a worker's port (the worker stopped, an SSH
 banner in its place), a training host down (its trainer, Dramatiq and watcher killed, its link
-down) for 5 minutes.
+down) for 5 minutes; the object store partitioned (a blackhole: its host's link down, so
+connections and requests in flight time out; or refused: its front stopped, its port closed) or
+throttled (its front answers 503 SlowDown to every request).
 """
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ import random
 import signal
 from dataclasses import dataclass, field
 
-from bench.chaos.box import NORMAL_RATE, PY, STORAGE, TRAINERS, ChaosBox, pid_alive
+from bench.chaos.box import NORMAL_RATE, PY, STORAGE, STORE, TRAINERS, ChaosBox, pid_alive
 from bench.chaos.checks import stores_in_flight, workers_not_up
 from bench.system import descendants
 
 CRAWL_RATE = 300e3
-KINDS = ("partition", "stall", "kill", "control-restart", "disk-full", "crawl", "stranger", "trainer-down")
+KINDS = ("partition", "stall", "kill", "control-restart", "disk-full", "crawl", "stranger", "trainer-down",
+         "store-partition", "store-throttle")
 #: Seconds each kind lasts at scale 1 (drawn uniformly); kills last no time (the box restarts them).
 DURATIONS = {"partition": (30, 120), "stall": (30, 300), "kill": (0, 0), "control-restart": (0, 0),
-             "disk-full": (30, 180), "crawl": (30, 180), "stranger": (30, 120), "trainer-down": (300, 300)}
+             "disk-full": (30, 180), "crawl": (30, 180), "stranger": (30, 120), "trainer-down": (300, 300),
+             "store-partition": (60, 300), "store-throttle": (60, 300)}
 KILLABLE = ("control:redis", "control:dramatiq", "control:dramatiq-worker", "control:scheduler", "control:watcher",
             "control:up", *(f"{w}:worker" for w in STORAGE), *(f"{t}:{r}" for t in TRAINERS
                                                                  for r in ("dramatiq", "watcher")))
@@ -61,7 +65,8 @@ class Fault:
 def _targets(kind: str) -> list[str]:
     return {"partition": ["control", *TRAINERS, *STORAGE], "stall": list(STORAGE), "kill": list(KILLABLE),
             "control-restart": ["control"], "disk-full": list(STORAGE), "crawl": [*TRAINERS, *STORAGE],
-            "stranger": list(STORAGE), "trainer-down": list(TRAINERS)}[kind]
+            "stranger": list(STORAGE), "trainer-down": list(TRAINERS),
+            "store-partition": [f"{STORE}:blackhole", f"{STORE}:refused"], "store-throttle": [STORE]}[kind]
 
 
 def draw(seed: int, first: float, until: float, gap: tuple[float, float], scale: float,
@@ -132,8 +137,14 @@ class Injector:
                     p.held = True
                     box.signal(p, signal.SIGKILL)
             box.box.link(h, "down")
+        elif f.target == f"{STORE}:blackhole":
+            box.box.link(h, "down")
+        elif f.target == f"{STORE}:refused":
+            box.stop(box.procs[(h, "front")])
+        elif f.kind == "store-throttle":
+            box.store_mode.write_text("throttle")
         else:
-            raise ValueError(f"unknown fault kind {f.kind}")
+            raise ValueError(f"unknown fault {f}")
 
     def _kill(self, f: Fault) -> str:
         box = self.box
@@ -162,8 +173,12 @@ class Injector:
     def heal(self, f: Fault) -> bool:
         """Undo ``f``; False while it cannot be undone yet (try again later)."""
         box, h = self.box, f.host
-        if f.kind in ("partition",):
+        if f.kind == "partition" or f.target == f"{STORE}:blackhole":
             box.box.link(h, "up")
+        elif f.target == f"{STORE}:refused":
+            box.procs[(h, "front")].held = False  # the box starts it again
+        elif f.kind == "store-throttle":
+            box.store_mode.write_text("pass")
         elif f.kind == "stall":
             box.signal(box.procs[(h, "worker")], signal.SIGCONT)
         elif f.kind == "control-restart":
@@ -189,14 +204,14 @@ class Injector:
 
     def healed(self, f: Fault) -> None:
         """Note what must move on for ``f`` to count as recovered: the stores in flight now (a
-        training host's own; every host's for the control plane or a storage worker)."""
+        training host's own; every host's for the control plane, a storage worker or the object store)."""
         flight = stores_in_flight(self.box.db_url)
         f.pending = {j: h for j, h in flight.items() if f.host not in TRAINERS or h == f.host}
 
     def recovered(self, f: Fault, faulted: set[str]) -> bool:
-        """The fault's target works again: its processes run, its worker is ``up``, and every store
-        that was in flight when it was healed has moved on (verified, or ended), except those of
-        a training host that is itself under a fault now (``faulted``)."""
+        """The fault's target works again: its processes run, its worker (or the object store) is
+        ``up``, and every store that was in flight when it was healed has moved on (verified, or
+        ended), except those of a training host that is itself under a fault now (``faulted``)."""
         box, h = self.box, f.host
         if h == "control":
             if not box.control_ready():
@@ -212,6 +227,8 @@ class Injector:
             if not all(box.alive(p) for p in procs):
                 return False
             if h in STORAGE and h in workers_not_up(box.db_url, {h: box.urls[h]}):
+                return False
+            if h == STORE and workers_not_up(box.db_url, {h: box.bucket.url}):
                 return False
         if f.pending:
             flight = stores_in_flight(box.db_url)

@@ -1,9 +1,11 @@
 """The chaos soak: the cluster in a box under a seeded fault schedule, and its verdict.
 
-Phases: the box comes up and the trainers start saving; faults are injected from the schedule
+Phases: the object store (SeaweedFS, bench/chaos/bucket.py) and the box come up and the
+trainers start saving; faults are injected from the schedule
 (over the first ``fault_share`` of the run) while restores are asked now and then; at the end of
 the run the trainers stop after their current save and every fault still on is healed; then the
-heal period, until no job is working or ``drain`` seconds passed; then one restore per training
+heal period, until no job is working and no copy waits for the object store, or ``drain``
+seconds passed; then one restore per training
 host, and the checks (bench/chaos/checks.py). The run fails if any check fails.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.chaos import checks
-from bench.chaos.box import PY, TRAINERS, ChaosBox, wait
+from bench.chaos.box import PY, STORE, TRAINERS, ChaosBox, wait
+from bench.chaos.bucket import SoakBucket
 from bench.chaos.faults import KINDS, Fault, Injector, draw
 from pipeline import states
 from pipeline.db.engine import dispose_all
@@ -87,8 +90,9 @@ class Soak:
         self.root = config.root or Path(tempfile.mkdtemp(prefix="ckpt-chaos-"))
         rng = random.Random(config.seed)
         mb = [round(rng.uniform(*config.mb), 1) for _ in TRAINERS]
+        self.bucket = SoakBucket()
         self.box = ChaosBox(self.root, disk_bytes=int(config.disk_gb * 1e9), env=config.settings_env(),
-                            trainer={"mb": mb, "every": config.every, "seed": config.seed})
+                            trainer={"mb": mb, "every": config.every, "seed": config.seed}, bucket=self.bucket)
         self.injector = Injector(self.box)
         self.faults: list[Fault] = []
         self.restores: list[Restore] = []
@@ -199,6 +203,7 @@ class Soak:
         for f in self.faults:
             self.log(f"  scheduled: {f}")
         try:
+            self.bucket.start()
             self.box.up()
             wait(lambda: not checks.workers_not_up(self.box.db_url, self.box.urls), 120, "4 storage workers up",
                  self.box.logs)
@@ -225,6 +230,7 @@ class Soak:
             return self.verdict(guard)
         finally:
             self.box.down()
+            self.bucket.stop()
             dispose_all()
             if not c.keep:
                 shutil.rmtree(self.root, ignore_errors=True)
@@ -291,7 +297,8 @@ class Soak:
             try:
                 quiet = (checks.active_jobs(self.box.db_url) == 0
                          and all(f.recovered_at for f in self.faults if f.injected_at)
-                         and not checks.workers_not_up(self.box.db_url, self.box.urls))
+                         and not checks.workers_not_up(self.box.db_url, self.box.urls | self.store_url)
+                         and not checks.store_copy_states(self.box.db_url).get(states.CopyState.PENDING.value))
             except Exception:
                 quiet = False
             if quiet:
@@ -299,6 +306,10 @@ class Soak:
                 return
             time.sleep(1)
         self.log(f"heal period over after {self.c.drain:.0f}s, not quiet")
+
+    @property
+    def store_url(self) -> dict[str, str]:
+        return {STORE: self.bucket.url}
 
     def last_restores(self) -> list[tuple[checks.Save, int]]:
         """One protected save per training host, preferring one no longer on its disk."""
@@ -330,8 +341,17 @@ class Soak:
             if f.injected_at is not None and f.recovered_at is None:
                 failures.append(f"never recovered from {f.kind} {f.target} (healed at "
                                 f"{(f.healed_at or 0) - self.t0:.0f}s) {' '.join(f.notes)}")
-        for host, state in checks.workers_not_up(self.box.db_url, self.box.urls).items():
-            failures.append(f"healthy worker {host} ({self.box.urls[host]}) is {state} at the end")
+        urls = self.box.urls | self.store_url
+        for host, state in checks.workers_not_up(self.box.db_url, urls).items():
+            failures.append(f"healthy worker {host} ({urls[host]}) is {state} at the end")
+        off, proven = checks.off_bucket(self.bucket, verdicts)
+        failures += off
+        copies = checks.store_copy_states(self.box.db_url)
+        given_up = {k: n for k, n in copies.items() if k not in STORE_COPY_OK}
+        if given_up:
+            failures.append(f"object-store copies given up or found bad (the store was only ever down): {given_up}")
+        if pending := copies.get(states.CopyState.PENDING.value):
+            failures.append(f"{pending} object-store copies still pending after the heal")
         peak_mem = max((s["used_memory"] for s in self.samples), default=0)
         if peak_mem > c.redis_max_mb * 1e6:
             failures.append(f"Redis used {peak_mem / 1e6:.0f} MB (bound {c.redis_max_mb:.0f} MB)")
@@ -357,9 +377,20 @@ class Soak:
             "queue_peak": max((s["depth"] for s in self.samples), default=0),
             "dead_letters": max((sum(v for k, v in s.items() if k.endswith(".XQ")) for s in self.samples), default=0),
             "jobs": checks.store_states(self.box.db_url), "failures": failures,
+            "bucket": {"proven_shards": proven, "protected_required": sum(
+                1 for v in verdicts if v.store_state in states.PROTECTED and v.save.required),
+                "protected_lag": sum(1 for v in verdicts if v.store_state in states.PROTECTED and not v.save.required),
+                "copies": copies},
             "restarts": {f"{p.host}/{p.role}": p.restarts for p in self.box.procs.values() if p.restarts},
         }
         return Result(not failures, failures, table(doc), doc)
+
+
+#: Copy states an object-store copy may end in when the store was only ever throttled or cut off
+#: (trimmed, deleting: retention's own decisions).
+STORE_COPY_OK = frozenset({states.CopyState.PENDING.value, states.CopyState.STORED.value,
+                           states.CopyState.VERIFIED.value, states.CopyState.TRIMMED.value,
+                           states.CopyState.DELETING.value})
 
 
 def table(doc: dict) -> str:
@@ -381,6 +412,9 @@ def table(doc: dict) -> str:
         f"Redis peak {doc['redis_peak_mb']} MB, queue depth peak {doc['queue_peak']}, "
         f"dead letters {doc['dead_letters']}",
         f"bytes lost {doc['bytes_lost']}",
+        f"object store: {doc['bucket']['proven_shards']} shards of {doc['bucket']['protected_required']} protected "
+        f"required-run and {doc['bucket']['protected_lag']} lag-run saves proven on the bucket; copies "
+        + ", ".join(f"{k} {v}" for k, v in sorted(doc["bucket"]["copies"].items())),
         "jobs: " + ", ".join(f"{k} {v}" for k, v in sorted(doc["jobs"].items())),
     ]
     if doc["restarts"]:

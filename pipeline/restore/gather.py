@@ -24,7 +24,7 @@ from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, S
 from pipeline.errors import HashMismatch, MalformedStream, RestoreError, WorkerError
 from pipeline.hashing import side_thread
 from pipeline.restore.links import LINKS
-from pipeline.states import READABLE_COPIES, WorkerState
+from pipeline.states import READABLE_COPIES, Tier, WorkerState
 
 log = logging.getLogger("ckpt.gather")
 BLOCK = 4 * 1024 * 1024
@@ -76,7 +76,9 @@ def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
     for sha, copy_id, state, worker_id, url, worker_state in session.execute(
             select(ContentCopy.sha256, ContentCopy.id, ContentCopy.state, StorageWorker.id, StorageWorker.url,
                    StorageWorker.state).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-            .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(READABLE_COPIES))):
+            # The workers' tier: a worker's client cannot read a bucket (restore from a target is next).
+            .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(READABLE_COPIES),
+                   StorageWorker.tier == Tier.WORKERS)):
         readable[sha].append((worker_state != WorkerState.UP, _PREFERENCE[state], copy_id, worker_id, url))
     out = []
     load: dict[str, int] = {}  # bytes this restore reads from each worker so far

@@ -1,7 +1,10 @@
 """The chaos soak (issue 28) in the default suite: 3 minutes of the cluster in a box
-(bench/chaos) under a seeded fault schedule, a few MB per save; ``--chaos-minutes N`` runs it
-longer. It fails with every finding listed: an unprotected or lost save, an unsafe local
-deletion (checked from the workers' disks at the moment it happened), a job stuck beyond
+(bench/chaos) and its object store (SeaweedFS behind a front the faults partition and throttle)
+under a seeded fault schedule, a few MB per save; ``--chaos-minutes N`` runs it longer. It fails
+with every finding listed: an unprotected or lost save, an unsafe local deletion (checked from
+the workers' disks, and for the ``required`` run from the bucket, at the moment it happened), a
+protected save whose shards the bucket does not hold after the heal, an object-store copy given
+up, a job stuck beyond
 lease x 3 after the heal, Redis memory or queue depth out of bounds, a healthy worker not up at
 the end, a restore that is not byte-identical. Every namespace, mount and process the soak
 made is removed, also when it fails (bench/chaos/box.py, ``ChaosBox.down``)."""

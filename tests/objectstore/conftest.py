@@ -11,7 +11,6 @@ import shutil
 import tempfile
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import boto3
@@ -19,6 +18,7 @@ import pytest
 from botocore.config import Config
 
 from bench import seaweed
+from bench.s3front import Front
 from pipeline.objectstore.config import Target, target_from
 
 
@@ -73,7 +73,7 @@ def make_target(endpoint: str, bucket: str, **options) -> Target:
     return target_from(table, "test")
 
 
-class FlakyFront:
+class FlakyFront(Front):
     """An HTTP front on loopback for an S3 server: answers the next ``failures`` requests with
     ``status`` and an S3 error body of ``code`` (503 SlowDown: throttling), then passes every
     request through to the server. ``seen`` counts the requests it answered itself."""
@@ -81,54 +81,13 @@ class FlakyFront:
     def __init__(self, upstream_port: int, status: int, code: str, failures: int) -> None:
         self.status, self.code, self.failures, self.seen = status, code, failures, 0
         self.lock = threading.Lock()
-        front = self
+        super().__init__(lambda: http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30))
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def relay(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with front.lock:
-                    fail = front.failures > 0
-                    if fail:
-                        front.failures -= 1
-                        front.seen += 1
-                if fail:
-                    xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{front.code}</Code>"
-                           f"<Message>injected</Message></Error>").encode()
-                    self.send_response(front.status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(xml)))
-                    self.end_headers()
-                    if self.command != "HEAD":  # a HEAD's answer has no body: bytes written here would be
-                        self.wfile.write(xml)   # read as the next answer's status line on this connection
-                    return
-                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
-                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(k, v)
-                # A HEAD's length is the object's, as the server said; a body's is what was read.
-                self.send_header("Content-Length", r.getheader("Content-Length", "0") if self.command == "HEAD"
-                                 else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def fault(self, method: str) -> tuple[int, str] | None:
+        with self.lock:
+            if self.failures <= 0:
+                return None
+            self.failures -= 1
+            self.seen += 1
+        return self.status, self.code

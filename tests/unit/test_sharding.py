@@ -114,6 +114,31 @@ def test_a_restore_reads_from_every_worker_holding_its_shards(detected):
     assert set(first) == {"w-0", "w-1"} and abs(first["w-0"] - first["w-1"]) <= biggest, first
 
 
+def test_a_restore_does_not_read_from_an_object_store_until_restore_from_a_target_exists(detected):
+    """A verified copy on an object store is no source for a restore yet: a worker's client
+    cannot read a bucket (found by the chaos soak: a restore failed on "storage worker URL must
+    look like http://HOST:PORT" although every shard had two verified copies on workers)."""
+    from sqlalchemy import select, update
+
+    from pipeline.db.models import Checkpoint
+    from pipeline.restore.gather import manifest
+
+    db, path, job_id = detected
+    sharding.shard_checkpoint(db, job_id)
+    with session_scope(db.db_url) as s:
+        s.execute(update(ContentCopy).values(state="verified", verified_at=now()))
+        s.add(StorageWorker(id="target:store", url="s3://bucket/ckpt", source="target", tier="objectstore",
+                            state="up"))
+        s.flush()
+        for sha in set(s.scalars(select(ContentCopy.sha256))):
+            s.add(ContentCopy(sha256=sha, worker_id="target:store", state="verified", verified_at=now()))
+    with session_scope(db.db_url) as s:
+        (f,) = manifest(s, s.get(Checkpoint, s.get(Job, job_id).checkpoint_id))
+    assert f.shards
+    for sh in f.shards:
+        assert {worker for worker, _url in sh.copies} == {"w-0", "w-1"}
+
+
 def test_a_root_may_fan_out_while_the_others_chain(detected):
     """Replication is chosen per store, by the checkpoint's root: its ``replication`` option
     over CKPT_REPLICATION."""
