@@ -6,6 +6,7 @@ Each validates, records the job in one transaction, and only then enqueues (comm
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,16 +14,18 @@ from pathlib import Path
 
 import dramatiq.errors
 import redis.exceptions
+from sqlalchemy import inspect
 from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.db import copies, hosts, workers
-from pipeline.db.engine import session_scope
+from pipeline.db.engine import get_engine, session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, roots
 from pipeline.errors import CkptError, IncompleteCheckpoint
 from pipeline.integrity import gc, retention, scrub
+from pipeline.objectstore import tier
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
 from pipeline.steps import Send
@@ -183,6 +186,36 @@ def remove(settings: Settings, worker_id: str, *, answers: Callable[[str, str], 
                             f"drain it first: `ckpt workers drain {worker_id} --wait`")
         n = workers.remove(s, w)
     return Removal(worker_id, url, state, n, short)
+
+
+def check_target_removal(settings: Settings, name: str) -> None:
+    """Raise why object-store target ``name`` may not be removed from the configuration: a run's
+    policy needs more targets than would remain (``target_mode = "required"``, or more
+    ``target_copies`` than targets), or it holds the only good copy of a live content (any
+    tier counts). There is no ``--force``: what it alone holds would be lost."""
+    left = [t for t in settings.object_targets() if t.name != name]
+    tables = [("the global policy (target_copies, target_mode)", {}),
+              *[(f'[runs."{glob}"]', over) for glob, over in json.loads(settings.run_options or "{}").items()]]
+    for where, over in tables:
+        n = int(over.get("target_copies", settings.target_copies))
+        mode = str(over.get("target_mode", settings.target_mode))
+        if n > len(left) and (mode == "required" or n > max(len(left), 1)):
+            raise CkptError(f"{where} wants {n} object-store copies (target_mode = {mode}): without target {name} "
+                            f"{len(left)} target(s) remain; lower its target_copies or set target_mode = \"lag\" "
+                            "first, then remove it")
+    wid = tier.row_id(name)
+    if not inspect(get_engine(settings.db_url, readonly=True)).has_table(StorageWorker.__tablename__):
+        return  # no control plane yet: nothing recorded anywhere
+    with session_scope(settings.db_url, readonly=True) as s:
+        w = s.get(StorageWorker, wid)
+        if w is None:
+            return  # never recorded: it holds nothing
+        state = w.state
+        _held, only, only_bytes = copies.short_without(s, wid, 1, tier=None)
+    if only:
+        raise CkptError(f"target {name} ({state}) holds the only good copy of {only} content(s) "
+                        f"({human_bytes(only_bytes)}): removing it would lose them; wait until the storage workers "
+                        "hold them again (the repair sweep copies them; `ckpt status` shows replicas), then remove it")
 
 
 def check_restore(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,

@@ -200,6 +200,11 @@ class Settings:
     #: Copies deleted per request to a worker, and the most deleted per second (0: unthrottled).
     gc_batch: int = 200
     gc_rate: float = 500.0
+    #: An object in a target's bucket that no copy row names (a put whose answer was lost, a
+    #: home restored from an older database) is deleted only once the store says it was written
+    #: this long ago: a put in flight (a `ckpt target add` probe, another process's upload) and
+    #: a listing that lags are never mistaken for garbage (docs/design.md, "Garbage collection").
+    gc_orphan_grace_seconds: float = 86400.0
     #: Alerts (pipeline/alerts.py): a condition becomes an alert once it has held this long. A
     #: storage worker down or rejected; content short of RF good copies; a run whose newest save
     #: is not protected, or whose trainer's saves cannot be protected (pipeline/degraded.py).

@@ -29,6 +29,7 @@ from pipeline.db.models import (
 )
 from pipeline.db.transitions import latest_store_ids, now
 from pipeline.detection import problems, waits
+from pipeline.objectstore import report as objectstore_report
 from pipeline.settings import Settings
 from pipeline.states import ContentState, JobKind, StoreState
 
@@ -90,6 +91,7 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
     counts = replica_counts(session, [c.id for c in ckpts])
     health = shard_counts(session, settings, ckpts)
     silent = silent_hosts(session, {c.host for c in ckpts if c.host})
+    on_stores = objectstore_report.confirmed(session, settings, ckpts)
     out = []
     for c in ckpts:
         job, h = jobs.get(c.id), health.get(c.id, {})
@@ -109,6 +111,7 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
             "disk_changed": c.disk_changed, "disk_changed_at": c.disk_changed_at,
             "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
             "health": health_of.checkpoint_health(state, h), "shards": h,
+            "objectstore": on_stores.get(c.id),
         })
     return out
 
@@ -135,7 +138,7 @@ def silent_hosts(session: Session, names: set[str]) -> dict[str, str]:
 
 
 def worker_dict(w: StorageWorker) -> dict[str, Any]:
-    return {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state,
+    return {"id": w.id, "url": w.url, "zone": w.zone, "source": w.source, "state": w.state, "tier": w.tier,
             "free_bytes": w.free_bytes, "capacity_bytes": w.capacity_bytes, "used_bytes": w.used_bytes,
             "last_seen": w.last_seen,
             "last_error": w.last_error}
@@ -298,6 +301,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "runs": run_summaries(s, settings, runs=[run] if run else None),
             "jobs": [job_dict(j) for j in jobs],
             "workers": [worker_dict(w) for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))],
+            "objectstores": objectstore_report.targets(s),
             "capacity": usage.as_dict(),
             "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from pipeline import alerts, capacity, consumers, queues, states
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job, JobEvent, QueueConsumer, RunStateCount
+from pipeline.objectstore import report as objectstore_report
 from pipeline.states import JobKind, WorkerState
 from pipeline.status import degraded_runs, problem_dicts, run_summaries
 from pipeline.tasks import deadletters
@@ -57,7 +58,9 @@ class ControlPlaneCollector:
                    "capacity": capacity.usage(session, s).as_dict(), "run_usage": capacity.per_run(session),
                    "degraded": degraded_runs(s), "last_scrubs": alerts.last_scrubs(session)}
             on_disks = capacity.readable_disks(session)
+            stores, lagging = objectstore_report.targets(session), objectstore_report.lagging_contents(session)
         yield jobs
+        yield from _objectstore_metrics(stores, lagging)
         g = GaugeMetricFamily("ckpt_bytes_stored", "Bytes of checkpoints stored and verified")
         g.add_metric([], stored)
         yield g
@@ -103,6 +106,27 @@ class ControlPlaneCollector:
         yield from _detection_metrics(doc)
         yield from _capacity_metrics(doc)
         yield from _queue_metrics(s)
+
+
+def _objectstore_metrics(stores: list[dict[str, Any]], lagging: int) -> Iterator[Any]:
+    """The object-store tier on its own: per target up, used bytes, quota, copies; the contents
+    placed on an object store and not confirmed there yet."""
+    up = GaugeMetricFamily("ckpt_objectstore_up", "1 if the object-store target answers (up or full)",
+                           labels=["target", "state"])
+    used = GaugeMetricFamily("ckpt_objectstore_used_bytes", "Bytes of the copies recorded on the target",
+                             labels=["target"])
+    quota = GaugeMetricFamily("ckpt_objectstore_quota_bytes", "The target's quota_bytes (0: none)", labels=["target"])
+    held = GaugeMetricFamily("ckpt_objectstore_copies", "Copies the target holds (stored or verified)",
+                             labels=["target"])
+    for o in stores:
+        up.add_metric([o["id"], o["state"]], 1 if o["state"] in states.COUNTING_WORKERS else 0)
+        used.add_metric([o["id"]], o["used_bytes"])
+        quota.add_metric([o["id"]], o["quota_bytes"])
+        held.add_metric([o["id"]], o["copies"])
+    lag = GaugeMetricFamily("ckpt_objectstore_lagging_contents", "Contents placed on an object store and not "
+                            "confirmed there yet (a lagging or waiting copy)")
+    lag.add_metric([], lagging)
+    yield from (up, used, quota, held, lag)
 
 
 def _alert_metrics(settings: Any, doc: dict[str, Any]) -> Iterator[Any]:

@@ -11,6 +11,7 @@ from pipeline.cli.progress import age
 from pipeline.core.health import ALARMING
 from pipeline.core.retention import recency
 from pipeline.db.transitions import now
+from pipeline.objectstore import report as objectstore_report
 from pipeline.states import WorkerState
 from pipeline.units import human_bytes
 
@@ -31,6 +32,8 @@ def _checkpoint_table(rows: list[dict], t: datetime) -> None:
         local = c["local_copy"]
         print(f"    {c['id']:>6}  {step:>8}  {written:>11}  {c['state']:<11} {reps:<14} {health:<17} {local:<22} "
               f"{human_bytes(c['total_bytes']):>10}  {c['name']}" + ("" if c["current"] else "  (older version)"))
+        if c.get("objectstore"):
+            print(f"            {objectstore_report.words(c['objectstore'])}")
         if c.get("disk_changed"):
             print(f"            !! CHANGED ON DISK, not protected: {c['disk_changed']}")
         if c.get("blocked_reason"):
@@ -112,7 +115,7 @@ def _run_problems(doc: dict, r: dict) -> list[str]:
 
 def _cluster_line(doc: dict) -> str:
     """One line of cluster health: workers, capacity, unfinished work, and what needs a look."""
-    ws = doc["workers"]
+    ws = [w for w in doc["workers"] if w.get("tier", states.Tier.WORKERS) == states.Tier.WORKERS]
     live = sum(1 for w in ws if w["state"] in states.COUNTING_WORKERS)
     listed = [w for w in ws if w["state"] != WorkerState.REMOVABLE]
     others: dict[str, int] = {}
@@ -137,8 +140,25 @@ def _cluster_line(doc: dict) -> str:
     if doc["problems"]:
         alarms.append(f"{len(doc['problems'])} not protected")
     health = "healthy" if not alarms else "ATTENTION: " + ", ".join(alarms)
-    return (f"cluster: {health} | {live} of {len(listed)} storage worker(s) up | {human_bytes(cap['used'])} used of "
+    line = (f"cluster: {health} | {live} of {len(listed)} storage worker(s) up | {human_bytes(cap['used'])} used of "
             f"{human_bytes(cap['capacity'])} | {len(jobs)} job(s) running")
+    stores = doc.get("objectstores", [])
+    if stores:
+        up = sum(1 for o in stores if o["state"] in states.COUNTING_WORKERS)
+        line += f" | {up} of {len(stores)} object store(s) up"
+    return line
+
+
+def _objectstores(doc: dict) -> None:
+    """The object-store tier: per target its state, what it holds against its quota, its copies."""
+    if not doc.get("objectstores"):
+        return
+    print("\nobject stores:")
+    for o in doc["objectstores"]:
+        quota = f" of {human_bytes(o['quota_bytes'])} quota" if o["quota_bytes"] else " (no quota)"
+        why = f"  ({o['last_error']})" if o["state"] not in states.COUNTING_WORKERS and o["last_error"] else ""
+        print(f"  {o['id']:<16} {o['state']:<10} {o['url']:<28} used {human_bytes(o['used_bytes'])}{quota}, "
+              f"{o['copies']} copies" + why)
 
 
 def compact(doc: dict) -> None:
@@ -242,8 +262,11 @@ def full(doc: dict) -> None:
         print(f"  {h['id']}{label}: seen {h['last_seen']:%Y-%m-%d %H:%M:%S}, {consumer}")
     print("\nstorage workers:")
     for w in doc["workers"]:
+        if w.get("tier", states.Tier.WORKERS) != states.Tier.WORKERS:
+            continue
         failing = w["state"] in (WorkerState.DOWN, WorkerState.REJECTED) and w["last_error"]
         why = f"  ({w['last_error']})" if failing else ""
         print(f"  {w['id']:<16} {w['state']:<10} {w['source']:<7} {w['url']:<28} "
               f"used {human_bytes(w['used_bytes'])}, free {human_bytes(w['free_bytes'])} "
               f"of {human_bytes(w['capacity_bytes'])}" + why)
+    _objectstores(doc)

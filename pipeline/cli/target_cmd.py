@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import configfile, effective
+from pipeline import configfile, effective, operations
 from pipeline.cli.common import add_home_option, existing_home, explained, parse_size
 from pipeline.errors import CkptError, ObjectStoreError
 from pipeline.objectstore.config import Target, from_json, parse_targets, parse_url, target_from
@@ -216,9 +216,16 @@ def cmd_remove(args: argparse.Namespace) -> int:
         if index is None:
             raise _unknown(args, path, tables)
         url = tables[index].get("url", "")
+        try:
+            settings, _sources = explained(args)
+        except CkptError:
+            settings = None  # a table the loader refuses (one holding a key) never ran: removed as it is
+        if settings is not None:
+            operations.check_target_removal(settings, args.name)
         configfile.write(path, configfile.removed(text, data, KEY, index, path))
     print(f"removed target {args.name} ({url}) from {path}")
-    print("the copies already in the bucket are not deleted: the bucket keeps them until you delete them there")
+    print("the copies already in the bucket are not deleted: the bucket keeps them until you delete them there; "
+          "once restarted, `ckpt up` marks the target down and its copies stop counting")
     record = effective.read(home)
     if record is not None and not record.ignored:
         print(f"the running `ckpt up` (pid {record.pid}) read its settings when it started: it uses this target "

@@ -311,9 +311,11 @@ __all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_
            "place", "place_one", "placed_count", "shard_copies", "shas_on"]
 
 
-def short_without(session: Session, worker_id: str, wanted: int) -> tuple[int, int, int]:
+def short_without(session: Session, worker_id: str, wanted: int,
+                  tier: str | None = Tier.WORKERS) -> tuple[int, int, int]:
     """``(held, short, short_bytes)``: the live contents ``worker_id`` holds a sent copy of, and
-    how many of them (and their bytes) have fewer than ``wanted`` good copies on other workers.
+    how many of them (and their bytes) have fewer than ``wanted`` good copies on other workers
+    (of ``tier``, as :func:`good_copy`: None counts every tier).
 
     ``wanted`` = RF: what a drain still has to move (0 short: the worker is drained);
     ``wanted`` = 1: the contents of which it holds the only copy (removing it loses them)."""
@@ -325,7 +327,7 @@ def short_without(session: Session, worker_id: str, wanted: int) -> tuple[int, i
         .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
         .join(Content, Content.sha256 == ContentCopy.sha256)
         .where(ContentCopy.sha256.in_(select(its_content.c.sha256)), ContentCopy.worker_id != worker_id,
-               good_copy())
+               good_copy(tier=tier))
         .group_by(ContentCopy.sha256)
     ).subquery()
     held = int(session.scalar(select(func.count()).select_from(its_content)) or 0)

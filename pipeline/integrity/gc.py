@@ -43,9 +43,10 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
-from pipeline.db.transitions import create_worker_jobs, now, renew_lease, transition
-from pipeline.errors import CkptError, WorkerError
+from pipeline.db.transitions import create_worker_jobs, note, now, renew_lease, transition
+from pipeline.errors import CkptError, ObjectStoreError, WorkerError
 from pipeline.leases import leased
+from pipeline.objectstore.tier import TargetClient, client_for, is_target
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, start_job
@@ -143,11 +144,12 @@ def preview(session: Session, settings: Settings) -> list[Freed]:
 
 def request_gc(session: Session, settings: Settings, *, worker_ids: list[str] | None = None,
                dedupe: str | None = None, reason: str = "requested") -> list[Job]:
-    """One collection job per worker holding copies of condemned content (run :func:`mark` first)."""
+    """One collection job per worker holding copies of condemned content (run :func:`mark` first),
+    and per object store that holds some or answers (its orphans are found by listing it)."""
     holders = select(ContentCopy.worker_id).join(Content, Content.sha256 == ContentCopy.sha256).where(
         Content.state == ContentState.CONDEMNED).distinct()
-    # An object store's condemned copies wait for its collection through inventories (not built yet).
-    q = select(StorageWorker.id).where(StorageWorker.id.in_(holders), StorageWorker.tier == Tier.WORKERS)
+    listable = (StorageWorker.tier == Tier.OBJECT_STORE) & StorageWorker.state.in_(sorted(states.READABLE_WORKERS))
+    q = select(StorageWorker.id).where(StorageWorker.id.in_(holders) | listable)
     if worker_ids:
         unknown = sorted(set(worker_ids) - set(session.scalars(select(StorageWorker.id)
                                                                .where(StorageWorker.id.in_(worker_ids)))))
@@ -172,7 +174,10 @@ def copy_deleted(session: Session, worker_id: str, sha: str) -> None:
 
 
 def collect(settings: Settings, job_id: int) -> list[Send]:
-    """Sweep one worker: delete its copies of condemned content, a batch at a time, throttled."""
+    """Sweep one storage row: delete its copies of condemned content, a batch at a time,
+    throttled; on an object store, then its orphans (pipeline.objectstore.orphans)."""
+    from pipeline.objectstore import orphans  # it uses this module's copy_deleted and pace
+
     with session_scope(settings.db_url) as s:
         job = start_job(s, settings, job_id, JobKind.GC, G.QUEUED, G.COLLECTING)
         if job is None:
@@ -180,56 +185,98 @@ def collect(settings: Settings, job_id: int) -> list[Send]:
         worker = one(s, StorageWorker, job.params["worker_id"])
         worker_id, url = worker.id, worker.url
         if worker.state not in states.READABLE_WORKERS:
-            transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
-                       detail=f"{worker_id} is {worker.state}: it deletes its garbage when it comes back")
+            later = ("the next collection deletes its garbage once it answers" if is_target(worker_id)
+                     else "it deletes its garbage when it comes back")
+            transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE, detail=f"{worker_id} is {worker.state}: {later}")
             return []
-    client = WorkerClient(url, settings.key(), worker_id)
+    try:
+        client = client_for(settings, worker_id, url)
+    except ObjectStoreError as exc:  # a target no longer configured: its copies stay recorded
+        with session_scope(settings.db_url) as s:
+            transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE, detail=str(exc))
+        return []
     # A batch can outlast the lease (a throttled re-hash, a slow link): kept by time meanwhile.
     with leased(settings, [job_id]):
-        started = time.monotonic()
-        while True:
-            with session_scope(settings.db_url) as s:
-                params = dict(one(s, Job, job_id).params)
-                rows = s.execute(
-                    select(ContentCopy.sha256, Content.size).join(Content, Content.sha256 == ContentCopy.sha256)
-                    .where(ContentCopy.worker_id == worker_id, Content.state == ContentState.CONDEMNED,
-                           ContentCopy.sha256 > params["cursor"]).order_by(ContentCopy.sha256).limit(settings.gc_batch)
-                ).all()
-                if not rows:
-                    transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
-                               detail=f"{params['deleted']} copies deleted, {params['bytes'] / 1e9:,.2f} GB freed")
-                    log.info("collection on %s done: %d copies, %d bytes", worker_id, params["deleted"],
-                             params["bytes"])
-                    return []
-                # Under the contents' row locks, still condemned: a store that revived one (the
-                # shard step, under the same lock) keeps every copy not marked before it.
-                names = list(s.scalars(select(Content.sha256).where(
-                    Content.sha256.in_([sha for sha, _size in rows]), Content.state == ContentState.CONDEMNED)
-                    .order_by(Content.sha256).with_for_update()))
-                move(s, on(worker_id, *names), CopyState.DELETING)
-                sizes = dict(rows)
-                batch_end = max(sizes)
-            try:
-                if names:
-                    client.delete_many(names)
-            except WorkerError as exc:
-                if exc.status is None:  # gone meanwhile: its reconcile finishes the job when it returns
-                    with session_scope(settings.db_url) as s:
-                        transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
-                                   detail=f"{worker_id} stopped answering ({exc.reason}); the rest is deleted when it "
-                                          "comes back")
-                    return []
+        try:
+            params = sweep(settings, job_id, worker_id, client)
+            if params is not None and isinstance(client, TargetClient):
+                params = orphans.sweep(settings, job_id, worker_id, client.store, params)
+        except ObjectStoreError as exc:
+            if not exc.wait:
                 raise
+            # Throttled, unreachable, credentials: nothing is marked; the lease ends and the
+            # scheduler drives the job again from its cursor.
             with session_scope(settings.db_url) as s:
-                for sha in names:
-                    copy_deleted(s, worker_id, sha)
-                params.update(cursor=batch_end, deleted=params["deleted"] + len(names),
-                              bytes=params["bytes"] + sum(sizes[sha] for sha in names))
-                renew_lease(s, job_id, settings.lease_seconds, params=params, bytes_done=params["bytes"])
-            if settings.gc_rate:  # deletions per second: a collection never starves the worker's disk
-                ahead = params["deleted"] / settings.gc_rate - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
+                note(s, job_id, f"waits for its object store: {exc}")
+            log.warning("collection on %s waits: %s", worker_id, exc)
+            return []
+    if params is None:
+        return []
+    with session_scope(settings.db_url) as s:
+        orphaned = f", {params['orphans']} orphan objects" if params.get("orphans") else ""
+        transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
+                   detail=f"{params['deleted']} copies deleted{orphaned}, {params['bytes'] / 1e9:,.2f} GB freed")
+    log.info("collection on %s done: %d copies, %d bytes", worker_id, params["deleted"], params["bytes"])
+    return []
+
+
+def sweep(settings: Settings, job_id: int, worker_id: str,
+          client: WorkerClient | TargetClient) -> dict[str, Any] | None:
+    """Delete ``worker_id``'s copies of condemned content from the job's cursor on; its params
+    once none is left, None when the worker stopped answering (the job is done: its reconcile
+    finishes it). On an object store, copies already ``deleting`` go too (a killed orphan pass,
+    a revived content's marked copies: no row that is ``deleting`` is ever used again)."""
+    doomed = Content.state == ContentState.CONDEMNED
+    if is_target(worker_id):
+        doomed = doomed | (ContentCopy.state == CopyState.DELETING)
+    started = time.monotonic()
+    while True:
+        with session_scope(settings.db_url) as s:
+            params = dict(one(s, Job, job_id).params)
+            rows = s.execute(
+                select(ContentCopy.sha256, Content.size, ContentCopy.state)
+                .join(Content, Content.sha256 == ContentCopy.sha256)
+                .where(ContentCopy.worker_id == worker_id, doomed, ContentCopy.sha256 > params["cursor"])
+                .order_by(ContentCopy.sha256).limit(settings.gc_batch)
+            ).all()
+            if not rows:
+                return params
+            # Under the contents' row locks, still condemned: a store that revived one (the
+            # shard step, under the same lock) keeps every copy not marked before it.
+            marked = {sha for sha, _size, state in rows if state == CopyState.DELETING}
+            names = sorted(marked | set(s.scalars(select(Content.sha256).where(
+                Content.sha256.in_([sha for sha, _size, _state in rows]), Content.state == ContentState.CONDEMNED)
+                .order_by(Content.sha256).with_for_update())))
+            move(s, on(worker_id, *names), CopyState.DELETING)
+            sizes = {sha: size for sha, size, _state in rows}
+            batch_end = max(sizes)
+        try:
+            if names:
+                client.delete_many(names)
+        except WorkerError as exc:
+            if exc.status is None:  # gone meanwhile: its reconcile finishes the job when it returns
+                with session_scope(settings.db_url) as s:
+                    transition(s, job_id, JobKind.GC, G.COLLECTING, G.DONE,
+                               detail=f"{worker_id} stopped answering ({exc.reason}); the rest is deleted when it "
+                                      "comes back")
+                return None
+            raise
+        with session_scope(settings.db_url) as s:
+            for sha in names:
+                copy_deleted(s, worker_id, sha)
+            params.update(cursor=batch_end, deleted=params["deleted"] + len(names),
+                          bytes=params["bytes"] + sum(sizes[sha] for sha in names))
+            renew_lease(s, job_id, settings.lease_seconds, params=params, bytes_done=params["bytes"])
+        pace(settings, params["deleted"], started)
+
+
+def pace(settings: Settings, deleted: int, started: float) -> None:
+    """Sleep as long as ``deleted`` deletions since ``started`` (monotonic) are ahead of
+    ``gc_rate`` per second: a collection never starves the worker's disk or the store."""
+    if settings.gc_rate:
+        ahead = deleted / settings.gc_rate - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 def send_for(jobs: list[Job]) -> list[Send]:

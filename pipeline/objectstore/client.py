@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,10 +50,12 @@ class Stored:
 
 @dataclass(frozen=True)
 class Listed:
-    """One object of an inventory: the shard it holds and its size."""
+    """One object of an inventory: the shard it holds, its size, and when the store says it was
+    last written (``LastModified``; for a multipart upload, when the upload began)."""
 
     sha256: str
     size: int
+    last_modified: datetime | None = None
 
 
 class ObjectStore:
@@ -229,13 +232,15 @@ class ObjectStore:
 
         return download.read_back(self, sha256, size, sample=sample, rate=rate, seed=seed)
 
-    def inventory(self, *, page_size: int = 1000) -> Iterator[Listed]:
-        """Every shard under the target's prefix (paged listing, ``page_size`` keys a page; other
-        keys are skipped). A listing may lag a put on some stores: GC never deletes on it alone."""
+    def inventory(self, *, page_size: int = 1000, after: str = "") -> Iterator[Listed]:
+        """Every shard under the target's prefix, in key (so hash) order, those named after
+        ``after`` only when given (paged listing, ``page_size`` keys a page; other keys are
+        skipped). A listing may lag a put on some stores: GC never deletes on it alone."""
         prefix = self.target.prefix
+        start = {"StartAfter": self.key(after)} if after else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(
             Bucket=self.target.bucket, PaginationConfig={"PageSize": page_size},
-            **({"Prefix": prefix + "/"} if prefix else {}))
+            **({"Prefix": prefix + "/"} if prefix else {}), **start)
         it = iter(pages)
         while True:
             page = self._next_page(it)
@@ -244,7 +249,7 @@ class ObjectStore:
             for obj in page.get("Contents", []):
                 sha = keys.sha_of(prefix, obj["Key"])
                 if sha is not None:
-                    yield Listed(sha, int(obj["Size"]))
+                    yield Listed(sha, int(obj["Size"]), obj.get("LastModified"))
 
     def _next_page(self, pages: Iterator[dict[str, Any]]) -> dict[str, Any] | None:
         def step() -> dict[str, Any] | None:

@@ -12,6 +12,11 @@ import pytest
 from bench.seaweed import ACCESS_KEY, SECRET_KEY, free_port
 from pipeline import settings as settings_mod
 from pipeline.cli.main import main
+from pipeline.db.engine import session_scope
+from pipeline.db.migrate import upgrade
+from pipeline.db.models import Content, ContentCopy, StorageWorker
+from pipeline.db.transitions import now
+from pipeline.objectstore import tier
 from tests.objectstore.conftest import raw_client
 
 BEFORE = "# my settings\nrf = 2\n"
@@ -90,3 +95,47 @@ def test_a_profile_is_checked_with_its_own_keys_and_only_its_name_is_written(ser
     assert "checked with the credentials from ~/.aws/credentials (profile 'ckpt')" in out
     text = (home / "config.toml").read_text()
     assert 'profile = "ckpt"' in text and SECRET_KEY not in text and ACCESS_KEY not in text
+
+
+def test_remove_is_refused_while_the_target_holds_the_only_good_copy_and_its_row_then_goes_down(
+        server, bucket, home, capsys):
+    assert add(home, capsys, f"s3://{bucket}/ckpt", server.endpoint)[0] == 0
+    settings = settings_mod.configure(settings_mod.load({"home": home}, environ={}))
+    upgrade(settings.db_url)
+    tier.probe(settings)  # what the scheduler does: the target's row, up
+    wid = tier.row_id(bucket)
+    t = now()
+    with session_scope(settings.db_url) as s:
+        assert s.get(StorageWorker, wid).state == "up"
+        content = Content(sha256="a" * 64, size=4096)
+        s.add(content)
+        content.copies.append(ContentCopy(worker_id=wid, state="verified", stored_at=t, verified_at=t, attempts=0))
+    before = (home / "config.toml").read_text()
+
+    rc = main(["--home", str(home), "target", "remove", bucket])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"target {bucket} (up) holds the only good copy of 1 content(s)" in err, err
+    assert (home / "config.toml").read_text() == before
+
+    with session_scope(settings.db_url) as s:  # a storage worker now holds a good copy too
+        s.add(StorageWorker(id="w0", url="http://127.0.0.1:1", source="static", state="up", last_seen=t))
+        s.flush()
+        s.add(ContentCopy(sha256="a" * 64, worker_id="w0", state="verified", stored_at=t, verified_at=t, attempts=0))
+    assert main(["--home", str(home), "target", "remove", bucket]) == 0
+    assert "marks the target down" in capsys.readouterr().out
+    after = settings_mod.configure(settings_mod.load({"home": home}, environ={}))
+    assert after.object_targets() == []
+    tier.probe(after)  # the restarted scheduler's probe: no longer configured
+    with session_scope(settings.db_url) as s:
+        row = s.get(StorageWorker, wid)
+        assert row.state == "down" and "no longer configured" in row.last_error
+
+
+def test_remove_is_refused_while_a_runs_policy_requires_the_target(server, bucket, home, capsys):
+    assert add(home, capsys, f"s3://{bucket}/ckpt", server.endpoint)[0] == 0
+    with (home / "config.toml").open("a") as f:
+        f.write('\n[runs."/data/llm/*"]\ntarget_mode = "required"\n')
+    rc = main(["--home", str(home), "target", "remove", bucket])
+    err = capsys.readouterr().err
+    assert rc == 1 and '[runs."/data/llm/*"] wants 1 object-store copies (target_mode = required)' in err, err
+    assert settings_mod.load({"home": home}, environ={}).object_targets() != []

@@ -144,3 +144,25 @@ def test_lagging_copies_do_not_hold_rotation_and_land_from_a_worker_once_the_sto
         assert wanted <= set(in_bucket(server, bucket))
     finally:
         front.close()
+
+
+def test_a_forgotten_checkpoints_content_is_collected_from_the_bucket(make_cluster, server, bucket):  # noqa: F811
+    cluster = make_cluster(env=targets_env(server.endpoint, bucket, CKPT_TARGET_MODE="required",
+                                           CKPT_GC_GRACE_SECONDS="0", CKPT_GC_CRON=""))
+    run = cluster.runs / "run"
+    run.mkdir()
+    old_job = checkpoint_job(cluster, atomic_save(state_dict(7), run / "step_1.safetensors"))
+    cluster.wait_job(old_job, ("verified",), timeout=90)
+    new_job = checkpoint_job(cluster, atomic_save(state_dict(8), run / "step_2.safetensors"))
+    cluster.wait_job(new_job, ("verified",), timeout=90)
+    cluster.wait_job(old_job, ("rotated",), timeout=60)  # its local copy is gone: forgetting it frees its content
+    gone, kept = contents(cluster, old_job) - contents(cluster, new_job), contents(cluster, new_job)
+    assert gone and gone | kept <= set(in_bucket(server, bucket))
+
+    r = cluster.cli("forget", str(cluster.job(old_job).checkpoint_id))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = cluster.cli("gc", "--wait", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    held = set(in_bucket(server, bucket))
+    assert not gone & held and kept <= held
+    assert store_copies(cluster, old_job) == [c for c in store_copies(cluster, old_job) if c[0] in kept]

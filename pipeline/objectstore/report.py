@@ -1,0 +1,77 @@
+"""What `ckpt status`, the web UI and ``/metrics`` show of the object-store tier.
+
+Each target on its own (its state, what its copy rows hold against its quota, how many copies),
+and per checkpoint whose run wants object-store copies how many of its contents are confirmed
+there (a good copy on ``target_copies`` object stores, pipeline.db.copies.good_copy of tier
+``objectstore``), so a lagging copy is visible. Each is one grouped query over the page's
+checkpoints or the target rows, never one per row.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from pipeline.db.copies import good_copy
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
+from pipeline.settings import Settings
+from pipeline.states import SENT, ContentState, CopyState, Tier
+
+
+def targets(session: Session) -> list[dict[str, Any]]:
+    """Every object-store row: id, url, state, used bytes (its held copies) against its quota
+    (``capacity_bytes``; 0: none), copies, last error."""
+    held = (select(ContentCopy.worker_id, func.count().label("n"), func.coalesce(func.sum(Content.size), 0).label("b"))
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(ContentCopy.state.in_(sorted(SENT))).group_by(ContentCopy.worker_id).subquery())
+    rows = session.execute(
+        select(StorageWorker, held.c.n, held.c.b).outerjoin(held, held.c.worker_id == StorageWorker.id)
+        .where(StorageWorker.tier == Tier.OBJECT_STORE).order_by(StorageWorker.id)).all()
+    return [{"id": w.id, "url": w.url, "state": w.state, "used_bytes": int(b or 0),
+             "quota_bytes": w.capacity_bytes or 0, "copies": int(n or 0), "last_error": w.last_error}
+            for w, n, b in rows]
+
+
+def confirmed(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:
+    """Per checkpoint whose run wants object-store copies: ``contents``, how many are
+    ``confirmed`` (``wanted`` good copies on object stores) and the run's ``mode``
+    (``lag``: rotation does not wait for them; ``required``)."""
+    policy = {c.id: settings.target_policy(c.run) for c in ckpts}
+    ids = [cid for cid, (n, _mode) in policy.items() if n > 0]
+    if not ids:
+        return {}
+    good = (select(ContentCopy.sha256, func.count().label("n"))
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(good_copy(tier=Tier.OBJECT_STORE)).group_by(ContentCopy.sha256).subquery())
+    pairs = (select(CheckpointFile.checkpoint_id.label("cid"), Shard.sha256.label("sha"))
+             .join(Shard, Shard.file_id == CheckpointFile.id)
+             .where(CheckpointFile.checkpoint_id.in_(ids)).distinct().subquery())
+    rows = session.execute(select(pairs.c.cid, func.coalesce(good.c.n, 0))
+                           .outerjoin(good, good.c.sha256 == pairs.c.sha)).all()
+    out: dict[int, dict[str, Any]] = {cid: {"contents": 0, "confirmed": 0, "wanted": policy[cid][0],
+                                            "mode": policy[cid][1]} for cid in ids}
+    for cid, n in rows:
+        out[cid]["contents"] += 1
+        out[cid]["confirmed"] += int(n >= policy[cid][0])
+    return out
+
+
+def lagging_contents(session: Session) -> int:
+    """Live contents placed on an object store and not confirmed there yet (a copy ``pending``
+    or ``stored``): what the object-store sweep still has to send or confirm."""
+    return int(session.scalar(
+        select(func.count(func.distinct(ContentCopy.sha256)))
+        .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+        .join(Content, Content.sha256 == ContentCopy.sha256)
+        .where(StorageWorker.tier == Tier.OBJECT_STORE, Content.state == ContentState.LIVE,
+               ContentCopy.state.in_((CopyState.PENDING, CopyState.STORED)))) or 0)
+
+
+def words(o: dict[str, Any]) -> str:
+    """``object store: 12/14 contents confirmed, lagging`` (``required`` when rotation waits for them)."""
+    if o["confirmed"] >= o["contents"]:
+        return f"object store: {o['confirmed']}/{o['contents']} contents confirmed"
+    how = "required" if o["mode"] == "required" else "lagging"
+    return f"object store: {o['confirmed']}/{o['contents']} contents confirmed, {how}"
