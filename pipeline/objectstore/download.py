@@ -162,6 +162,11 @@ class Stream:
         self._at += n
         return n
 
+    def read(self, amt: int) -> bytes:
+        """Up to ``amt`` of the next bytes (b"" at the end of the object)."""
+        buf = bytearray(amt)
+        return bytes(buf[:self.readinto(memoryview(buf))])
+
     def close(self) -> None:
         """Stop: ranges not started are dropped; one under way ends on its own (the target's
         timeouts bound it), nobody waits for it."""

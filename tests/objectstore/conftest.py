@@ -76,9 +76,10 @@ def make_target(endpoint: str, bucket: str, **options) -> Target:
 class FlakyFront:
     """An HTTP front on loopback for an S3 server: answers the next ``failures`` requests with
     ``status`` and an S3 error body of ``code`` (503 SlowDown: throttling), then passes every
-    request through to the server. ``seen`` counts the requests it answered itself."""
+    request through to the server. ``seen`` counts the requests it answered itself. ``port``: the
+    one to listen on (0: any free one; a front closed earlier can be opened again on its port)."""
 
-    def __init__(self, upstream_port: int, status: int, code: str, failures: int) -> None:
+    def __init__(self, upstream_port: int, status: int, code: str, failures: int, port: int = 0) -> None:
         self.status, self.code, self.failures, self.seen = status, code, failures, 0
         self.lock = threading.Lock()
         front = self
@@ -124,7 +125,7 @@ class FlakyFront:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
