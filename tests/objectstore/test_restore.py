@@ -188,10 +188,11 @@ def restore(cluster: Cluster, path: Path, dest: Path) -> tuple[int, str, int]:
     return r.returncode, r.stdout + r.stderr, int(m.group(1))
 
 
-def timeline(cluster: Cluster, job_id: int) -> dict[str, str]:
+def timeline(cluster: Cluster, job_id: int) -> list[tuple[str, str]]:
+    """The job's timeline: (state, detail) of each entry, a failed attempt's note included."""
     with session_scope(cluster.settings.db_url) as s:
-        return {to: detail or "" for to, detail in s.execute(
-            select(JobEvent.to_state, JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id))}
+        return [(to, detail or "") for to, detail in s.execute(
+            select(JobEvent.to_state, JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
 
 
 def nothing_written(dest: Path) -> None:
@@ -216,7 +217,7 @@ def test_shards_no_worker_holds_come_from_the_object_store_the_rest_from_workers
     total, from_store = sum(per_content.values()), per_content[lost]
     read = f"read {total - from_store} shards from workers, {from_store} from object store s3://{bucket}/ckpt"
     assert f"done: restored to {dest}: {read}" in said
-    assert timeline(cluster, job_id)["verified"].endswith(f"match their recorded SHA-256; {read}")
+    assert dict(timeline(cluster, job_id))["verified"].endswith(f"match their recorded SHA-256; {read}")
 
 
 def test_with_every_storage_worker_lost_the_checkpoint_comes_back_from_the_object_store(cluster, bucket, saved,
@@ -230,7 +231,7 @@ def test_with_every_storage_worker_lost_the_checkpoint_comes_back_from_the_objec
     assert files_of(dest) == files_of(saved)
     read = f"read {len(shards_of(cluster, saved))} shards from object store s3://{bucket}/ckpt"
     assert f"done: restored to {dest}: {read}" in said and "from workers" not in said
-    assert timeline(cluster, job_id)["done"] == f"restored to {dest}: {read}"
+    assert dict(timeline(cluster, job_id))["done"] == f"restored to {dest}: {read}"
 
     loaded = load_state_dict(str(saved), cluster.settings)  # tensors straight from the store's shards
     reference = {k: v for f in sorted(saved.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -256,7 +257,7 @@ def test_a_store_that_cannot_serve_ends_the_restore_with_one_clear_error_and_wri
         assert f"its last copy is on object store s3://{bucket}/ckpt, which cannot serve it now" in text
         assert says in text and "restore again once the store answers" in text
     assert "every storage worker copy failed" in job.last_error  # the workers were tried first
-    assert list(timeline(cluster, job_id)) == ["queued", "gathering", "failed"]  # not retried: it ended
+    assert [to for to, _ in timeline(cluster, job_id)] == ["queued", "gathering", "failed"]  # ended, not retried
     nothing_written(dest)
     assert took < 60
 
