@@ -6,8 +6,10 @@ environment, as in production (the test's own: no ~/.aws, no instance metadata).
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import shutil
+import socket
 import tempfile
 import threading
 import uuid
@@ -82,6 +84,7 @@ class FlakyFront:
     def __init__(self, upstream_port: int, status: int, code: str, failures: int, port: int = 0) -> None:
         self.status, self.code, self.failures, self.seen = status, code, failures, 0
         self.lock = threading.Lock()
+        self.connections: set[socket.socket] = set()  # open ones (kept alive between requests)
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,6 +92,16 @@ class FlakyFront:
 
             def log_message(self, *args):
                 pass
+
+            def setup(self):
+                super().setup()
+                with front.lock:
+                    front.connections.add(self.connection)
+
+            def finish(self):
+                with front.lock:
+                    front.connections.discard(self.connection)
+                super().finish()
 
             def relay(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -131,5 +144,10 @@ class FlakyFront:
         self.thread.start()
 
     def close(self) -> None:
+        """Gone: nothing listens on its port, and the connections it kept alive are cut."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        with self.lock:
+            for conn in self.connections:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
