@@ -9,6 +9,7 @@ object-store front (bench/chaos/front.py) are fronts.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -35,12 +36,24 @@ class Front:
     def __init__(self, upstream: Callable[[], http.client.HTTPConnection],
                  address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         front = self
+        self._lock = threading.Lock()
+        self.connections: set[socket.socket] = set()  # open ones (kept alive between requests)
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def log_message(self, *args):
                 pass
+
+            def setup(self):
+                super().setup()
+                with front._lock:
+                    front.connections.add(self.connection)
+
+            def finish(self):
+                with front._lock:
+                    front.connections.discard(self.connection)
+                super().finish()
 
             def relay(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -90,5 +103,11 @@ class Front:
         return self
 
     def close(self) -> None:
+        """Gone: nothing listens on its port, and the connections it kept alive are cut (a
+        client holding one must not go on being served by a front that is down)."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        with self._lock:
+            for conn in self.connections:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)

@@ -153,6 +153,20 @@ class UnsafeDestination(RestoreError):
     tampered with); the restore job fails at once, it is not retried."""
 
 
+class StoreUnavailable(RestoreError):
+    """Raised when the only copies of a shard a restore could still read are on an object store
+    that cannot serve them now (throttling, unreachable, credentials, a missing bucket: an
+    :class:`ObjectStoreError` that waits); the restore job fails at once, nothing is put at
+    its destination, and the message names the store and what to do."""
+
+    def __init__(self, what: str, url: str, cause: ObjectStoreError, tried: list[str]) -> None:
+        self.url, self.cause, self.tried = url, cause, tried
+        workers = (f" (every storage worker copy failed: {'; '.join(tried)})" if tried
+                   else " (no storage worker holds it)")
+        super().__init__(f"{what}: its last copy is on object store {url}, which cannot serve it now{workers}: "
+                         f"{cause}. Nothing was written at the destination; restore again once the store answers")
+
+
 class DestinationExists(RestoreError):
     """Raised when a restore's destination already exists and overwriting was not asked for."""
 

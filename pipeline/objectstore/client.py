@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
 from botocore import exceptions as bx
@@ -27,6 +27,9 @@ from botocore.config import Config
 from pipeline.errors import ObjectMismatch, StoreCredentials
 from pipeline.objectstore import faults, keys
 from pipeline.objectstore.config import Target
+
+if TYPE_CHECKING:
+    from pipeline.objectstore import download
 
 T = TypeVar("T")
 
@@ -221,6 +224,13 @@ class ObjectStore:
         from pipeline.objectstore import download
 
         return download.get(self, sha256, dest, size=size)
+
+    def open(self, sha256: str, size: int) -> download.Stream:
+        """The object read in order, its ranges fetched ahead in parallel (download.Stream):
+        for a caller that hashes and writes what it reads (a restore)."""
+        from pipeline.objectstore import download
+
+        return download.Stream(self, sha256, size)
 
     def read_back(self, sha256: str, size: int, *, sample: float = 1.0, rate: float = 0.0,
                   seed: int | None = None) -> int:

@@ -1,9 +1,14 @@
-"""Reading shards back from an object store: a restore (``get``) and a scrub (``read_back``).
+"""Reading shards back from an object store: into a file (``get``), as a stream read in order
+(``Stream``: a restore's source of last resort), and a scrub (``read_back``).
 
 ``get`` writes the object into a file with parallel ranged GETs (the target's part size and
 concurrency) while this thread hashes the ranges in order as they land (read back from the page
 cache), so verification costs no pass after the download. A range whose connection breaks is
 fetched again (the target's max_attempts); the SHA-256 of the whole is compared with the name.
+
+``Stream`` reads an object in order for a caller that hashes and writes it as it comes
+(pipeline/restore/gather.py): its ranges are fetched ahead in parallel, at most ``READ_AHEAD``
+bytes of them held at once, so a restore of many shards at once stays within a bounded memory.
 
 ``read_back`` reads at a bounded rate, one range at a time: all of the object (its SHA-256
 checked) or a sample of its ranges, the first and the last always (readable and whole, its
@@ -17,6 +22,7 @@ import os
 import random
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +36,9 @@ if TYPE_CHECKING:
     from pipeline.objectstore.client import ObjectStore
 
 CHUNK = 1024 * 1024
+#: Bytes of ranges a :class:`Stream` fetches ahead of its reader (a 64 MiB shard in 8 MiB parts:
+#: four GETs at once, 32 MiB held).
+READ_AHEAD = 32 * 1024 * 1024
 
 
 def fetch(store: ObjectStore, key: str, at: int, length: int, size: int, sink: Callable[[int, bytes], None]) -> None:
@@ -105,6 +114,67 @@ def get(store: ObjectStore, sha256: str, dest: Path, *, size: int | None = None)
             dest.unlink(missing_ok=True)
 
 
+class Stream:
+    """The object named ``sha256`` (``size`` bytes) read in order with :meth:`readinto`, as a
+    storage worker's answer is: its ranges (the target's part size) are fetched ahead in
+    parallel, up to ``READ_AHEAD`` bytes of them. A failure (ObjectStoreError: a range the
+    store would not give, or an object of another size) is raised by the read that reaches it.
+    Nothing here checks the SHA-256: the reader hashes what it takes."""
+
+    def __init__(self, store: ObjectStore, sha256: str, size: int) -> None:
+        self.store, self.key, self.size = store, store.key(sha256), size
+        part = keys.part_size_for(size, store.target.part_size)
+        self._spans = deque(keys.ranges(size, part))
+        window = max(1, min(store.target.concurrency, READ_AHEAD // part))
+        self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="ckpt-s3-read")
+        self._ahead: deque[Future[bytearray]] = deque()
+        self._current, self._at = memoryview(b""), 0
+        if size == 0:  # no range to ask: the object must still be there, and empty
+            got = store.head(sha256).size
+            if got != 0:
+                raise ObjectMismatch(store.target.name, f"get of {self.key}: {got} bytes, expected 0")
+        for _ in range(window):
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._spans:
+            at, length = self._spans.popleft()
+            self._ahead.append(self._pool.submit(self._range, at, length))
+
+    def _range(self, at: int, length: int) -> bytearray:
+        buf = bytearray(length)
+
+        def sink(offset: int, data: bytes) -> None:  # at its place: a range fetched again overwrites
+            buf[offset - at:offset - at + len(data)] = data
+
+        fetch(self.store, self.key, at, length, self.size, sink)
+        return buf
+
+    def readinto(self, view: memoryview) -> int:
+        """Up to ``len(view)`` of the next bytes into ``view``; 0 at the end of the object."""
+        while self._at == len(self._current):
+            if not self._ahead:
+                return 0
+            self._current, self._at = memoryview(self._ahead.popleft().result()), 0
+            self._submit()
+        n = min(len(view), len(self._current) - self._at)
+        view[:n] = self._current[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def read(self, amt: int) -> bytes:
+        """Up to ``amt`` of the next bytes (b"" at the end of the object)."""
+        buf = bytearray(amt)
+        return bytes(buf[:self.readinto(memoryview(buf))])
+
+    def close(self) -> None:
+        """Stop: ranges not started are dropped; one under way ends on its own (the target's
+        timeouts bound it), nobody waits for it."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ahead.clear()
+        self._current = memoryview(b"")
+
+
 class Throttle:
     """At most ``rate`` bytes per second on average since it started (0: no limit)."""
 
@@ -156,4 +226,4 @@ def read_back(store: ObjectStore, sha256: str, size: int, *, sample: float = 1.0
     return read
 
 
-__all__ = ["get", "read_back"]
+__all__ = ["Stream", "get", "read_back"]

@@ -1,30 +1,40 @@
 """Fetching shards back: from the first healthy copy, falling back to the next.
 
 Every byte fetched is hashed and compared to the manifest (docs/design.md, invariant 4); a
-copy that errors or does not match is skipped for the next one.
+copy that errors or does not match is skipped for the next one. Copies on storage workers
+come first (the local network); a copy on an object store (url ``s3://``, a ``[[targets]]``
+bucket) is the source of last resort, read only when every worker copy failed or none exists
+(all workers lost), with parallel ranged GETs (pipeline.objectstore.download.Stream) through
+the same sinks and hash check. A store that cannot serve it now ends the fetch with
+:class:`StoreUnavailable`, which names the store and what to do.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from pipeline.cluster.client import WorkerClient
 from pipeline.cluster.decoding import Decompressing
 from pipeline.cluster.wire import METER
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
-from pipeline.errors import HashMismatch, MalformedStream, RestoreError, WorkerError
+from pipeline.errors import HashMismatch, MalformedStream, ObjectStoreError, RestoreError, StoreUnavailable, WorkerError
 from pipeline.hashing import side_thread
 from pipeline.restore.links import LINKS
-from pipeline.states import READABLE_COPIES, Tier, WorkerState
+from pipeline.states import READABLE_COPIES, READABLE_WORKERS, Tier, WorkerState
+
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.gather")
 BLOCK = 4 * 1024 * 1024
@@ -35,6 +45,14 @@ IN_FLIGHT = 4
 FETCH_TIMEOUT = 30.0
 #: Copies a restore reads, best first.
 _PREFERENCE = {state: rank for rank, state in enumerate(READABLE_COPIES)}
+#: Kinds of copy by where they are, best first (a copy's rank: ``place * len(_PREFERENCE) +
+#: its state's preference``): a live storage worker, a worker not seen lately, an object store.
+LIVE, UNSEEN, STORE = range(3)
+
+
+def on_store(url: str) -> bool:
+    """Whether a copy at ``url`` is on an object store (``s3://bucket/prefix``), not a worker."""
+    return urlsplit(url).scheme == "s3"
 
 
 @dataclass(frozen=True)
@@ -45,8 +63,8 @@ class ShardSource:
     src_offset: int
     length: int
     payload_offset: int
-    #: (worker id, url), best first: live workers before down ones, verified before stored,
-    #: then spread over the workers by bytes (:func:`manifest`).
+    #: (worker id, url), best first: live workers before down ones before object stores (url
+    #: ``s3://``), verified before stored, then spread over the workers by bytes (:func:`manifest`).
     copies: tuple[tuple[str, str], ...]
     #: Per copy, how good a kind of copy it is (0 best): among copies of one rank, a fetch
     #: reads the one whose worker's link is least busy (pipeline/restore/links.py).
@@ -64,7 +82,8 @@ class FileSource:
 
 def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
     """Plain-data manifest of ``checkpoint`` with the copies of each shard's content ordered
-    by preference: live workers first, verified copies before stored ones, then the worker
+    by preference: live workers first, then workers not seen lately, then object stores that
+    answer (the source of last resort); verified copies before stored ones, then the worker
     this restore reads least from (so consecutive shards come from different workers, and
     each worker's disk reads the next while another sends)."""
     files = list(session.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint.id)
@@ -72,14 +91,16 @@ def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
     shards = {f.id: list(session.scalars(select(Shard).where(Shard.file_id == f.id).order_by(Shard.seq)))
               for f in files}
     shas = {sh.sha256 for rows in shards.values() for sh in rows}
-    readable: dict[str, list[tuple[bool, int, int, str, str]]] = {sha: [] for sha in shas}
-    for sha, copy_id, state, worker_id, url, worker_state in session.execute(
+    readable: dict[str, list[tuple[int, int, int, str, str]]] = {sha: [] for sha in shas}
+    for sha, copy_id, state, worker_id, url, worker_state, tier in session.execute(
             select(ContentCopy.sha256, ContentCopy.id, ContentCopy.state, StorageWorker.id, StorageWorker.url,
-                   StorageWorker.state).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
-            # The workers' tier: a worker's client cannot read a bucket (restore from a target is next).
+                   StorageWorker.state, StorageWorker.tier)
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
             .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(READABLE_COPIES),
-                   StorageWorker.tier == Tier.WORKERS)):
-        readable[sha].append((worker_state != WorkerState.UP, _PREFERENCE[state], copy_id, worker_id, url))
+                   # An object store is read only while it answers its probe (up, full, draining).
+                   or_(StorageWorker.tier != Tier.OBJECT_STORE, StorageWorker.state.in_(sorted(READABLE_WORKERS))))):
+        place = STORE if tier == Tier.OBJECT_STORE else LIVE if worker_state == WorkerState.UP else UNSEEN
+        readable[sha].append((place, _PREFERENCE[state], copy_id, worker_id, url))
     out = []
     load: dict[str, int] = {}  # bytes this restore reads from each worker so far
     for f in files:
@@ -92,7 +113,7 @@ def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
                 load[ranked[0][3]] = load.get(ranked[0][3], 0) + sh.size
             sources.append(ShardSource(sh.sha256, sh.size, sh.kind, sh.src_offset, sh.length, sh.payload_offset,
                                        tuple((worker_id, url) for *_rank, worker_id, url in ranked),
-                                       tuple(down * len(_PREFERENCE) + pref for down, pref, *_ in ranked)))
+                                       tuple(place * len(_PREFERENCE) + pref for place, pref, *_ in ranked)))
         out.append(FileSource(f.relpath, f.size, f.sha256, f.format, tuple(sources)))
     return out
 
@@ -100,7 +121,7 @@ def manifest(session: Session, checkpoint: Checkpoint) -> list[FileSource]:
 def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview], None]],
           reset: Callable[[], None], *, check: bool = True,
           inline: Callable[[memoryview], memoryview] | None = None, into: memoryview | None = None,
-          wire: str = "off") -> str:
+          wire: str = "off", settings: Settings | None = None) -> str:
     """Stream ``shard`` into ``sinks`` from the first copy whose bytes match the manifest.
 
     Every sink receives every byte of the shard in order, each in a helper thread of its
@@ -120,6 +141,10 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
     from at the moment (pipeline/restore/links.py): shards fetched at once come from
     different workers. ``wire="auto"``: a copy is asked compressed when that is faster
     (pipeline/cluster/wire.py).
+
+    A copy on an object store is read last, through ``settings``' target of its row (default:
+    this process's settings). Raises :class:`StoreUnavailable` when every copy failed and an
+    object store's failure was one that waits (throttling, unreachable, credentials, bucket).
     """
     if not shard.copies:
         raise RestoreError(f"shard {shard.sha256[:12]} has no stored copy")
@@ -128,27 +153,65 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
     views = [memoryview(bytearray(BLOCK)) for _ in range(IN_FLIGHT)] if into is None else []
     threads = [side_thread(f"ckpt-sink{i}") for i in range(len(sinks))]
     checker = side_thread("ckpt-check")
-    errors: list[str] = []
+    failed = _Failures()
     with LINKS.reading(shard.copies, shard.ranks) as turns:
         for worker_id, url in turns:
-            if _fetch_from(shard, key, worker_id, url, sinks, threads, checker, views, reset, errors,
-                           check=check, inline=inline, into=into, wire=wire):
+            if _fetch_from(shard, key, worker_id, url, sinks, threads, checker, views, reset, failed,
+                           check=check, inline=inline, into=into, wire=wire, settings=settings):
                 return worker_id
-    raise RestoreError(f"no healthy copy of shard {shard.sha256[:12]}: " + "; ".join(errors))
+    if failed.store_down:
+        url, cause = failed.store_down[-1]
+        raise StoreUnavailable(f"shard {shard.sha256[:12]}", url, cause, failed.workers)
+    raise RestoreError(f"no healthy copy of shard {shard.sha256[:12]}: " + "; ".join(failed.errors))
+
+
+@dataclass
+class _Failures:
+    """Why each copy a fetch tried failed: every copy's reason (``errors``), the worker copies'
+    alone (``workers``), and the object stores that could not serve at all (``store_down``)."""
+
+    errors: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    store_down: list[tuple[str, ObjectStoreError]] = field(default_factory=list)
+
+    def add(self, url: str, error: str, cause: ObjectStoreError | None = None) -> None:
+        self.errors.append(error)
+        if not on_store(url):
+            self.workers.append(error)
+        elif cause is not None and cause.wait:
+            self.store_down.append((url, cause))
+
+
+def _open(shard: ShardSource, key: bytes, worker_id: str, url: str, wire: str,
+          settings: Settings | None) -> tuple[Any, Any]:
+    """(connection to close, answer to read the shard from) of one copy: a storage worker's
+    HTTP answer, or an object store's ranged GETs (its ObjectStoreError raised as it comes)."""
+    if not on_store(url):
+        return WorkerClient(url, key, worker_id, timeout=FETCH_TIMEOUT).open_shard(shard.sha256, size=shard.size,
+                                                                                   wire=wire)
+    from pipeline import settings as settings_mod
+    from pipeline.objectstore.tier import store_for  # boto3: only when a store is read
+
+    stream = store_for(settings or settings_mod.current(), worker_id).open(shard.sha256, shard.size)
+    return stream, stream
 
 
 def _fetch_from(shard: ShardSource, key: bytes, worker_id: str, url: str,
                 sinks: Sequence[Callable[[memoryview], None]], threads: list[Any], checker: Any,
-                views: list[memoryview], reset: Callable[[], None], errors: list[str], *, check: bool,
-                inline: Callable[[memoryview], memoryview] | None, into: memoryview | None, wire: str) -> bool:
+                views: list[memoryview], reset: Callable[[], None], failed: _Failures, *, check: bool,
+                inline: Callable[[memoryview], memoryview] | None, into: memoryview | None, wire: str,
+                settings: Settings | None) -> bool:
     """One copy of :func:`fetch`: True once its bytes reached every sink and matched; else
-    why it did not is in ``errors`` and ``reset`` has been called."""
+    why it did not is in ``failed`` and ``reset`` has been called."""
     started = time.monotonic()
+    where = f"object store {url}" if on_store(url) else worker_id
     try:
-        conn, resp = WorkerClient(url, key, worker_id, timeout=FETCH_TIMEOUT).open_shard(
-            shard.sha256, size=shard.size, wire=wire)
+        conn, resp = _open(shard, key, worker_id, url, wire, settings)
     except WorkerError as exc:
-        errors.append(f"{worker_id}: {exc.reason}")
+        failed.add(url, f"{worker_id}: {exc.reason}")
+        return False
+    except ObjectStoreError as exc:
+        failed.add(url, f"{where}: {exc}", exc)
         return False
     h = hashlib.sha256() if check else None
     got, blocks, broke = 0, 0, False
@@ -162,13 +225,17 @@ def _fetch_from(shard: ShardSource, key: bytes, worker_id: str, url: str,
             try:
                 n = resp.readinto(view) if view else len(resp.read(1))
             except (OSError, MalformedStream) as exc:
-                errors.append(f"{worker_id}: transfer broke after {got:,} bytes ({exc})")
+                failed.add(url, f"{where}: transfer broke after {got:,} bytes ({exc})")
+                broke = True
+                break
+            except ObjectStoreError as exc:
+                failed.add(url, f"{where}: after {got:,} bytes: {exc}", exc)
                 broke = True
                 break
             if not n:
                 break
             if got + n > shard.size:
-                errors.append(f"shard {shard.sha256[:12]} from {worker_id}: more than its {shard.size:,} bytes")
+                failed.add(url, f"shard {shard.sha256[:12]} from {where}: more than its {shard.size:,} bytes")
                 broke = True
                 break
             chunk = view[:n]
@@ -186,12 +253,12 @@ def _fetch_from(shard: ShardSource, key: bytes, worker_id: str, url: str,
             try:
                 resp.finish()
             except (OSError, MalformedStream) as exc:
-                errors.append(f"{worker_id}: compressed stream after {got:,} bytes: {exc}")
+                failed.add(url, f"{worker_id}: compressed stream after {got:,} bytes: {exc}")
                 broke = True
     finally:
         wait([fut for futs in pending for fut in futs])
         conn.close()
-    if not broke and got == shard.size:
+    if not broke and got == shard.size and not on_store(url):  # the meter is of workers' links
         METER.transfer(url, "down", got, resp.wire if isinstance(resp, Decompressing) else got,
                        time.monotonic() - started)
     if not broke:
@@ -199,9 +266,36 @@ def _fetch_from(shard: ShardSource, key: bytes, worker_id: str, url: str,
         if got == shard.size and actual in (None, shard.sha256):
             return True
         if got != shard.size:
-            errors.append(f"shard {shard.sha256[:12]} from {worker_id}: {got:,} bytes of {shard.size:,}")
+            failed.add(url, f"shard {shard.sha256[:12]} from {where}: {got:,} bytes of {shard.size:,}")
         else:
-            errors.append(str(HashMismatch(f"shard {shard.sha256[:12]} from {worker_id}", shard.sha256, actual or "")))
-        log.warning("falling back: %s", errors[-1])
+            failed.add(url, str(HashMismatch(f"shard {shard.sha256[:12]} from {where}", shard.sha256, actual or "")))
+        log.warning("falling back: %s", failed.errors[-1])
     reset()
     return False
+
+
+class Tally:
+    """Where a restore read each of its shards (thread-safe): the tier it says it read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read: dict[tuple[str, int], str] = {}  # (file, offset) -> url read from
+
+    def record(self, relpath: str, shard: ShardSource, worker_id: str) -> None:
+        """``shard`` of ``relpath`` was read from ``worker_id`` (a second read of it, after a
+        file's hash mismatch, replaces the first)."""
+        url = dict(shard.copies).get(worker_id, "")
+        with self._lock:
+            self._read[(relpath, shard.src_offset)] = url
+
+    def summary(self) -> str:
+        """Which tiers were read, as "read 12 shards from workers, 3 from object store s3://bucket/prefix"."""
+        with self._lock:
+            urls = list(self._read.values())
+        stores = Counter(u for u in urls if on_store(u))
+        parts = [(n, where) for n, where in [(len(urls) - sum(stores.values()), "workers")] if n]
+        parts += [(n, f"object store {u}") for u, n in sorted(stores.items())]
+        if not parts:
+            return "read no shards"
+        (n, where), rest = parts[0], parts[1:]
+        return f"read {n} shard{'s' if n != 1 else ''} from {where}" + "".join(f", {m} from {w}" for m, w in rest)

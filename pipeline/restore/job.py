@@ -6,6 +6,9 @@ renamed into place (docs/design.md, invariants 2 and 4). Each attempt has its ow
 path; only the job's latest attempt may put its result in place. The staging path is written
 through descriptors (pipeline.restore.staging), and the destination is checked again
 (pipeline.restore.destination) in the transaction that decides to write it (invariant 7).
+Shards come from storage workers, or from an object store when no worker can send them
+(pipeline.restore.gather); the timeline says which tiers were read. An object store that
+cannot serve them now (StoreUnavailable) fails the job at once, with nothing put in place.
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.detection.catalog import latest_store_job, resolve
-from pipeline.errors import RestoreError, UnsafeDestination
+from pipeline.errors import RestoreError, StoreUnavailable, UnsafeDestination
 from pipeline.restore import current, destination
-from pipeline.restore.gather import FileSource, manifest
+from pipeline.restore.gather import FileSource, Tally, manifest
 from pipeline.restore.rebuild import write_file
 from pipeline.restore.staging import Staging, identity, remove_at
 from pipeline.settings import Settings
@@ -153,6 +156,11 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
     except UnsafeDestination as exc:
         with session_scope(settings.db_url) as s:
             return _refuse(s, job_id, exc)
+    except StoreUnavailable as exc:  # a retry now would meet the same store: the operator acts first
+        with session_scope(settings.db_url) as s:
+            fail_job(s, job_id, str(exc))
+        log.warning("job %d: %s", job_id, exc)
+        return []
     if staging is None:
         return []
     try:
@@ -237,8 +245,10 @@ def _put_in_place(settings: Settings, job_id: int, attempt: int, staging: _Stage
         for stale in os.listdir(pfd):
             if fnmatch.fnmatchcase(stale, prefix):
                 remove_at(pfd, stale)  # of attempts that crashed (or stalled and lost the job)
-        transition(s, job_id, JobKind.RESTORE, R.VERIFIED, R.DONE, detail=f"restored to {dest}")
-    log.info("job %d: restored checkpoint to %s (%d bytes)", job_id, dest, done)
+        read = job.params.get("read")
+        transition(s, job_id, JobKind.RESTORE, R.VERIFIED, R.DONE,
+                   detail=f"restored to {dest}" + (f": {read}" if read else ""))
+    log.info("job %d: restored checkpoint to %s (%d bytes; %s)", job_id, dest, done, read or "")
     return []
 
 
@@ -275,6 +285,7 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
     """Rebuild every file in ``staging``, verified and fsynced, and move the job to
     ``verified``; None if a later attempt took the job over meanwhile."""
     key = settings.key()
+    tally = Tally()
     done = 0
     renew_every = max(0.5, settings.lease_seconds / 4)
     last_renewal = time.monotonic()
@@ -292,11 +303,12 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
         if staging.is_dir:
             for f in files:
                 dir_fd, name = staging.place(f.relpath)
-                write_file(f, name, key, progress, wire=settings.wire_compression, dir_fd=dir_fd)
+                write_file(f, name, key, progress, wire=settings.wire_compression, dir_fd=dir_fd, settings=settings,
+                           tally=tally)
             staging.fsync()
         else:
             made = write_file(files[0], staging.name, key, progress, wire=settings.wire_compression,
-                              dir_fd=staging.parent_fd)
+                              dir_fd=staging.parent_fd, settings=settings, tally=tally)
             staging.made = identity(made)
         staging.still_ours()
         os.fsync(staging.parent_fd)
@@ -311,9 +323,10 @@ def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSourc
         if job.attempts != attempt or job.state != R.GATHERING:
             _remove_ours(staging)
             return None
+        read = tally.summary()
         transition(s, job_id, JobKind.RESTORE, R.GATHERING, R.VERIFIED, lease_seconds=settings.lease_seconds,
-                   detail=matching(len(files)), bytes_done=done,
-                   attempts=attempt, params={**job.params, "staging": str(staging.parent / staging.name)})
+                   detail=f"{matching(len(files))}; {read}", bytes_done=done, attempts=attempt,
+                   params={**job.params, "staging": str(staging.parent / staging.name), "read": read})
     return done
 
 

@@ -46,12 +46,12 @@ def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> 
         # at about half the disk's speed (1 GiB cold: 1.0-1.3 s one at a time, 0.6-0.7 s
         # three at a time). Each shard has its own buffer, so order does not matter.
         with ThreadPoolExecutor(max_workers=PARALLEL_SHARDS, thread_name_prefix="ckpt-load") as pool:
-            for tensors in pool.map(lambda sh: _tensors(_fetch_bytes(sh, key, settings.wire_compression)), shards):
+            for tensors in pool.map(lambda sh: _tensors(_fetch_bytes(sh, key, settings)), shards):
                 out.update(tensors)
         return out
     pickles = [f for f in files if f.relpath.endswith((".pt", ".pth", ".bin")) or not f.relpath]
     if len(pickles) == 1:
-        data = _file_bytes(pickles[0], key, settings.wire_compression)
+        data = _file_bytes(pickles[0], key, settings)
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     raise RestoreError(
         "load_state_dict reads safetensors checkpoints or a single torch file; "
@@ -59,18 +59,20 @@ def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> 
     )
 
 
-def _fetch_bytes(shard: ShardSource, key: bytes, wire: str = "off") -> mmap.mmap:
+def _fetch_bytes(shard: ShardSource, key: bytes, settings: Settings | None = None) -> mmap.mmap:
     # Anonymous memory, not bytearray(size): that zero-fills every page before the shard
-    # is received into it (0.5 s per GiB here). The tensors keep it alive.
+    # is received into it (0.5 s per GiB here). The tensors keep it alive. A shard no worker
+    # can send comes from an object store (pipeline.restore.gather), checked the same way.
     buf = mmap.mmap(-1, shard.size)
-    fetch(shard, key, (), lambda: None, into=memoryview(buf), wire=wire)  # a fallback overwrites it
+    fetch(shard, key, (), lambda: None, into=memoryview(buf), wire=settings.wire_compression if settings else "off",
+          settings=settings)  # a fallback overwrites it
     return buf
 
 
-def _file_bytes(f: FileSource, key: bytes, wire: str = "off") -> bytes:
+def _file_bytes(f: FileSource, key: bytes, settings: Settings) -> bytes:
     buf = bytearray(f.size)
     for shard in f.shards:
-        data = _fetch_bytes(shard, key, wire)
+        data = _fetch_bytes(shard, key, settings)
         buf[shard.src_offset : shard.src_offset + shard.length] = data[shard.payload_offset:]
     return bytes(buf)
 

@@ -7,7 +7,9 @@ each worker's link (or disk) is slower. The file's SHA-256 is taken in file orde
 them, over each shard once it is complete (read back before its pages are written out and
 dropped), and must equal the one recorded at detection before the file counts. A mismatch
 makes a second pass that checks every shard's own SHA-256, finding the replica that sent bad
-bytes and reading that shard from another.
+bytes and reading that shard from another. A shard no worker can send comes from an object
+store (pipeline.restore.gather: the source of last resort), into the same file through the
+same checks; ``tally`` records which tier each shard was read from.
 """
 from __future__ import annotations
 
@@ -17,14 +19,19 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pipeline import failpoints
 from pipeline.cluster.wire import is_loopback
 from pipeline.durable import WriteBehind
 from pipeline.errors import HashMismatch, RestoreError
-from pipeline.restore.gather import BLOCK, FileSource, ShardSource, fetch
+from pipeline.restore.gather import BLOCK, FileSource, ShardSource, Tally, fetch, on_store
+
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.restore")
 #: Called with the bytes written since the last call (negative: bytes taken back).
@@ -52,7 +59,8 @@ class _Written:
 
 
 def write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress | None = None, *, wire: str = "off",
-               dir_fd: int | None = None) -> os.stat_result:
+               dir_fd: int | None = None, settings: Settings | None = None,
+               tally: Tally | None = None) -> os.stat_result:
     """Rebuild one file at ``out`` from its shards; raise unless it matches its SHA-256.
 
     ``dir_fd``: ``out`` is a name in that open directory (the restore's staging directory,
@@ -64,16 +72,28 @@ def write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress | 
     the file does not match, it is rebuilt once more checking every shard's SHA-256, which
     finds the replica that sent bad bytes and reads that shard from another.
     """
+    how = _How(key, wire, settings, tally or Tally())
     try:
-        return _write_file(f, out, key, progress, check=False, wire=wire, dir_fd=dir_fd)
+        return _write_file(f, out, how, progress, check=False, dir_fd=dir_fd)
     except HashMismatch as exc:
         log.warning("%s; rebuilding it checking every shard, to skip the bad copy", exc)
         os.unlink(out, dir_fd=dir_fd)
-        return _write_file(f, out, key, progress, check=True, wire=wire, dir_fd=dir_fd)
+        return _write_file(f, out, how, progress, check=True, dir_fd=dir_fd)
 
 
-def _write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress | None, *, check: bool,
-                wire: str, dir_fd: int | None) -> os.stat_result:
+@dataclass(frozen=True)
+class _How:
+    """How a file's shards are fetched: the cluster key, the wire setting, the settings whose
+    targets an object-store copy is read through, the tally of where each came from."""
+
+    key: bytes
+    wire: str
+    settings: Settings | None
+    tally: Tally
+
+
+def _write_file(f: FileSource, out: Path | str, how: _How, progress: Progress | None, *, check: bool,
+                dir_fd: int | None) -> os.stat_result:
     end = 0
     for shard in f.shards:
         if shard.src_offset != end:
@@ -93,7 +113,7 @@ def _write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress |
         block = memoryview(bytearray(BLOCK))
         streams = _streams(f)
         with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="ckpt-fetch") as pool:
-            futures = [pool.submit(_shard_into, fd, shard, key, written, stop, check, wire) for shard in f.shards]
+            futures = [pool.submit(_shard_into, fd, f.relpath, shard, how, written, stop, check) for shard in f.shards]
             try:
                 for shard, fut in zip(f.shards, futures, strict=True):
                     fut.result()
@@ -120,14 +140,17 @@ def _write_file(f: FileSource, out: Path | str, key: bytes, progress: Progress |
 
 def _streams(f: FileSource) -> int:
     """How many of the file's shards to fetch at once: one per worker holding them, at most
-    ``STREAMS`` (``LOCAL_STREAMS`` when they are all on this host)."""
-    urls = {url: worker for sh in f.shards for worker, url in sh.copies}
-    local = all(is_loopback(urlsplit(u).hostname) for u in urls)
-    return max(1, min(LOCAL_STREAMS if local else STREAMS, len(set(urls.values())), len(f.shards)))
+    ``STREAMS`` (``LOCAL_STREAMS`` when they are all on this host); ``STREAMS`` from an object
+    store (it serves many GETs at once, each shard's ranges in parallel too)."""
+    urls = {url: worker for sh in f.shards for worker, url in sh.copies if not on_store(url)}
+    stores = any(on_store(url) for sh in f.shards for _worker, url in sh.copies)
+    local = bool(urls) and all(is_loopback(urlsplit(u).hostname) for u in urls)
+    sources = len(set(urls.values())) + (STREAMS if stores else 0)
+    return max(1, min(LOCAL_STREAMS if local else STREAMS, sources, len(f.shards)))
 
 
-def _shard_into(fd: int, shard: ShardSource, key: bytes, written: _Written, stop: threading.Event,
-                check: bool, wire: str) -> None:
+def _shard_into(fd: int, relpath: str, shard: ShardSource, how: _How, written: _Written, stop: threading.Event,
+                check: bool) -> None:
     """Fetch one shard (pipeline.restore.gather.fetch) and write its payload at its offset."""
     pos, skip = shard.src_offset, shard.payload_offset
 
@@ -156,7 +179,8 @@ def _shard_into(fd: int, shard: ShardSource, key: bytes, written: _Written, stop
 
     if stop.is_set():
         raise RestoreError("stopped: another shard of the file failed")
-    fetch(shard, key, (write,), reset, check=check, inline=take, wire=wire)
+    read_from = fetch(shard, how.key, (write,), reset, check=check, inline=take, wire=how.wire, settings=how.settings)
+    how.tally.record(relpath, shard, read_from)
 
 
 def _hash_range(fd: int, offset: int, length: int, whole: hashlib._Hash, block: memoryview) -> None:

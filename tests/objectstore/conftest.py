@@ -76,12 +76,14 @@ def make_target(endpoint: str, bucket: str, **options) -> Target:
 class FlakyFront(Front):
     """An HTTP front on loopback for an S3 server: answers the next ``failures`` requests with
     ``status`` and an S3 error body of ``code`` (503 SlowDown: throttling), then passes every
-    request through to the server. ``seen`` counts the requests it answered itself."""
+    request through to the server. ``seen`` counts the requests it answered itself. ``port``: the
+    one to listen on (0: any free one; a front closed earlier can be opened again on its port)."""
 
-    def __init__(self, upstream_port: int, status: int, code: str, failures: int) -> None:
+    def __init__(self, upstream_port: int, status: int, code: str, failures: int, port: int = 0) -> None:
         self.status, self.code, self.failures, self.seen = status, code, failures, 0
         self.lock = threading.Lock()
-        super().__init__(lambda: http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30))
+        super().__init__(lambda: http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30),
+                         ("127.0.0.1", port))
         self.start()
 
     def fault(self, method: str) -> tuple[int, str] | None:

@@ -155,6 +155,62 @@ def test_a_truncated_object_fails_confirm_and_even_a_sampled_read_back(server, b
         store.read_back(sha, size, sample=0.1, seed=1)
 
 
+def read_all(stream, block: int) -> bytes:
+    out, view = bytearray(), memoryview(bytearray(block))
+    while n := stream.readinto(view):
+        out += view[:n]
+    return bytes(out)
+
+
+def test_open_reads_an_object_in_order_with_its_ranges_fetched_ahead_in_a_bounded_window(
+        server, bucket, tmp_path, monkeypatch):
+    from pipeline.objectstore import download
+
+    store = ObjectStore(make_target(server.endpoint, bucket))  # 5 MiB parts, concurrency 10
+    size = 4 * 5 * MiB + 12345
+    path, sha, data = source(tmp_path, size, seed=7)
+    store.put(sha, path)
+    monkeypatch.setattr(download, "CHUNK", 256 * 1024)  # each range arrives in several pieces
+    monkeypatch.setattr(download, "READ_AHEAD", 2 * 5 * MiB)  # two ranges held at most
+    running, most = 0, 0
+    real_fetch = download.fetch
+
+    def counted(*args, **kwargs):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            return real_fetch(*args, **kwargs)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(download, "fetch", counted)
+    stream = store.open(sha, size)
+    try:
+        assert read_all(stream, 3 * MiB + 7) == data  # blocks that straddle the ranges
+    finally:
+        stream.close()
+    assert most == 2
+    assert read_all(store.open(sha, size), 4 * MiB) == data  # the default window
+
+
+def test_open_of_an_absent_or_shorter_object_fails_on_the_read_that_reaches_it(server, bucket, tmp_path):
+    store = ObjectStore(make_target(server.endpoint, bucket))
+    path, sha, data = source(tmp_path, 6 * MiB, seed=8)
+    with pytest.raises(ObjectMissing):
+        read_all(store.open(sha, len(data)), MiB)
+    stored = store.put(sha, path)
+    raw_client(server).put_object(Bucket=bucket, Key=stored.key, Body=data[:-100])
+    with pytest.raises(ObjectMismatch, match="expected"):
+        read_all(store.open(sha, len(data)), MiB)
+    empty = hashlib.sha256(b"").hexdigest()
+    with pytest.raises(ObjectMissing):
+        store.open(empty, 0)
+    (tmp_path / "nothing").write_bytes(b"")
+    store.put(empty, tmp_path / "nothing")
+    assert read_all(store.open(empty, 0), MiB) == b""
+
+
 def test_read_back_reads_all_or_a_sample_with_the_first_and_last_ranges(server, bucket, tmp_path):
     store = ObjectStore(make_target(server.endpoint, bucket))
     size = 26 * MiB

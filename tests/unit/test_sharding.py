@@ -114,10 +114,11 @@ def test_a_restore_reads_from_every_worker_holding_its_shards(detected):
     assert set(first) == {"w-0", "w-1"} and abs(first["w-0"] - first["w-1"]) <= biggest, first
 
 
-def test_a_restore_does_not_read_from_an_object_store_until_restore_from_a_target_exists(detected):
-    """A verified copy on an object store is no source for a restore yet: a worker's client
-    cannot read a bucket (found by the chaos soak: a restore failed on "storage worker URL must
-    look like http://HOST:PORT" although every shard had two verified copies on workers)."""
+def test_a_restore_reads_an_object_store_only_after_every_worker(detected):
+    """A verified copy on an object store is a restore's last source, read by the store's client
+    (found by the chaos soak: a restore offered a bucket's copy first to a worker's client, and
+    failed on "storage worker URL must look like http://HOST:PORT" although every shard had two
+    verified copies on workers)."""
     from sqlalchemy import select, update
 
     from pipeline.db.models import Checkpoint
@@ -136,7 +137,8 @@ def test_a_restore_does_not_read_from_an_object_store_until_restore_from_a_targe
         (f,) = manifest(s, s.get(Checkpoint, s.get(Job, job_id).checkpoint_id))
     assert f.shards
     for sh in f.shards:
-        assert {worker for worker, _url in sh.copies} == {"w-0", "w-1"}
+        assert [worker for worker, _url in sh.copies][-1] == "target:store"
+        assert {worker for worker, _url in sh.copies[:-1]} == {"w-0", "w-1"}
 
 
 def test_a_root_may_fan_out_while_the_others_chain(detected):
