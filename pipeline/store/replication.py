@@ -263,15 +263,30 @@ def fan_in_job(s: Session, settings: Settings, job_id: int) -> list[Send]:
     if job.state != S.SHARDED or job.checkpoint_id is None:
         return []
     need = settings.need_for(one(s, Checkpoint, job.checkpoint_id).run)
-    if short_contents(s, job.checkpoint_id, need.rf) or (
-            need.targets and short_contents(s, job.checkpoint_id, need.targets, Tier.OBJECT_STORE)):
+    if short_contents(s, job.checkpoint_id, need.rf):
+        return []
+    if need.targets and (short := short_contents(s, job.checkpoint_id, need.targets, Tier.OBJECT_STORE)):
+        _waits_for_stores(s, job, short, need.targets)
         return []
     if transition(s, job_id, JobKind.STORE, S.SHARDED, S.REPLICATED, lease_seconds=settings.lease_seconds,
                   detail="every content has RF stored copies"
                          + (f" and {need.targets} on object stores" if need.targets else ""),
-                  bytes_done=job.bytes_total):
+                  bytes_done=job.bytes_total, blocked_reason=None):
         return [Send("verify", (job_id,))]
     return []
+
+
+def _waits_for_stores(s: Session, job: Job, short: int, wanted: int) -> None:
+    """Say why a store job whose workers hold its copies still waits: its run requires copies on
+    object stores, and what the stores said (a store never admitted, down, throttling)."""
+    stores = s.scalars(select(StorageWorker).where(StorageWorker.tier == Tier.OBJECT_STORE)
+                       .order_by(StorageWorker.id)).all()
+    said = "; ".join(f"{w.id} is {w.state}" + (f": {w.last_error[:200]}" if w.last_error else "") for w in stores
+                     if w.state not in COUNTING_WORKERS or w.last_error) or "their copies are on their way"
+    reason = f"waiting for its object-store copies ({short} contents short of {wanted}): {said}"
+    if job.blocked_reason != reason and not (job.blocked_reason or "").startswith("waiting for its object-store copy:"):
+        job.blocked_reason = reason
+        note(s, job.id, reason)
 
 
 def fan_in(s: Session, settings: Settings, sha: str) -> list[Send]:

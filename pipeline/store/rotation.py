@@ -77,8 +77,8 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
                 sends.append(Send("rotate", (job.id,)))
             elif job.state not in states.TERMINAL[JobKind.STORE]:
                 reason = f"rotation waits: the checkpoint is {job.state}, not yet verified"
-                if job.blocked_reason != reason:
-                    job.blocked_reason = reason
+                if job.blocked_reason is None or job.blocked_reason.startswith("rotation waits"):
+                    job.blocked_reason = reason  # what its own step said it waits for says more
         # This host's parts of checkpoints the coordinator's host rotated (a message lost, or
         # blocked then): removed here too.
         for part in s.scalars(select(CheckpointPart).where(

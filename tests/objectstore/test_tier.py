@@ -166,3 +166,23 @@ def test_a_forgotten_checkpoints_content_is_collected_from_the_bucket(make_clust
     held = set(in_bucket(server, bucket))
     assert not gone & held and kept <= held
     assert store_copies(cluster, old_job) == [c for c in store_copies(cluster, old_job) if c[0] in kept]
+
+
+def test_refused_credentials_are_one_clear_reason_and_nothing_is_marked_lost(make_cluster, server, bucket):  # noqa: F811
+    env = targets_env(server.endpoint, bucket, CKPT_TARGET_MODE="required", AWS_SECRET_ACCESS_KEY="not-the-key")
+    cluster = make_cluster(env=env)
+    run = cluster.runs / "run"
+    run.mkdir()
+    old = atomic_save(state_dict(7), run / "step_1.safetensors")
+    old_job = checkpoint_job(cluster, old)
+    atomic_save(state_dict(8), run / "step_2.safetensors")
+
+    # The workers hold its copies; the store refuses the credentials: the job says so, once clear.
+    reason = wait_for(lambda: (r := cluster.job(old_job).blocked_reason) and "object-store copies" in r and r, 90,
+                      "the store job to say why it waits")
+    assert "target:store" in reason and "credentials" in reason, reason
+    assert cluster.job(old_job).state == "sharded" and old.exists()
+    with session_scope(cluster.settings.db_url) as s:
+        damaged = s.scalars(select(ContentCopy.state).where(ContentCopy.state.in_(("corrupt", "missing")))).all()
+    assert damaged == []
+    assert in_bucket(server, bucket) == {}
