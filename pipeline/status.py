@@ -301,7 +301,7 @@ def status(settings: Settings, *, all_versions: bool = False, run: str | None = 
             "runs": run_summaries(s, settings, runs=[run] if run else None),
             "jobs": [job_dict(j) for j in jobs],
             "workers": [worker_dict(w) for w in s.scalars(select(StorageWorker).order_by(StorageWorker.id))],
-            "objectstores": objectstore_report.targets(s),
+            "objectstores": objectstore_report.targets(s, settings),
             "capacity": usage.as_dict(),
             "run_usage": capacity.per_run(s, [run] if run else None),
             "problems": problem_dicts(s),

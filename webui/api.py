@@ -90,10 +90,11 @@ def job(job_id: int) -> ResponseReturnValue:
 
 @bp.get("/workers")
 def workers() -> ResponseReturnValue:
-    """Storage workers by id, a page (``?page=``, from 0) at a time; ``more`` when there is another."""
-    rows, more = data.paged(data.workers(settings(), search=request.args.get("q") or None),
-                            request.args.get("page", 0, type=int))
-    return jsonify(workers=rows, more=more)
+    """Storage workers by id, a page (``?page=``, from 0) at a time; ``more`` when there is another;
+    ``objectstores``: the object-store targets (a tier of their own, all of them, on every page)."""
+    q = request.args.get("q") or None
+    rows, more = data.paged(data.workers(settings(), search=q), request.args.get("page", 0, type=int))
+    return jsonify(workers=rows, more=more, objectstores=data.objectstores(settings(), search=q))
 
 
 @bp.get("/runs")

@@ -13,7 +13,7 @@ from sqlalchemy import ColumnElement, Text, and_, cast, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline import capacity, states
-from pipeline.core.health import checkpoint_health, shard_health, worker_healths
+from pipeline.core.health import COUNTS, checkpoint_health, shard_health, worker_healths
 from pipeline.db import hosts as db_hosts
 from pipeline.db import jobs as job_lookup
 from pipeline.db.copies import content_copies, fresh_after, held_per_worker
@@ -30,8 +30,9 @@ from pipeline.db.models import (
 from pipeline.db.transitions import now
 from pipeline.detection import waits
 from pipeline.errors import UnknownCheckpoint, UnknownJob, UnknownRun
+from pipeline.objectstore import report as objectstore_report
 from pipeline.settings import Settings
-from pipeline.states import RETIRED, JobKind, StoreState, WorkerState
+from pipeline.states import RETIRED, JobKind, StoreState, Tier, WorkerState
 from pipeline.status import (
     checkpoint_page,
     checkpoint_rows,
@@ -110,7 +111,12 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
             raise UnknownCheckpoint(str(checkpoint_id))
         (out,) = checkpoint_rows(s, settings, [c])
         shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id))
-        per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, set(shas)).items()}
+        copies = content_copies(s, set(shas))
+        per_worker = {sha: worker_healths(rows, since) for sha, rows in copies.items()}
+        stores = {o["id"]: o for o in objectstore_report.targets(s, settings)}
+        wanted = out["objectstore"]["wanted"] if out["objectstore"] else 0
+        on_stores = {sha: objectstore_report.shard(rows, since, wanted) for sha, rows in copies.items()}
+        shown = bool(out["objectstore"]) or any(o["cells"] for o in on_stores.values())
         rows_of: dict[str, list[ContentCopy]] = {}
         for r in s.scalars(select(ContentCopy).where(ContentCopy.sha256.in_(list(per_worker)),
                                                      ContentCopy.state.not_in(sorted(RETIRED)))
@@ -125,16 +131,19 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
                     "worker_id": r.worker_id, "state": r.state, "stored_at": r.stored_at,
                     "verified_at": r.verified_at, "checked_at": r.checked_at, "last_error": r.last_error,
                     "health": per_worker[sh.sha256].get(r.worker_id, "missing"),
-                } for r in rows_of.get(sh.sha256, [])]
+                } for r in rows_of.get(sh.sha256, []) if r.worker_id not in stores]
                 shards.append({
                     "seq": sh.seq, "kind": sh.kind, "sha256": sh.sha256, "size": sh.size,
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
                     "first_tensor": sh.tensors[0] if sh.tensors else None, "replicas": reps,
                     "health": checkpoint_health(out["state"], {shard_health(list(per_worker[sh.sha256].values()),
                                                                            settings.rf, c.local_present): 1}),
+                    "objectstore": _on_stores(on_stores[sh.sha256], rows_of.get(sh.sha256, []), stores)
+                    if shown else None,
                 })
             files.append({"relpath": f.relpath or c.name, "size": f.size, "sha256": f.sha256, "format": f.format,
                           "shards": shards})
+        out["objectstore_line"] = objectstore_report.words(out["objectstore"]) if out["objectstore"] else None
         out["files"] = files
         out["versions"] = [{"id": v.id, "version": v.version, "detected_at": v.detected_at, "current": v.current,
                             "state": v.store_state or "-"}
@@ -145,6 +154,21 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
         out["jobs"] = [job_dict(j) for j in s.scalars(select(Job).where(Job.checkpoint_id == c.id)
                                                        .order_by(Job.id.desc()))]
         return out
+
+
+def _on_stores(state: dict[str, Any], rows: list[ContentCopy], stores: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One shard's copy state on the object stores (pipeline.objectstore.report.shard) with each
+    copy and why it waits: the copy's own error, else its store's (refused credentials,
+    throttling); ``error``: the first such reason of a shard not confirmed (with no copy placed,
+    a store's: why none could be)."""
+    copies = [{"target": r.worker_id, "state": r.state, "health": state["cells"].get(r.worker_id, "missing"),
+               "last_error": r.last_error or stores[r.worker_id]["last_error"], "verified_at": r.verified_at}
+              for r in rows if r.worker_id in stores]
+    reasons = [o["last_error"] for o in copies if o["health"] not in COUNTS] if copies else \
+        [o["last_error"] for o in stores.values()]
+    error = next((e for e in reasons if e), None) if state["state"] != "confirmed" else None
+    return {"state": state["state"], "confirmed": state["confirmed"], "wanted": state["wanted"], "copies": copies,
+            "error": error}
 
 
 def health(settings: Settings, *, problems_only: bool = False, before: int | None = None,
@@ -163,7 +187,8 @@ def health(settings: Settings, *, problems_only: bool = False, before: int | Non
         if problems_only:  # the checkpoints whose health is not plain: read by pages, not all at once
             q = q.where(Checkpoint.store_state.in_(sorted(states.RESTORABLE)))
         workers = [w.id for w in s.scalars(select(StorageWorker).where(
-            StorageWorker.state.not_in([WorkerState.REJECTED, WorkerState.CANDIDATE])).order_by(StorageWorker.id))]
+            StorageWorker.state.not_in([WorkerState.REJECTED, WorkerState.CANDIDATE]),
+            StorageWorker.tier == Tier.WORKERS).order_by(StorageWorker.id))]
         matrices: list[dict[str, Any]] = []
         replica_totals: dict[str, int] = {}
         shard_totals: dict[str, int] = {}
@@ -296,15 +321,29 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
 
 
 def workers(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
-    """Every storage worker; ``search``: text in its id, address, zone, state or why it is not used."""
+    """Every storage worker (the object stores are :func:`objectstores`); ``search``: text in
+    its id, address, zone, state or why it is not used."""
     with session_scope(settings.db_url, readonly=True) as s:
         held = held_per_worker(s)
-        q = select(StorageWorker).order_by(StorageWorker.id)
+        q = select(StorageWorker).where(StorageWorker.tier == Tier.WORKERS).order_by(StorageWorker.id)
         if search:
             q = q.where(or_(*(contains(c, search) for c in (StorageWorker.id, StorageWorker.url, StorageWorker.zone,
                                                              StorageWorker.state, StorageWorker.last_error))))
         return [worker_dict(w) | {"shards": held.get(w.id, (0, 0))[0], "bytes": held.get(w.id, (0, 0))[1]}
                 for w in s.scalars(q)]
+
+
+def objectstores(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
+    """Every object-store target, as ``ckpt status`` lists them (pipeline.objectstore.report.targets:
+    id, url, endpoint, state, used bytes against the quota, copies, last error); ``search``: text
+    in its id, url, endpoint, state or last error."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        rows = objectstore_report.targets(s, settings)
+    if not search:
+        return rows
+    text = search.lower()
+    return [o for o in rows if any(text in str(o[k] or "").lower() for k in ("id", "url", "endpoint", "state",
+                                                                              "last_error"))]
 
 
 def dead_letters(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
@@ -349,7 +388,8 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
 
 
 def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
-    """The front page: runs, totals by state, capacity and its history, workers, transfers.
+    """The front page: runs, totals by state, capacity and its history, workers, object stores
+    (apart: the cluster's counts are the workers'), transfers.
     Aggregates in SQL: its cost does not grow with the number of checkpoints listed."""
     ws = workers(settings)
     with session_scope(settings.db_url, readonly=True) as s:
@@ -370,6 +410,7 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         usage = capacity.usage(s, settings)
         run_usage = capacity.per_run(s)
         chart = capacity.history(s, limit=400)
+        stores = objectstore_report.targets(s, settings)
     return {
         "runs": summaries, "problems": found_problems, "waiting": waiting, "capacity": usage.as_dict(),
         "run_usage": run_usage,
@@ -381,6 +422,7 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         "dead_letters": dead_letters,
         "workers_up": sum(1 for w in ws if w["state"] == WorkerState.UP),
         "workers_down": sum(1 for w in ws if w["state"] not in (WorkerState.UP, WorkerState.FULL)), "workers": ws,
+        "objectstores": stores, "objectstores_up": sum(1 for o in stores if o["state"] in states.COUNTING_WORKERS),
         "last_scrub": last_scrub, "next_scrub": next_scrub(settings),
         "transfers": recent_transfers(settings),
     }

@@ -251,7 +251,7 @@ def workers() -> ResponseReturnValue:
     sort = sorting.requested(sorting.WORKERS)
     items, more = data.paged(sort.rows(data.workers(settings(), search=q), sorting.WORKERS), number)
     return render_template("workers.html", items=items, q=q, page=number, more=more, sort=sort,
-                           sticky=sorted(states.STICKY_WORKERS))
+                           sticky=sorted(states.STICKY_WORKERS), stores=data.objectstores(settings(), search=q))
 
 
 @bp.route("/workers/<worker_id>/drain", methods=("POST",))

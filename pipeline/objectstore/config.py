@@ -72,6 +72,15 @@ class Target:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
+#: A target's storage row is ``target:<name>`` (pipeline.objectstore.tier).
+PREFIX = "target:"
+
+
+def row_id(name: str) -> str:
+    """The storage row id of target ``name``."""
+    return PREFIX + name
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(Target)}
 _TYPES: dict[str, type] = {"quota_bytes": int, "multipart_threshold": int, "part_size": int, "concurrency": int,
                            "max_attempts": int, "connect_timeout": float, "read_timeout": float}

@@ -3,34 +3,46 @@
 Each target on its own (its state, what its copy rows hold against its quota, how many copies),
 and per checkpoint whose run wants object-store copies how many of its contents are confirmed
 there (a good copy on ``target_copies`` object stores, pipeline.db.copies.good_copy of tier
-``objectstore``), so a lagging copy is visible. Each is one grouped query over the page's
-checkpoints or the target rows, never one per row.
+``objectstore``), so a lagging copy is visible; per shard (the web UI's checkpoint page) its copy
+state there. Each is one grouped query over the page's checkpoints or the target rows, never
+one per row.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from pipeline.core.copies import Copy
+from pipeline.core.health import COUNTS, worker_healths
 from pipeline.db.copies import good_copy
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
+from pipeline.objectstore.config import row_id
 from pipeline.settings import Settings
 from pipeline.states import SENT, ContentState, CopyState, Tier
 
 
-def targets(session: Session) -> list[dict[str, Any]]:
+def targets(session: Session, settings: Settings | None = None) -> list[dict[str, Any]]:
     """Every object-store row: id, url, state, used bytes (its held copies) against its quota
-    (``capacity_bytes``; 0: none), copies, last error."""
+    (``capacity_bytes``; 0: none), copies, last error; with ``settings``, also the ``endpoint``
+    its target is configured with (``""``: AWS S3 itself; None: no longer configured)."""
     held = (select(ContentCopy.worker_id, func.count().label("n"), func.coalesce(func.sum(Content.size), 0).label("b"))
             .join(Content, Content.sha256 == ContentCopy.sha256)
             .where(ContentCopy.state.in_(sorted(SENT))).group_by(ContentCopy.worker_id).subquery())
     rows = session.execute(
         select(StorageWorker, held.c.n, held.c.b).outerjoin(held, held.c.worker_id == StorageWorker.id)
         .where(StorageWorker.tier == Tier.OBJECT_STORE).order_by(StorageWorker.id)).all()
-    return [{"id": w.id, "url": w.url, "state": w.state, "used_bytes": int(b or 0),
-             "quota_bytes": w.capacity_bytes or 0, "copies": int(n or 0), "last_error": w.last_error}
-            for w, n, b in rows]
+    out = [{"id": w.id, "url": w.url, "state": w.state, "used_bytes": int(b or 0),
+            "quota_bytes": w.capacity_bytes or 0, "copies": int(n or 0), "last_error": w.last_error}
+           for w, n, b in rows]
+    if settings is not None:
+        endpoints = {row_id(t.name): t.endpoint for t in settings.object_targets()}
+        for o in out:
+            o["endpoint"] = endpoints.get(o["id"])
+    return out
 
 
 def confirmed(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> dict[int, dict[str, Any]]:
@@ -56,6 +68,28 @@ def confirmed(session: Session, settings: Settings, ckpts: list[Checkpoint]) -> 
         out[cid]["contents"] += 1
         out[cid]["confirmed"] += int(n >= policy[cid][0])
     return out
+
+
+#: A shard's object-store copy state when it is not confirmed, worst first: a copy found damaged
+#: (corrupt; missing: absent from the store, on a store that cannot be read, or never placed),
+#: then one on its way (pending: placed or sent, not confirmed yet).
+_NOT_CONFIRMED = ("corrupt", "missing", "pending")
+
+
+def shard(copies: Iterable[Copy], since: datetime, wanted: int) -> dict[str, Any]:
+    """One shard's copy state on the object stores, from every copy row of its content (as
+    pipeline.db.copies.content_copies reads them): ``confirmed`` when ``wanted`` object stores
+    hold a good copy (the rule :func:`confirmed` counts), else the worst of ``corrupt``,
+    ``missing`` (none placed, or not there) and ``pending``; ``cells``: each object store's copy
+    health (pipeline.core.health.worker_healths of tier ``objectstore``)."""
+    cells = worker_healths(copies, since, Tier.OBJECT_STORE)
+    good = sum(1 for h in cells.values() if h in COUNTS)
+    if good >= max(wanted, 1):
+        state = "confirmed"
+    else:
+        seen = {"pending" if h in ("unverified", "draining") else h for h in cells.values()}
+        state = next((h for h in _NOT_CONFIRMED if h in seen), "missing")
+    return {"state": state, "confirmed": good, "wanted": wanted, "cells": cells}
 
 
 def lagging_contents(session: Session) -> int:

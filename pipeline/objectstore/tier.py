@@ -31,23 +31,17 @@ from pipeline.db.models import Content, ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import ObjectMissing, ObjectStoreError
 from pipeline.objectstore.client import ObjectStore
-from pipeline.objectstore.config import Target
+from pipeline.objectstore.config import PREFIX, Target, row_id
 from pipeline.settings import Settings
 from pipeline.states import COUNTING_WORKERS, SENT, Tier, WorkerState
 
 log = logging.getLogger("ckpt.objectstore")
 
-PREFIX = "target:"
 #: A bucket without a quota is weighted as this much free space by placement.
 UNLIMITED = 1 << 50
 
 _stores: dict[str, ObjectStore] = {}
 _lock = threading.Lock()
-
-
-def row_id(name: str) -> str:
-    """The storage row id of target ``name``."""
-    return PREFIX + name
 
 
 def is_target(worker_id: str) -> bool:

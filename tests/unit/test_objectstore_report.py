@@ -38,7 +38,8 @@ def test_status_shows_each_target_and_how_many_contents_are_confirmed_on_object_
     (row,) = [c for c in doc["checkpoints"] if c["id"] == cid]
     assert row["objectstore"] == {"contents": 3, "confirmed": 1, "wanted": 1, "mode": "lag"}
     assert doc["objectstores"] == [{"id": "target:store", "url": TARGET["url"], "state": "up", "used_bytes": 1000,
-                                    "quota_bytes": 10**9, "copies": 1, "last_error": None}]
+                                    "quota_bytes": 10**9, "copies": 1, "last_error": None,
+                                    "endpoint": TARGET["endpoint"]}]
     with session_scope(settings.db_url, readonly=True) as s:
         assert report.lagging_contents(s) == 1
 
