@@ -92,9 +92,9 @@ def job(job_id: int) -> ResponseReturnValue:
 def workers() -> ResponseReturnValue:
     """Storage workers by id, a page (``?page=``, from 0) at a time; ``more`` when there is another;
     ``objectstores``: the object-store targets (a tier of their own, all of them, on every page)."""
-    q = request.args.get("q") or None
-    rows, more = data.paged(data.workers(settings(), search=q), request.args.get("page", 0, type=int))
-    return jsonify(workers=rows, more=more, objectstores=data.objectstores(settings(), search=q))
+    found, stores = data.storage(settings(), search=request.args.get("q") or None)
+    rows, more = data.paged(found, request.args.get("page", 0, type=int))
+    return jsonify(workers=rows, more=more, objectstores=stores)
 
 
 @bp.get("/runs")

@@ -113,7 +113,8 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
         shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == c.id))
         copies = content_copies(s, set(shas))
         per_worker = {sha: worker_healths(rows, since) for sha, rows in copies.items()}
-        stores = {o["id"]: o for o in objectstore_report.targets(s, settings)}
+        stores = {w.id: {"last_error": w.last_error}  # the object stores, for why their copies wait
+                  for w in s.scalars(select(StorageWorker).where(StorageWorker.tier == Tier.OBJECT_STORE))}
         wanted = out["objectstore"]["wanted"] if out["objectstore"] else 0
         on_stores = {sha: objectstore_report.shard(rows, since, wanted) for sha, rows in copies.items()}
         shown = bool(out["objectstore"]) or any(o["cells"] for o in on_stores.values())
@@ -321,29 +322,34 @@ def job(settings: Settings, job_id: int) -> dict[str, Any]:
 
 
 def workers(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
-    """Every storage worker (the object stores are :func:`objectstores`); ``search``: text in
-    its id, address, zone, state or why it is not used."""
+    """Every storage worker (the object stores are :func:`storage`'s); ``search``: text in its
+    id, address, zone, state or why it is not used."""
+    with session_scope(settings.db_url, readonly=True) as s:
+        return _workers(s, held_per_worker(s), search)
+
+
+def storage(settings: Settings, *, search: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both tiers, apart: the storage workers (:func:`workers`) and the object-store targets as
+    ``ckpt status`` lists them (pipeline.objectstore.report.targets: id, url, endpoint, state,
+    used bytes against the quota, copies, last error), from one grouped count of what each row
+    holds; ``search`` also finds a target by its id, url, endpoint, state or last error."""
     with session_scope(settings.db_url, readonly=True) as s:
         held = held_per_worker(s)
-        q = select(StorageWorker).where(StorageWorker.tier == Tier.WORKERS).order_by(StorageWorker.id)
+        stores = objectstore_report.targets(s, settings, held)
         if search:
-            q = q.where(or_(*(contains(c, search) for c in (StorageWorker.id, StorageWorker.url, StorageWorker.zone,
-                                                             StorageWorker.state, StorageWorker.last_error))))
-        return [worker_dict(w) | {"shards": held.get(w.id, (0, 0))[0], "bytes": held.get(w.id, (0, 0))[1]}
-                for w in s.scalars(q)]
+            text = search.lower()
+            stores = [o for o in stores
+                      if any(text in str(o[k] or "").lower() for k in ("id", "url", "endpoint", "state", "last_error"))]
+        return _workers(s, held, search), stores
 
 
-def objectstores(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
-    """Every object-store target, as ``ckpt status`` lists them (pipeline.objectstore.report.targets:
-    id, url, endpoint, state, used bytes against the quota, copies, last error); ``search``: text
-    in its id, url, endpoint, state or last error."""
-    with session_scope(settings.db_url, readonly=True) as s:
-        rows = objectstore_report.targets(s, settings)
-    if not search:
-        return rows
-    text = search.lower()
-    return [o for o in rows if any(text in str(o[k] or "").lower() for k in ("id", "url", "endpoint", "state",
-                                                                              "last_error"))]
+def _workers(s: Session, held: dict[str, tuple[int, int]], search: str | None) -> list[dict[str, Any]]:
+    q = select(StorageWorker).where(StorageWorker.tier == Tier.WORKERS).order_by(StorageWorker.id)
+    if search:
+        q = q.where(or_(*(contains(c, search) for c in (StorageWorker.id, StorageWorker.url, StorageWorker.zone,
+                                                         StorageWorker.state, StorageWorker.last_error))))
+    return [worker_dict(w) | {"shards": held.get(w.id, (0, 0))[0], "bytes": held.get(w.id, (0, 0))[1]}
+            for w in s.scalars(q)]
 
 
 def dead_letters(settings: Settings, *, search: str | None = None) -> list[dict[str, Any]]:
@@ -391,7 +397,7 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
     """The front page: runs, totals by state, capacity and its history, workers, object stores
     (apart: the cluster's counts are the workers'), transfers.
     Aggregates in SQL: its cost does not grow with the number of checkpoints listed."""
-    ws = workers(settings)
+    ws, stores = storage(settings)
     with session_scope(settings.db_url, readonly=True) as s:
         facts = run_facts(s)
         by_state: dict[str, int] = {}
@@ -410,7 +416,6 @@ def overview(settings: Settings, dead_letters: int) -> dict[str, Any]:
         usage = capacity.usage(s, settings)
         run_usage = capacity.per_run(s)
         chart = capacity.history(s, limit=400)
-        stores = objectstore_report.targets(s, settings)
     return {
         "runs": summaries, "problems": found_problems, "waiting": waiting, "capacity": usage.as_dict(),
         "run_usage": run_usage,

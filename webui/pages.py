@@ -249,9 +249,10 @@ def workers() -> ResponseReturnValue:
     q = request.args.get("q", "").strip() or None
     number = max(0, request.args.get("page", 0, type=int))
     sort = sorting.requested(sorting.WORKERS)
-    items, more = data.paged(sort.rows(data.workers(settings(), search=q), sorting.WORKERS), number)
+    found, stores = data.storage(settings(), search=q)
+    items, more = data.paged(sort.rows(found, sorting.WORKERS), number)
     return render_template("workers.html", items=items, q=q, page=number, more=more, sort=sort,
-                           sticky=sorted(states.STICKY_WORKERS), stores=data.objectstores(settings(), search=q))
+                           sticky=sorted(states.STICKY_WORKERS), stores=stores)
 
 
 @bp.route("/workers/<worker_id>/drain", methods=("POST",))

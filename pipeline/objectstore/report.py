@@ -18,30 +18,31 @@ from sqlalchemy.orm import Session
 
 from pipeline.core.copies import Copy
 from pipeline.core.health import COUNTS, worker_healths
-from pipeline.db.copies import good_copy
+from pipeline.db.copies import good_copy, held_per_worker
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Shard, StorageWorker
 from pipeline.objectstore.config import row_id
 from pipeline.settings import Settings
-from pipeline.states import SENT, ContentState, CopyState, Tier
+from pipeline.states import ContentState, CopyState, Tier
 
 
-def targets(session: Session, settings: Settings | None = None) -> list[dict[str, Any]]:
+def targets(session: Session, settings: Settings | None = None,
+            held: dict[str, tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Every object-store row: id, url, state, used bytes (its held copies) against its quota
     (``capacity_bytes``; 0: none), copies, last error; with ``settings``, also the ``endpoint``
-    its target is configured with (``""``: AWS S3 itself; None: no longer configured)."""
-    held = (select(ContentCopy.worker_id, func.count().label("n"), func.coalesce(func.sum(Content.size), 0).label("b"))
-            .join(Content, Content.sha256 == ContentCopy.sha256)
-            .where(ContentCopy.state.in_(sorted(SENT))).group_by(ContentCopy.worker_id).subquery())
-    rows = session.execute(
-        select(StorageWorker, held.c.n, held.c.b).outerjoin(held, held.c.worker_id == StorageWorker.id)
-        .where(StorageWorker.tier == Tier.OBJECT_STORE).order_by(StorageWorker.id)).all()
-    out = [{"id": w.id, "url": w.url, "state": w.state, "used_bytes": int(b or 0),
-            "quota_bytes": w.capacity_bytes or 0, "copies": int(n or 0), "last_error": w.last_error}
-           for w, n, b in rows]
-    if settings is not None:
-        endpoints = {row_id(t.name): t.endpoint for t in settings.object_targets()}
-        for o in out:
-            o["endpoint"] = endpoints.get(o["id"])
+    its target is configured with (``""``: AWS S3 itself; None: no longer configured).
+    ``held``: pipeline.db.copies.held_per_worker's answer, when the caller has it (a page that
+    lists both tiers counts what each row holds once)."""
+    held = held_per_worker(session) if held is None else held
+    rows = session.scalars(select(StorageWorker).where(StorageWorker.tier == Tier.OBJECT_STORE)
+                           .order_by(StorageWorker.id))
+    endpoints = {row_id(t.name): t.endpoint for t in settings.object_targets()} if settings is not None else None
+    out: list[dict[str, Any]] = []
+    for w in rows:
+        copies, used = held.get(w.id, (0, 0))
+        out.append({"id": w.id, "url": w.url, "state": w.state, "used_bytes": used,
+                    "quota_bytes": w.capacity_bytes or 0, "copies": copies, "last_error": w.last_error})
+        if endpoints is not None:
+            out[-1]["endpoint"] = endpoints.get(w.id)
     return out
 
 

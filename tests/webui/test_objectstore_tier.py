@@ -33,7 +33,9 @@ REFUSED = "credentials refused (profile 'ckpt'): <img src=x onerror=alert(1)> & 
 def tiered(web_settings):
     """Two storage workers holding a verified checkpoint; object store ``archive`` (up) holds a
     copy of its shards: the first confirmed, the second pending after a throttled put, the third
-    found missing, the fourth corrupt; ``cold`` is down, its credentials refused."""
+    found missing, the fourth corrupt; ``cold`` is down, its credentials refused, and holds the
+    fifth's copy, pending; the sixth's copy is put on ``archive``, not confirmed yet; the others
+    have none."""
     s = settings_mod.configure(dataclasses.replace(web_settings, targets=json.dumps([ARCHIVE, COLD])))
     ids = seed(s)
     with session_scope(s.db_url) as session:
@@ -45,10 +47,11 @@ def tiered(web_settings):
         workers.set_state(session, session.get(type(w), "target:cold"), "down", error=REFUSED)
         shas = list(session.scalars(select(Shard.sha256).join(CheckpointFile)
                                     .where(CheckpointFile.checkpoint_id == ids["checkpoint"]).order_by(Shard.seq)))
-        assert len(set(shas)) >= 4, "the seeded checkpoint has at least four distinct shards"
-        rows = [copies.new_copy(session.get(Content, sha), "target:archive") for sha in shas[:4]]
+        assert len(set(shas)) >= 7, "the seeded checkpoint has at least seven distinct shards"
+        rows = [copies.new_copy(session.get(Content, sha), "target:archive") for sha in (*shas[:4], shas[5])]
+        copies.new_copy(session.get(Content, shas[4]), "target:cold")  # placed, on a store that refuses
         session.flush()
-        for row in rows[:3]:
+        for row in (*rows[:3], rows[4]):  # the sixth's is put, not confirmed yet
             copies.move(session, row, "stored")
         copies.move(session, rows[0], "verified")
         copies.move(session, rows[1], "pending", error=THROTTLED)  # sent again: its put was throttled
@@ -77,7 +80,7 @@ def test_workers_page_and_api_list_object_stores_apart_with_why_their_copies_wai
     stores = table(page, "objectstores")
     archive, cold = stores.split("<td>target:archive</td>")[1].split("<td>target:cold</td>")
     assert "s3://ckpt-archive/team-a" in archive and "http://127.0.0.1:8333" in archive
-    assert "up" in archive and "of 1.0 GB quota" in archive and '<td class="num">1</td>' in archive
+    assert "up" in archive and "of 1.0 GB quota" in archive and '<td class="num">2</td>' in archive
     assert "AWS S3" in cold and "down" in cold and "(no quota)" in cold
     assert str(escape(REFUSED)) in cold and "<img" not in page  # the reason, escaped
 
@@ -86,7 +89,7 @@ def test_workers_page_and_api_list_object_stores_apart_with_why_their_copies_wai
     by_id = {o["id"]: o for o in api["objectstores"]}
     used = by_id["target:archive"].pop("used_bytes")
     assert by_id["target:archive"] == {"id": "target:archive", "url": ARCHIVE["url"], "endpoint": ARCHIVE["endpoint"],
-                                       "state": "up", "quota_bytes": 10**9, "copies": 1, "last_error": None}
+                                       "state": "up", "quota_bytes": 10**9, "copies": 2, "last_error": None}
     assert used > 0
     assert by_id["target:cold"]["last_error"] == REFUSED and by_id["target:cold"]["endpoint"] == ""
     assert [o["id"] for o in tiered_client.get("/api/workers?q=refused").get_json()["objectstores"]] == ["target:cold"]
@@ -109,9 +112,13 @@ def test_checkpoint_page_shows_each_shards_object_store_copy_and_the_status_line
     shards = [sh for f in doc["files"] for sh in f["shards"]]
     state = {sh["sha256"]: sh["objectstore"] for sh in shards}
     assert [state[sha]["state"] for sha in shas[:4]] == ["confirmed", "pending", "missing", "corrupt"]
-    assert all(state[sha]["state"] == "missing" and not state[sha]["copies"] for sha in shas[4:])
+    assert state[shas[4]]["copies"][0] == {
+        "target": "target:cold", "state": "pending", "health": "missing", "last_error": REFUSED, "verified_at": None}
+    assert state[shas[5]]["state"] == "pending" and state[shas[5]]["copies"][0]["health"] == "unverified"
+    assert all(state[sha]["state"] == "missing" and not state[sha]["copies"] for sha in shas[6:])
     assert state[shas[1]]["error"] == THROTTLED and state[shas[0]]["error"] is None
-    assert all(state[sha]["error"] == REFUSED for sha in shas[4:])  # none placed: the store that refused says why
+    # a copy on a store that refuses, or none placed: the store's error says why
+    assert all(state[sha]["error"] == REFUSED for sha in (shas[4], *shas[6:]))
     # the one rule: the shards shown confirmed are the contents report.confirmed counts
     assert len({sha for sha, o in state.items() if o["state"] == "confirmed"}) == row["objectstore"]["confirmed"]
     assert all(r["worker_id"].startswith("w-") for sh in shards for r in sh["replicas"])  # the workers' replicas
