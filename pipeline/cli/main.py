@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=3600.0)
     r.set_defaults(func=cmd_restore)
 
-    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers and read back the object stores now")
+    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers, read back the object stores")
     sc.add_argument("--worker", action="append", help="only this worker (repeatable)")
     sc.add_argument("--wait", action="store_true")
     sc.add_argument("--timeout", type=float, default=24 * 3600.0)
