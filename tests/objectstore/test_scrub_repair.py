@@ -110,6 +110,16 @@ def jobs(cluster, kind: str) -> list[Job]:
         return list(s.scalars(select(Job).where(Job.kind == kind).order_by(Job.id)))
 
 
+def protected(cluster, seed: int, name: str = "step_1.safetensors") -> tuple[Path, int]:
+    """A checkpoint of run ``run`` saved and verified: its path and store job."""
+    run = cluster.runs / "run"
+    run.mkdir(exist_ok=True)
+    path = atomic_save(state_dict(seed), run / name)
+    job = checkpoint_job(cluster, path)
+    cluster.wait_job(job, ("verified",), timeout=90)
+    return path, job
+
+
 def object_bytes(server, bucket: str, sha: str) -> bytes | None:
     try:
         return raw_client(server).get_object(Bucket=bucket, Key=f"ckpt/{sha[:2]}/{sha}")["Body"].read()
@@ -121,11 +131,7 @@ def object_bytes(server, bucket: str, sha: str) -> bytes | None:
 def test_scrub_finds_a_tampered_and_a_deleted_object_and_repair_puts_them_again(make_cluster, server,  # noqa: F811
                                                                                 bucket):
     cluster = make_cluster(env=targets_env(server.endpoint, bucket, **QUIET))
-    run = cluster.runs / "run"
-    run.mkdir()
-    path = atomic_save(state_dict(11), run / "step_1.safetensors")
-    job = checkpoint_job(cluster, path)
-    cluster.wait_job(job, ("verified",), timeout=90)
+    _path, job = protected(cluster, 11)
     tampered, deleted = sorted(contents(cluster, job))[:2]
     tamper(server, bucket, tampered)
     raw_client(server).delete_object(Bucket=bucket, Key=f"ckpt/{deleted[:2]}/{deleted}")
@@ -149,13 +155,8 @@ def test_scrub_finds_a_tampered_and_a_deleted_object_and_repair_puts_them_again(
 @pytest.mark.integration
 def test_workers_that_lost_every_copy_are_rebuilt_from_the_bucket(make_cluster, server, bucket):  # noqa: F811
     cluster = make_cluster(env=targets_env(server.endpoint, bucket, **QUIET))
-    run = cluster.runs / "run"
-    run.mkdir()
-    old = atomic_save(state_dict(12), run / "step_1.safetensors")
-    old_job = checkpoint_job(cluster, old)
-    cluster.wait_job(old_job, ("verified",), timeout=90)
-    new = atomic_save(state_dict(13), run / "step_2.safetensors")
-    cluster.wait_job(checkpoint_job(cluster, new), ("verified",), timeout=90)
+    old, old_job = protected(cluster, 12)
+    protected(cluster, 13, "step_2.safetensors")
     cluster.wait_job(old_job, ("rotated",), timeout=60)  # no local file is left of the old one
     assert not old.exists()
 
@@ -192,11 +193,7 @@ def test_a_store_throttling_during_scrub_marks_nothing_and_the_scrub_goes_on_aft
         # The store stays up while it throttles (a down one is not scrubbed: nothing to see then).
         cluster = make_cluster(env=targets_env(front.endpoint, bucket, CKPT_WORKER_DOWN_SECONDS="300", **QUIET))
         wait_for(lambda: store_up(cluster), 60, "the object store to be admitted")
-        run = cluster.runs / "run"
-        run.mkdir()
-        path = atomic_save(state_dict(14), run / "step_1.safetensors")
-        job = checkpoint_job(cluster, path)
-        cluster.wait_job(job, ("verified",), timeout=90)
+        _path, job = protected(cluster, 14)
         before = store_copies(cluster, job)
         assert all(state == "verified" for _s, state, _c, _e in before)
 
