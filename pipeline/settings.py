@@ -193,6 +193,16 @@ class Settings:
     scrub_rate: int = 200 * MiB
     #: Shards re-hashed per scrub request; the cursor is saved after each batch.
     scrub_batch: int = 64
+    #: A scrub of an object store reads back this fraction of each object's ranges (the first
+    #: and the last always; lengths checked: readable and whole), beside the store's checksum;
+    #: 1.0 reads every byte and checks its SHA-256. Reading a whole bucket back every night
+    #: costs its size in egress: docs/design.md, "Object-store targets".
+    target_scrub_sample: float = 0.1
+    #: Each object is read back whole (SHA-256 checked) by one nightly scrub in this many: the
+    #: objects of a day's turn (by hash), 1/N of the bucket a night. 0: only the sample.
+    target_scrub_full_days: int = 7
+    #: Read rate of a scrub on one object store, bytes per second (0: unthrottled).
+    target_scrub_rate: int = 200 * MiB
     #: When the scheduled garbage collection runs (cron, local time); empty disables it.
     gc_cron: str = "30 3 * * *"
     #: Content no kept checkpoint references is collected only after this long unreferenced.
@@ -507,6 +517,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         if not 0 <= copies <= max(configured, 1):
             raise ConfigError(f"{where}target_copies must be between 0 and the number of [[targets]] "
                               f"({configured}), got {copies}")
+    if not 0 < s.target_scrub_sample <= 1:
+        raise ConfigError(f"target_scrub_sample must be in (0, 1], got {s.target_scrub_sample}")
+    if s.target_scrub_full_days < 0 or s.target_scrub_rate < 0:
+        raise ConfigError("target_scrub_full_days and target_scrub_rate must be >= 0")
     if not 0 < s.high_watermark <= 1:
         raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
     if not 0 <= s.alert_disk_clear_margin < s.high_watermark:

@@ -273,14 +273,18 @@ def retention_sweep(settings: Settings) -> None:
 
 
 def under_replicated(settings: Settings) -> list[Send]:
-    """Repair jobs for the contents of protected checkpoints that are short of RF good copies,
-    and for the damaged copies of stores still on their way (they hold its placement back)."""
+    """Repair jobs for the contents of protected checkpoints that are short of RF good copies
+    (rebuilt from a worker's copy, a local file, or an object store's copy), for the damaged
+    copies of stores still on their way (they hold its placement back), and for damaged copies
+    on object stores (placement never reuses their row: only a repair puts them again)."""
     sends = []
     with session_scope(settings.db_url) as s:
         for sha in short_contents(s, settings.rf):
             job = request_repair(s, settings, sha, "under-replicated: a worker is down, draining or lost its copy")
             if job is not None:
                 sends.append(Send("repair", (job.id,)))
+        damaged = select(ContentCopy.sha256).where(ContentCopy.state.in_(sorted(states.DAMAGED)))
+        sends += repair_damaged(s, settings, damaged, "its copy on an object store is damaged", tier=Tier.OBJECT_STORE)
         in_flight = select(Job.checkpoint_id).where(
             Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.ACTIVE[JobKind.STORE] | {S.WAITING})))
         shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id.in_(in_flight))
