@@ -61,6 +61,7 @@ from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier, WorkerState
 from pipeline.steps import Send
+from pipeline.store.replication import on_its_way
 from pipeline.webhook import Notifier
 
 T = TypeVar("T")
@@ -327,6 +328,8 @@ def store_sweep(settings: Settings) -> list[Send]:
                         place(s, content, wanted, tier=Tier.OBJECT_STORE)
                 except PlacementError:
                     pass  # no store takes it now: the next sweep tries again
+                if on_its_way(content):
+                    continue  # its first verified worker copies send these, for a worker to put
                 for cp in content.copies:
                     quiet = cp.sent_at is None or t - cp.sent_at > timedelta(seconds=settings.lease_seconds)
                     if cp.state == CopyState.PENDING and is_target(cp.worker_id) and quiet:

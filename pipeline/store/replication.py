@@ -204,6 +204,17 @@ def to_stores_once_held(s: Session, sha: str, just_verified: int) -> list[Send]:
                StorageWorker.tier == Tier.OBJECT_STORE))]
 
 
+def on_its_way(content: Content) -> bool:
+    """Whether ``content`` is being sent to workers and none holds it yet: a copy pending on one
+    (sent by the shard step, or while hashing: pipeline.store.early), none verified. Its copies
+    on object stores wait: the first verified worker copies send them (:func:`to_stores_once_held`)
+    and a worker puts them; sent before, with no worker to put them, this host would send the
+    bytes a second time (measured in the cluster in a box: the trainer's link sent 2.0x the
+    checkpoint, the bucket's link received 1.0x)."""
+    on_workers = [c.state for c in content.copies if c.worker.tier == Tier.WORKERS]
+    return CopyState.PENDING in on_workers and CopyState.VERIFIED not in on_workers
+
+
 def _hop_failed(settings: Settings, hop: Hop, entry: dict[str, Any], named: dict[str, Any] | None) -> list[Send]:
     """A copy not stored through the chain, ``entry`` being what the worker before it said:
     a hop that gave no answer (unreachable, stalled) or answered 507 is marked and loses the

@@ -36,7 +36,7 @@ from pipeline.objectstore.tier import is_target
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, begin_step
-from pipeline.store.replication import fan_in_job
+from pipeline.store.replication import fan_in_job, on_its_way
 
 log = logging.getLogger("ckpt.shard")
 S = states.StoreState
@@ -138,10 +138,9 @@ def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION.
     A copy on an object store is sent by a message of its own (never a hop of a chain), once a
     worker holds the content when it is still on its way to them."""
-    to_workers = {cp.sha256 for cp in pending if not is_target(cp.worker_id)}
     # A content on its way to workers goes to an object store once a worker holds it (the worker
     # puts it there: pipeline.store.replication sends it then); one already on workers goes now.
-    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and cp.sha256 not in to_workers]
+    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and not on_its_way(cp.content)]
     pending = [cp for cp in pending if not is_target(cp.worker_id)]
     if mode != "chain":
         return [Send("replicate", (cp.id,)) for cp in pending] + alone
