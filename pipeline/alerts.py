@@ -128,7 +128,8 @@ def _under_replicated(s: Session, settings: Settings, at: datetime) -> list[Cond
     if not short:
         return []
     return [Condition("under_replicated", "", f"{len(short)} content(s) of protected checkpoints have fewer than "
-                      f"{settings.rf_said()} good copies", "/health?problems=1", evidence=tuple(sorted(short)[:EVIDENCE]))]
+                      f"{settings.rf_said()} good copies", "/health?problems=1",
+                      evidence=tuple(sorted(short)[:EVIDENCE]))]
 
 
 def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Condition]:
