@@ -90,11 +90,11 @@ def test_a_drain_moves_each_content_to_its_own_rf(per_run):
     with session_scope(per_run.db_url) as s:
         workers(s, 4)
         checkpoint(s, "a1", [1], run="/a", copies=("w0", "w1"))  # 1 elsewhere: enough for /a
-        checkpoint(s, "b1", [2], run="/b", copies=("w0", "w1", "w2"))  # 2 elsewhere: short of /b's 3
+        checkpoint(s, "b1", [2, 4], run="/b", copies=("w0", "w1", "w2"))  # 2 elsewhere: short of /b's 3
         checkpoint(s, "c1", [3], run="/c", copies=("w0", "w1", "w2"))  # 2 elsewhere: the global 2
         held, short, size = short_without(s, "w0", run_rf(s, per_run))
-        assert (held, short, size) == (3, 1, 1000)
-        assert short_without(s, "w0", 2)[1] == 1 and short_without(s, "w0", 3)[1] == 3
+        assert (held, short, size) == (4, 2, 2000)  # 2 and 4
+        assert short_without(s, "w0", 2)[1] == 1 and short_without(s, "w0", 3)[1] == 4  # one RF for all: 1; all
 
 
 def test_repair_plans_the_copies_the_contents_rf_still_needs(per_run):
