@@ -105,3 +105,19 @@ def test_repair_plans_the_copies_the_contents_rf_still_needs(per_run):
         assert plan(s, per_run, sha(1)) is None  # /a's RF 1 is met
         w = plan(s, per_run, sha(2))
         assert w is not None and w.need == 2  # shared with /b: its RF 3
+
+
+def test_ckpt_policy_shows_each_runs_placement(db, capsys, monkeypatch):
+    from pipeline.cli import main
+
+    db.home.mkdir(parents=True, exist_ok=True)
+    (db.home / "config.toml").write_text('[runs."/a"]\nrf = 1\n[runs."/b"]\nrf = 3\n')
+    with session_scope(db.db_url) as s:
+        workers(s)
+        checkpoint(s, "a1", [1], run="/a")
+        checkpoint(s, "c1", [2], run="/c")
+    monkeypatch.setenv("CKPT_DATABASE_URL", db.db_url)
+    assert main(["--home", str(db.home), "policy"]) == 0
+    out = capsys.readouterr().out
+    assert "/a: remote retention" in out and "  placement: RF 1 on storage workers\n" in out
+    assert f"  placement: RF {db.rf} on storage workers\n" in out.split("/c: ")[1]
