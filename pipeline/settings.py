@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -51,7 +52,8 @@ class Settings:
     redis_url: str = ""
     #: Watched roots: directories or globs; every match is a run directory.
     roots: tuple[str, ...] = ()
-    #: Replication factor: replicas per shard on distinct storage workers.
+    #: Replication factor: replicas per shard on distinct storage workers (per run, ``rf`` in a
+    #: ``[runs."<glob>"]`` table; a content shared by runs takes the largest: pipeline/db/content_rf.py).
     rf: int = 2
     #: Checkpoints kept locally per run (newest first); older ones rotate once safe.
     keep_last: int = 2
@@ -294,10 +296,9 @@ class Settings:
     def run_table(self, run: str) -> tuple[str | None, dict[str, Any]]:
         """The first ``[runs."<glob>"]`` table matching ``run``: its glob and its options
         (``(None, {})``: none matches, the global ``remote_*`` settings decide)."""
-        if self.run_options:
-            for pattern, opts in json.loads(self.run_options).items():
-                if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
-                    return pattern, opts
+        for pattern, opts in _tables_of(self.run_options).items():
+            if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
+                return pattern, opts
         return None, {}
 
     def policy_with(self, over: Mapping[str, Any]) -> Policy:
@@ -318,7 +319,21 @@ class Settings:
         """The good copies each content of ``run`` needs before its local copy may go: RF on
         storage workers and, in ``required`` mode, its object-store copies too."""
         copies, mode = self.target_policy(run)
-        return Need(self.rf, copies if mode == "required" else 0)
+        return Need(self.rf_for(run), copies if mode == "required" else 0)
+
+    def rf_for(self, run: str) -> int:
+        """The replication factor on storage workers of ``run``: its ``[runs."<glob>"]`` table's
+        ``rf`` over the global one."""
+        return int(self.run_table(run)[1].get("rf", self.rf))
+
+    def rf_per_run(self) -> bool:
+        """Whether a ``[runs."<glob>"]`` table sets another ``rf`` than the global one (else every
+        content's RF is the global one, and no query needs to ask which runs reference it)."""
+        return any(int(o.get("rf", self.rf)) != self.rf for o in _tables_of(self.run_options).values())
+
+    def rf_said(self) -> str:
+        """The RF of contents, as a message says it: the number, or "their RF" when runs set their own."""
+        return "their RF" if self.rf_per_run() else str(self.rf)
 
     def target_policy(self, run: str) -> tuple[int, str]:
         """``(copies, mode)`` on object stores for ``run`` (no copies when no target is configured)."""
@@ -362,6 +377,12 @@ class Settings:
             value = getattr(self, f.name)
             env[f"CKPT_{f.name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
         return env
+
+
+@functools.lru_cache(maxsize=8)
+def _tables_of(run_options: str) -> dict[str, dict[str, Any]]:
+    """The ``[runs."<glob>"]`` tables of ``run_options``, parsed once (asked per checkpoint by status)."""
+    return json.loads(run_options) if run_options else {}
 
 
 #: Text settings whose empty value means something ("disabled", "the default"): an empty
@@ -508,6 +529,8 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
     _check_policy(s.policy_with({}), "remote retention")
     for pattern, opts in json.loads(s.run_options or "{}").items():
         _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
+        if int(opts.get("rf", 1)) < 1:
+            raise ConfigError(f"runs.{pattern!r}.rf must be at least 1, got {opts['rf']}")
     configured = len(s.object_targets())
     for where, opts in [("", {}), *[(f"runs.{p!r}.", o) for p, o in json.loads(s.run_options or "{}").items()]]:
         copies = int(opts.get("target_copies", s.target_copies))
@@ -619,7 +642,7 @@ def _absolute(name: str, value: Any, base: Path) -> Any:
 _ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str, "replication": str}
 _RUN_KEYS: dict[str, type] = {"keep_last": int, "keep_every": int, "keep_hourly": int, "keep_daily": int,
                               "keep_weekly": int, "keep_monthly": int, "keep_best": int, "best_metric": str,
-                              "best_mode": str, "target_copies": int, "target_mode": str}
+                              "best_mode": str, "target_copies": int, "target_mode": str, "rf": int}
 
 
 def _root_options(tables: dict[str, Any], where: str) -> str:

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import hosts
+from pipeline.db.content_rf import content_rf
 from pipeline.db.copies import good_copy, good_count, move, on, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
@@ -127,7 +128,7 @@ def plan(s: Session, settings: Settings, sha: str) -> ContentWork | None:
                 w.fix_on_stores.append(c.worker_id)
             else:
                 w.fix_in_place.append((c.worker_id, c.worker.url, c.state))
-    w.need = max(0, settings.rf - good_count(s, sha) - len(w.fix_in_place))
+    w.need = max(0, content_rf(s, settings, sha) - good_count(s, sha) - len(w.fix_in_place))
     return w if (w.fix_in_place or w.need or w.fix_on_stores) else None
 
 

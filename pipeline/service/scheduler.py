@@ -26,6 +26,7 @@ from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.cron import last_fire
 from pipeline.db import workers
+from pipeline.db.content_rf import run_rf
 from pipeline.db.copies import (
     contents_of,
     good_copies_per_shard,
@@ -165,6 +166,8 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
         return [Send("verify", (job.id,))]
     if job.state == S.SHARDED:
         sends: list[Send] = []
+        run = session.scalar(select(Checkpoint.run).where(Checkpoint.id == job.checkpoint_id))
+        rf = settings.rf_for(run) if run is not None else settings.rf  # the RF of its checkpoint's run
         # Copies placed on a worker that went down meanwhile no longer count: place others.
         for content in contents_of(session, job.checkpoint_id or 0):
             for cp in content.copies:
@@ -172,7 +175,7 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
                     move(session, cp, CopyState.ABANDONED, error=f"{cp.worker_id} is {cp.worker.state}")
             if content.state == ContentState.LIVE:
                 try:
-                    place(session, content, settings.rf)
+                    place(session, content, rf)
                 except PlacementError as exc:
                     log.warning("job %d: content %s cannot be placed again yet: %s", job.id, content.sha256[:12], exc)
                     sends += repair_damaged(session, settings, just(content.sha256),
@@ -280,7 +283,7 @@ def under_replicated(settings: Settings) -> list[Send]:
     on object stores (placement never reuses their row: only a repair puts them again)."""
     sends = []
     with session_scope(settings.db_url) as s:
-        for sha in short_contents(s, settings.rf):
+        for sha in short_contents(s, run_rf(s, settings)):
             job = request_repair(s, settings, sha, "under-replicated: a worker is down, draining or lost its copy")
             if job is not None:
                 sends.append(Send("repair", (job.id,)))
@@ -343,7 +346,7 @@ def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
         for w in s.scalars(select(StorageWorker).where(StorageWorker.state == WorkerState.DRAINING)):
-            total, short, _size = short_without(s, w.id, settings.rf)
+            total, short, _size = short_without(s, w.id, run_rf(s, settings))
             if not short:
                 workers.set_state(s, w, WorkerState.REMOVABLE, error=None)
                 log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",

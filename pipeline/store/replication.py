@@ -27,6 +27,7 @@ from pipeline import failpoints, states
 from pipeline.capacity import capacity_reason
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
+from pipeline.db.content_rf import content_rf
 from pipeline.db.copies import move, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
@@ -348,7 +349,7 @@ def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, f
                 raise WorkerError(worker.url, f"{error}; no other worker can take the copy") from None
             # Full, and every other worker too: the stores waiting on this content wait for room
             # (the scheduler places them again once their wait ends: pipeline.store.sharding).
-            reason = capacity_reason(s, settings, [cp.content])
+            reason = capacity_reason(s, settings, [cp.content], content_rf(s, settings, cp.sha256))
             for job in waiting_jobs(s, cp.sha256):
                 transition(s, job.id, JobKind.STORE, S.SHARDED, S.WAITING, detail=reason, blocked_reason=reason,
                            lease_seconds=settings.lease_seconds)

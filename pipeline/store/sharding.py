@@ -81,14 +81,14 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
         try:
             with s.begin_nested():  # all contents placed, or none
                 for c in contents:
-                    place(s, c, settings.rf)
+                    place(s, c, settings.rf_for(run))
             place_on_stores(s, settings, contents, run)
         except PlacementError:
             s.expire_all()
             blocked = contents_of(s, ckpt_id)
             repairs = repair_damaged(s, settings, shas_of(ckpt_id),
                                      f"checkpoint {ckpt_id} cannot be placed while this copy is damaged")
-            return _wait(s, settings, job_id, capacity_reason(s, settings, blocked)) + repairs
+            return _wait(s, settings, job_id, capacity_reason(s, settings, blocked, settings.rf_for(run))) + repairs
         # Copies sent while hashing may be stored by now: read them as their last commit left
         # them, locked, so that an upload committing after this either sees this job sharded
         # (and fans it in) or was seen stored here (PostgreSQL; SQLite writes one at a time).
@@ -98,7 +98,7 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
                       .execution_options(populate_existing=True)).all()
         pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
-                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}"
+                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf_for(run)}"
                                   + (f", {mode}" if pending else "")
                                   + (f"; {len(sent)} sent while hashing" if sent else ""),
                            bytes_done=0, bytes_total=sum(cp.content.size for cp in pending), blocked_reason=None)
