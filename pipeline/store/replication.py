@@ -76,6 +76,8 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
             return []  # condemned meanwhile: a store that references it again revives it
         for c in pending:  # each is sent: through the first, or the first itself
             c.attempts += 1
+            # Being sent now: the scheduler's object-store sweep does not send it again meanwhile.
+            c.sent_at = now()
         if cp.attempts > settings.max_attempts:
             raise AttemptsExhausted(f"copy {cp.id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
                                     cp.last_error)
