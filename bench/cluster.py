@@ -10,11 +10,19 @@ in place until verified; a second step with half of its tensors unchanged; a res
 first to the trainer's disk, byte for byte. Each time is set against the link's limit
 (bytes / rate), and the bytes the trainer's link sent are counted by its interface.
 
+A mode named in :data:`WITH_STORE` (``chain+s3``) adds a host ``objstore``, its link shaped like
+the others: an S3 object store configured as a target with ``target_mode = required``, so a
+store is verified only once the store confirmed its copy too. The store is the chaos soak's
+(bench/chaos/bucket.py: SeaweedFS outside the box) reached only through its front on that host
+(bench/chaos/front.py, which relays each request to SeaweedFS's unix socket): every byte the
+bucket receives crosses the objstore host's shaped link, whose interface counts them.
+
 Needs root and iproute2 (``ip netns``, ``tc``); where either is missing the part says so and
 is skipped. Nothing touches the machine's real interfaces.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -26,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from bench import layouts, limits
+from bench.chaos.bucket import FRONT_PORT, SoakBucket
 from bench.system import _die_with_parent
 from pipeline.cluster.wire import cpu_times
 from pipeline.db.engine import dispose_all
@@ -37,7 +46,11 @@ MODES = {
     "fanout": {"CKPT_REPLICATION": "fanout", "CKPT_WIRE_COMPRESSION": "off"},
     "chain": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off"},
     "chain+planes": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto"},
+    "chain+s3": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off", "CKPT_TARGET_MODE": "required"},
 }
+#: The modes whose box has an object store on a host of its own (:data:`OBJSTORE`), a target.
+WITH_STORE = {"chain+s3"}
+OBJSTORE = "objstore"
 #: Former names of modes: the defaults were "chain+zstd" while the wire sent zstd frames.
 ALIASES = {"chain+zstd": "chain+planes"}
 STORAGE_HOSTS = 4
@@ -122,7 +135,14 @@ class Box:
 
     def sent(self, host: str) -> int:
         """Bytes ``host``'s link has sent, as its interface counts them."""
-        r = subprocess.run(["ip", "netns", "exec", self.ns[host], "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+        return self._counted(host, "tx_bytes")
+
+    def received(self, host: str) -> int:
+        """Bytes ``host``'s link has received, as its interface counts them."""
+        return self._counted(host, "rx_bytes")
+
+    def _counted(self, host: str, counter: str) -> int:
+        r = subprocess.run(["ip", "netns", "exec", self.ns[host], "cat", f"/sys/class/net/eth0/statistics/{counter}"],
                            capture_output=True, text=True, check=True)
         return int(r.stdout)
 
@@ -250,23 +270,33 @@ def _disk_of(path: Path) -> str:
 
 
 class BoxSystem:
-    """ckpt-pipeline on the box: the control plane on the trainer, a worker per storage host."""
+    """ckpt-pipeline on the box: the control plane on the trainer, a worker per storage host, and
+    with ``bucket`` its front on the host :data:`OBJSTORE`, the bucket a ``[[targets]]`` target."""
 
-    def __init__(self, box: Box, root: Path, mode: str) -> None:
-        self.box, self.root = box, root
+    def __init__(self, box: Box, root: Path, mode: str, bucket: SoakBucket | None = None) -> None:
+        self.box, self.root, self.bucket = box, root, bucket
         self.control: subprocess.Popen | None = None
         self.home, self.runs = root / "home", root / "runs"
         (self.runs / "run").mkdir(parents=True, exist_ok=True)
         (root / "logs").mkdir(exist_ok=True)
-        urls = ",".join(f"http://{box.addr[h]}:{PORT}" for h in box.hosts[1:])
-        base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        self.workers = [h for h in box.hosts[1:] if h != OBJSTORE]
+        urls = ",".join(f"http://{box.addr[h]}:{PORT}" for h in self.workers)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "AWS_"))}
         self.env = {**base, "CKPT_HOME": str(self.home), "CKPT_ROOTS": str(self.runs / "*"), "CKPT_MDNS": "0",
                     "CKPT_WORKERS": urls, "CKPT_CLUSTER_KEY": KEY, "CKPT_WEB_PORT": "0", "CKPT_SCRUB_CRON": "",
                     "CKPT_GC_CRON": "", "CKPT_KEEP_LAST": "1000", "CKPT_TICK_SECONDS": "0.5",
                     **MODES[mode], "CKPT_RESTORE_ROOTS": str(root)}
+        if bucket is not None:
+            self.env.update(bucket.env(f"http://{box.addr[OBJSTORE]}:{FRONT_PORT}", root))
 
     def start(self) -> BoxSystem:
-        for h in self.box.hosts[1:]:
+        if self.bucket is not None:
+            mode = self.root / "objstore-mode"
+            mode.write_text("pass")  # the front never throttles here
+            self.box.start(OBJSTORE, [sys.executable, "-m", "bench.chaos.front", self.box.addr[OBJSTORE],
+                                      str(FRONT_PORT), str(self.bucket.socket), str(mode)], self.env,
+                           self.root / "logs" / "front.log")
+        for h in self.workers:
             env = {**self.env, "CKPT_HOME": str(self.root / f"home-{h}")}
             self.box.start(h, [sys.executable, "-m", "pipeline.cli", "worker", "--data", str(self.root / f"data-{h}"),
                                "--host", self.box.addr[h], "--port", str(PORT)], env, self.root / "logs" / f"{h}.log")
@@ -290,7 +320,8 @@ class BoxSystem:
         try:
             with session_scope(f"sqlite:///{self.home / 'ckpt.db'}") as s:
                 return (s.scalar(select(func.count()).select_from(StorageWorker)
-                                 .where(StorageWorker.state == "up")) or 0) >= STORAGE_HOSTS
+                                 .where(StorageWorker.state == "up", StorageWorker.tier == "workers"))
+                        or 0) >= STORAGE_HOSTS
         except Exception:  # the schema is being created
             return False
 
@@ -310,6 +341,7 @@ class BoxSystem:
         assert self.control is not None
         dest = self.runs / "run" / name
         before, cpu_before = self.box.sent("trainer"), self.box.cpu_seconds()
+        store_before = self.box.received(OBJSTORE) if self.bucket is not None else 0
         with self.box.profile(self.control.pid) as link:
             t, renamed = time.perf_counter(), time.time()
             os.rename(sd_path, dest)
@@ -321,8 +353,27 @@ class BoxSystem:
                 time.sleep(0.1)
             seconds = time.perf_counter() - t
         cpu = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.box.cpu_seconds().items()}
+        store_received = self.box.received(OBJSTORE) - store_before if self.bucket is not None else None
         return {"seconds": seconds, "trainer_sent": self.box.sent("trainer") - before, "cpu_seconds": cpu,
+                "store_received": store_received,
                 "path": dest, "timeline": self.timeline(dest, renamed), "busy": link.busy(self.box.rate)}
+
+    def pushes(self) -> dict[str, dict]:
+        """What each worker says it put on object stores itself (its /v1/status "pushes"), asked
+        from the trainer's host: the bench's own namespace has no route into the box."""
+        code = ("import json, sys\n"
+                "from sqlalchemy import select\n"
+                "from pipeline.cluster.client import WorkerClient\n"
+                "from pipeline.db.engine import session_scope\n"
+                "from pipeline.db.models import StorageWorker\n"
+                "with session_scope(sys.argv[1]) as s:\n"
+                "    rows = [(w.id, w.url) for w in s.scalars(select(StorageWorker).where("
+                "StorageWorker.tier == 'workers'))]\n"
+                "print(json.dumps({i: WorkerClient(u, sys.argv[2].encode(), i).status().get('pushes', {})"
+                " for i, u in rows}))\n")
+        _, out = self.box.run("trainer", [sys.executable, "-c", code, f"sqlite:///{self.home / 'ckpt.db'}", KEY],
+                              self.env)
+        return json.loads(out)
 
     def timeline(self, path: Path, since: float) -> dict[str, float]:
         """Seconds from the rename to each state the store job reached (where the time goes)."""
@@ -379,10 +430,16 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
         # one left from an earlier box would read that box's deleted database.
         root = work / f"box-{rate_name}-{mode.replace('+', '-')}"
         root.mkdir(parents=True, exist_ok=True)
-        box = Box(root, rate)
+        with_store = mode in WITH_STORE
+        box = Box(root, rate, hosts=["trainer", *(f"s{i}" for i in range(1, STORAGE_HOSTS + 1)),
+                                     *([OBJSTORE] if with_store else [])])
+        bucket = SoakBucket() if with_store else None
+        pushes: dict[str, dict] = {}
         try:
+            if bucket is not None:
+                bucket.start()
             box.up()
-            system = BoxSystem(box, root, mode).start()
+            system = BoxSystem(box, root, mode, bucket).start()
             print(f"   {mode}: store ...", flush=True)
             s1 = system.protect(first, "step_1.safetensors")
             print(f"   {mode}: half-changed step ...", flush=True)
@@ -392,8 +449,12 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             r = system.restore(s1["path"], dest)
             same = limits.sha256_seconds(dest)[1] == digest
             dest.unlink()
+            if bucket is not None:
+                pushes = system.pushes()
         finally:
             box.down()
+            if bucket is not None:
+                bucket.stop()
             dispose_all()
             shutil.rmtree(root, ignore_errors=True)
         link = size * 8 / rate
@@ -410,6 +471,8 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             "store_cpu_seconds": s1["cpu_seconds"], "second_cpu_seconds": s2["cpu_seconds"],
             "restore_s": r["seconds"], "restore_ratio": r["seconds"] / restore_limit, "restore_identical": same,
             "restore_timeline": r["timeline"],
+            "store_store_bytes": s1["store_received"], "second_store_bytes": s2["store_received"],
+            "worker_pushes": pushes,
         }
     return out
 
@@ -432,6 +495,10 @@ def table(doc: dict) -> str:
     row("  / limit", "store_ratio", "{:.2f}x", "<= 1.15x")
     lines.append(f"{'  trainer link sent / size':34}" + "".join(
         f"{modes[n]['store_link_bytes'] / modes[n]['bytes']:>13.2f}x" for n in names))
+    if any(modes[n].get("store_store_bytes") is not None for n in names):
+        lines.append(f"{'  objstore link received / size':34}" + "".join(
+            f"{modes[n]['store_store_bytes'] / modes[n]['bytes']:>13.2f}x" if modes[n].get("store_store_bytes")
+            is not None else f"{'-':>14}" for n in names))
     row("half-changed step (s)", "second_s", "{:.1f}")
     row("  / first step", "second_vs_first", "{:.2f}x", "<= 0.55x")
     row("restore to the trainer (s)", "restore_s", "{:.1f}")
@@ -440,4 +507,4 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ALIASES", "RATES", "measure_cluster", "missing", "table"]
+__all__ = ["ALIASES", "RATES", "WITH_STORE", "measure_cluster", "missing", "table"]

@@ -73,20 +73,41 @@ class SeaweedFS:
             cmd.append(f"-s3.config={config}")
         return cmd
 
+    #: Starts tried with fresh ports when one was taken meanwhile.
+    ATTEMPTS = 3
+
     def start(self, timeout: float = 60.0) -> SeaweedFS:
+        """Start it and wait until S3 answers. Its eight ports are found free, then released for
+        it to bind: another process (a parallel test's server) may take one in between, and it
+        exits; it is started again on fresh ports, up to ATTEMPTS times."""
         self.work.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        for attempt in range(1, self.ATTEMPTS + 1):
+            seen = self.log.stat().st_size if self.log.exists() else 0
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+            if self._wait(timeout):
+                return self
+            said = self.log.read_bytes()[seen:]
+            if attempt == self.ATTEMPTS or b"address already in use" not in said:
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.log}")
+            self.ports = {flag: free_port() for flag in self.ports}
+            self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        return self
+
+    def _wait(self, timeout: float) -> bool:
+        """Whether S3 answers before the server exits (False: it exited)."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while not self.answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.proc.returncode}; see {self.log}")
+                return False
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"weed server did not answer S3 on {self.endpoint} in {timeout:.0f} s; "
                                    f"see {self.log}")
             time.sleep(0.25)
-        return self
+        return True
 
     def answers(self) -> bool:
         """S3 answers a request (any HTTP status: an anonymous listing is refused with auth on)."""

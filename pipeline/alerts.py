@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import capacity, degraded, states
 from pipeline.cron import last_fire
+from pipeline.db.content_rf import run_rf
 from pipeline.db.copies import short_contents
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Alert, Checkpoint, CheckpointFile, Job, JobEvent, Lock, Shard, StorageWorker
@@ -123,11 +124,12 @@ def _content_lost(s: Session, settings: Settings, at: datetime) -> list[Conditio
 
 
 def _under_replicated(s: Session, settings: Settings, at: datetime) -> list[Condition]:
-    short = short_contents(s, settings.rf)
+    short = short_contents(s, run_rf(s, settings))
     if not short:
         return []
     return [Condition("under_replicated", "", f"{len(short)} content(s) of protected checkpoints have fewer than "
-                      f"{settings.rf} good copies", "/health?problems=1", evidence=tuple(sorted(short)[:EVIDENCE]))]
+                      f"{settings.rf_said()} good copies", "/health?problems=1",
+                      evidence=tuple(sorted(short)[:EVIDENCE]))]
 
 
 def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Condition]:

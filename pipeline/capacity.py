@@ -218,15 +218,16 @@ def per_run(session: Session, runs: list[str] | None = None) -> dict[str, dict[s
     return out
 
 
-def capacity_reason(s: Session, settings: Settings, contents: list[Content]) -> str:
-    """Why copies cannot be placed, in numbers: what is missing, on how many workers."""
+def capacity_reason(s: Session, settings: Settings, contents: list[Content], rf: int) -> str:
+    """Why copies cannot be placed, in numbers: what is missing, on how many workers, for
+    ``contents`` to have ``rf`` copies each (their checkpoint's run's RF, or one content's)."""
     counting = {w.id for w in s.scalars(select(StorageWorker).where(StorageWorker.state.in_(sorted(COUNTING_WORKERS)),
                                                                     StorageWorker.tier == states.Tier.WORKERS))}
     need = workers = 0
     for c in contents:
         have = sum(1 for cp in c.copies if cp.state in PLACED and cp.worker_id in counting)
-        need += max(0, settings.rf - have) * c.size
-        workers = max(workers, settings.rf - have)
+        need += max(0, rf - have) * c.size
+        workers = max(workers, rf - have)
     placeable = len(live_candidates(s))
     total = s.scalar(select(func.count(StorageWorker.id)).where(
         StorageWorker.state.in_(sorted(COUNTING_WORKERS)), StorageWorker.tier == states.Tier.WORKERS)) or 0

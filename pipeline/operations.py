@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.db import copies, hosts, workers
+from pipeline.db.content_rf import run_rf
 from pipeline.db.engine import get_engine, session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
@@ -78,7 +79,7 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
                                  follow_link=ckpt_path.is_symlink())  # locate() kept it inside its root
     entries = completeness.accept(found, declared=True)
     started = now()
-    with EarlySends(settings, _send, options.replication) as early:
+    with EarlySends(settings, _send, options.replication, rf=settings.rf_for(str(run))) as early:
         detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
                                            layout=found.verdict.layout,
                                            completed_by="structure" if found.verdict.complete else "declared",
@@ -134,7 +135,7 @@ class DrainProgress:
 def drain_progress(settings: Settings, worker_id: str) -> DrainProgress:
     with session_scope(settings.db_url, readonly=True) as s:
         w = known_worker(s, worker_id)
-        held, left, size = copies.short_without(s, worker_id, settings.rf)
+        held, left, size = copies.short_without(s, worker_id, run_rf(s, settings))
         return DrainProgress(w.state, held, left, size)
 
 
@@ -179,7 +180,7 @@ def remove(settings: Settings, worker_id: str, *, answers: Callable[[str, str], 
                         "of CKPT_WORKERS), else the next probe finds it again; then remove it")
     with session_scope(settings.db_url) as s:
         w = known_worker(s, worker_id)
-        _held, short, _size = copies.short_without(s, worker_id, settings.rf)
+        _held, short, _size = copies.short_without(s, worker_id, run_rf(s, settings))
         _held, only, _size = copies.short_without(s, worker_id, 1)
         if only:  # a copy elsewhere went bad meanwhile
             raise CkptError(f"storage worker {worker_id} now holds the only good copy of {only} content(s); "

@@ -10,6 +10,7 @@ hosts were (no host) is any host's, as before.
 |---|---|
 | shard, rotate (a store job) | the checkpoint's host |
 | replicate (a copy) | the host it names (sent while hashing), else one with a local file holding it; else shared |
+| replicate (a copy on an object store a worker can put: it has a good worker copy) | shared |
 | rotate_run (a run) | every host with local checkpoints, or parts of checkpoints, in the run |
 | rotate_part (a store job, a host) | that host: its part of a rotated checkpoint |
 | restore (a restore job) | the host asked for (its destination is there; it has a consumer) |
@@ -33,6 +34,7 @@ from pipeline.db.models import (
     Job,
     StorageWorker,
 )
+from pipeline.states import Tier
 from pipeline.steps import Send
 from pipeline.store.source import holding_hosts
 
@@ -67,8 +69,13 @@ def queues_for(session: Session, send: Send) -> list[str]:
     elif send.actor == "replicate" and len(send.args) > 2 and send.args[2]:
         hosts = [send.args[2]["host"]]  # a file detection is still hashing: only its host has it
     elif send.actor == "replicate":
-        sha = session.scalar(select(ContentCopy.sha256).where(ContentCopy.id == send.args[0]))
-        hosts = [_local_host(session, sha)] if sha is not None else [None]
+        sha, tier = session.execute(select(ContentCopy.sha256, StorageWorker.tier)
+                                    .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+                                    .where(ContentCopy.id == send.args[0])).one_or_none() or (None, None)
+        if sha is not None and tier == Tier.OBJECT_STORE and _has_good_copy(session, sha):
+            hosts = [None]  # a worker puts it (pipeline/store/bucket_copy.py): not behind this host's uploads
+        else:
+            hosts = [_local_host(session, sha)] if sha is not None else [None]
     elif send.actor == "rotate_run":
         hosts = list(session.scalars(select(Checkpoint.host).where(
             Checkpoint.run == send.args[0], Checkpoint.local_present.is_(True)).distinct()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -51,7 +52,8 @@ class Settings:
     redis_url: str = ""
     #: Watched roots: directories or globs; every match is a run directory.
     roots: tuple[str, ...] = ()
-    #: Replication factor: replicas per shard on distinct storage workers.
+    #: Replication factor: replicas per shard on distinct storage workers (per run, ``rf`` in a
+    #: ``[runs."<glob>"]`` table; a content shared by runs takes the largest: pipeline/db/content_rf.py).
     rf: int = 2
     #: Checkpoints kept locally per run (newest first); older ones rotate once safe.
     keep_last: int = 2
@@ -193,6 +195,16 @@ class Settings:
     scrub_rate: int = 200 * MiB
     #: Shards re-hashed per scrub request; the cursor is saved after each batch.
     scrub_batch: int = 64
+    #: A scrub of an object store reads back this fraction of each object's ranges (the first
+    #: and the last always; lengths checked: readable and whole), beside the store's checksum;
+    #: 1.0 reads every byte and checks its SHA-256. Reading a whole bucket back every night
+    #: costs its size in egress: docs/design.md, "Object-store targets".
+    target_scrub_sample: float = 0.1
+    #: Each object is read back whole (SHA-256 checked) by one nightly scrub in this many: the
+    #: objects of a day's turn (by hash), 1/N of the bucket a night. 0: only the sample.
+    target_scrub_full_days: int = 7
+    #: Read rate of a scrub on one object store, bytes per second (0: unthrottled).
+    target_scrub_rate: int = 200 * MiB
     #: When the scheduled garbage collection runs (cron, local time); empty disables it.
     gc_cron: str = "30 3 * * *"
     #: Content no kept checkpoint references is collected only after this long unreferenced.
@@ -284,10 +296,9 @@ class Settings:
     def run_table(self, run: str) -> tuple[str | None, dict[str, Any]]:
         """The first ``[runs."<glob>"]`` table matching ``run``: its glob and its options
         (``(None, {})``: none matches, the global ``remote_*`` settings decide)."""
-        if self.run_options:
-            for pattern, opts in json.loads(self.run_options).items():
-                if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
-                    return pattern, opts
+        for pattern, opts in _tables_of(self.run_options).items():
+            if fnmatch.fnmatchcase(run, pattern) or run == pattern.rstrip("/"):
+                return pattern, opts
         return None, {}
 
     def policy_with(self, over: Mapping[str, Any]) -> Policy:
@@ -308,7 +319,21 @@ class Settings:
         """The good copies each content of ``run`` needs before its local copy may go: RF on
         storage workers and, in ``required`` mode, its object-store copies too."""
         copies, mode = self.target_policy(run)
-        return Need(self.rf, copies if mode == "required" else 0)
+        return Need(self.rf_for(run), copies if mode == "required" else 0)
+
+    def rf_for(self, run: str) -> int:
+        """The replication factor on storage workers of ``run``: its ``[runs."<glob>"]`` table's
+        ``rf`` over the global one."""
+        return int(self.run_table(run)[1].get("rf", self.rf))
+
+    def rf_per_run(self) -> bool:
+        """Whether a ``[runs."<glob>"]`` table sets another ``rf`` than the global one (else every
+        content's RF is the global one, and no query needs to ask which runs reference it)."""
+        return any(int(o.get("rf", self.rf)) != self.rf for o in _tables_of(self.run_options).values())
+
+    def rf_said(self) -> str:
+        """The RF of contents, as a message says it: the number, or "their RF" when runs set their own."""
+        return "their RF" if self.rf_per_run() else str(self.rf)
 
     def target_policy(self, run: str) -> tuple[int, str]:
         """``(copies, mode)`` on object stores for ``run`` (no copies when no target is configured)."""
@@ -352,6 +377,12 @@ class Settings:
             value = getattr(self, f.name)
             env[f"CKPT_{f.name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
         return env
+
+
+@functools.lru_cache(maxsize=8)
+def _tables_of(run_options: str) -> dict[str, dict[str, Any]]:
+    """The ``[runs."<glob>"]`` tables of ``run_options``, parsed once (asked per checkpoint by status)."""
+    return json.loads(run_options) if run_options else {}
 
 
 #: Text settings whose empty value means something ("disabled", "the default"): an empty
@@ -498,6 +529,8 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
     _check_policy(s.policy_with({}), "remote retention")
     for pattern, opts in json.loads(s.run_options or "{}").items():
         _check_policy(s.policy_with(opts), f"runs.{pattern!r}")
+        if int(opts.get("rf", 1)) < 1:
+            raise ConfigError(f"runs.{pattern!r}.rf must be at least 1, got {opts['rf']}")
     configured = len(s.object_targets())
     for where, opts in [("", {}), *[(f"runs.{p!r}.", o) for p, o in json.loads(s.run_options or "{}").items()]]:
         copies = int(opts.get("target_copies", s.target_copies))
@@ -507,6 +540,10 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         if not 0 <= copies <= max(configured, 1):
             raise ConfigError(f"{where}target_copies must be between 0 and the number of [[targets]] "
                               f"({configured}), got {copies}")
+    if not 0 < s.target_scrub_sample <= 1:
+        raise ConfigError(f"target_scrub_sample must be in (0, 1], got {s.target_scrub_sample}")
+    if s.target_scrub_full_days < 0 or s.target_scrub_rate < 0:
+        raise ConfigError("target_scrub_full_days and target_scrub_rate must be >= 0")
     if not 0 < s.high_watermark <= 1:
         raise ConfigError(f"high_watermark must be in (0, 1], got {s.high_watermark}")
     if not 0 <= s.alert_disk_clear_margin < s.high_watermark:
@@ -605,7 +642,7 @@ def _absolute(name: str, value: Any, base: Path) -> Any:
 _ROOT_KEYS: dict[str, type] = {"quiet_seconds": float, "commit_marker": str, "replication": str}
 _RUN_KEYS: dict[str, type] = {"keep_last": int, "keep_every": int, "keep_hourly": int, "keep_daily": int,
                               "keep_weekly": int, "keep_monthly": int, "keep_best": int, "best_metric": str,
-                              "best_mode": str, "target_copies": int, "target_mode": str}
+                              "best_mode": str, "target_copies": int, "target_mode": str, "rf": int}
 
 
 def _root_options(tables: dict[str, Any], where: str) -> str:

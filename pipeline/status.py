@@ -51,6 +51,7 @@ def shard_counts(session: Session, settings: Settings, ckpts: list[Checkpoint]) 
         return out
     since = fresh_after(settings.freshness_seconds)
     local = {c.id: c.local_present for c in ckpts}
+    rf = {c.id: settings.rf_for(c.run) for c in ckpts}  # a checkpoint's shards are owed its run's RF
     shards = session.execute(
         select(CheckpointFile.checkpoint_id, Shard.id, Shard.sha256)
         .join(Shard, Shard.file_id == CheckpointFile.id)
@@ -59,7 +60,7 @@ def shard_counts(session: Session, settings: Settings, ckpts: list[Checkpoint]) 
     copies = content_copies(session, {sha for _cid, _sid, sha in shards})
     cells = {sha: list(worker_healths(rows, since).values()) for sha, rows in copies.items()}
     for cid, _sid, sha in shards:
-        h = shard_health(cells[sha], settings.rf, local[cid])
+        h = shard_health(cells[sha], rf[cid], local[cid])
         entry = out.setdefault(cid, {"healthy": 0, "under-replicated": 0, "lost": 0})
         entry[h] += 1
     return out
@@ -109,7 +110,7 @@ def checkpoint_rows(session: Session, settings: Settings, ckpts: list[Checkpoint
             "state": state, "job_id": job.id if job else None,
             "blocked_reason": blocked, "host": c.host,
             "disk_changed": c.disk_changed, "disk_changed_at": c.disk_changed_at,
-            "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf,
+            "replicas_verified": counts.get(c.id, 0), "replicas_wanted": settings.rf_for(c.run),
             "health": health_of.checkpoint_health(state, h), "shards": h,
             "objectstore": on_stores.get(c.id),
         })

@@ -138,7 +138,8 @@ def checkpoint(settings: Settings, checkpoint_id: int) -> dict[str, Any]:
                     "src_offset": sh.src_offset, "length": sh.length, "tensors": len(sh.tensors or []),
                     "first_tensor": sh.tensors[0] if sh.tensors else None, "replicas": reps,
                     "health": checkpoint_health(out["state"], {shard_health(list(per_worker[sh.sha256].values()),
-                                                                           settings.rf, c.local_present): 1}),
+                                                                           settings.rf_for(c.run),
+                                                                           c.local_present): 1}),
                     "objectstore": _on_stores(on_stores[sh.sha256], rows_of.get(sh.sha256, []), stores)
                     if shown else None,
                 })
@@ -199,7 +200,7 @@ def health(settings: Settings, *, problems_only: bool = False, before: int | Non
             per_worker = {sha: worker_healths(rows, since) for sha, rows in content_copies(s, shas).items()}
             for c in page:
                 last_id = c.id
-                m = _matrix(c, per_worker, workers, settings.rf, problems_only, replica_totals, shard_totals)
+                m = _matrix(c, per_worker, workers, settings.rf_for(c.run), problems_only, replica_totals, shard_totals)
                 if m is not None:
                     matrices.append(m)
                 if len(matrices) == limit:

@@ -7,6 +7,7 @@ faults throttle, stop or cut off; the checks here ask the server directly, so a 
 front never hides what the bucket holds, and they never ask the control plane's database:
 an object counts once it is listed and its HeadObject checksum is its name's SHA-256 (a
 multipart object's composite checksum proves nothing by itself: it is read and hashed).
+The cluster in a box's ``chain+s3`` mode (bench/cluster.py) uses the same bucket and front.
 """
 from __future__ import annotations
 

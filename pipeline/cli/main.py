@@ -6,7 +6,7 @@
     ckpt store PATH [--wait]                             protect a checkpoint now
     ckpt restore ID|PATH --to DEST [--host H] [--wait]   give a checkpoint back (on host H)
     ckpt status [--verbose] [--json] [--all]             one line per run; --verbose: every table
-    ckpt scrub [--wait]                                  re-hash every copy now
+    ckpt scrub [--wait]                                  re-hash (read back) every copy now
     ckpt workers [drain ID [--wait] | undrain ID | remove ID]   the storage workers
     ckpt pin ID [--note T] | ckpt unpin ID               keep a checkpoint whatever the policy
     ckpt forget ID... [--dry-run]                        stop keeping checkpoints remotely
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=3600.0)
     r.set_defaults(func=cmd_restore)
 
-    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers now")
+    sc = sub.add_parser("scrub", help="re-hash every replica on the storage workers, read back the object stores")
     sc.add_argument("--worker", action="append", help="only this worker (repeatable)")
     sc.add_argument("--wait", action="store_true")
     sc.add_argument("--timeout", type=float, default=24 * 3600.0)

@@ -66,6 +66,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for run in runs:
             policy = s.policy_for(run)
             print(f"{run}: remote retention {policy.describe()}")
+            copies, mode = s.target_policy(run)
+            print(f"  placement: RF {s.rf_for(run)} on storage workers"
+                  + (f", {copies} on object stores ({mode})" if copies else ""))
             verdicts = retention.plan_run(session, s, run)
             for v in verdicts:
                 mark = "keep  " if v.keep else "forget"

@@ -90,8 +90,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
         r = operations.remove(s, worker_id, answers=lambda url, node: answers_as(s, url, node))
         print(f"storage worker {worker_id} ({r.state}, {r.url}) removed, with its {r.copies} copy record(s)")
         if r.short:
-            print(f"  {r.short} content(s) have fewer than {s.rf} good copies without it: the scheduler's repair "
-                  "copies them (`ckpt status` shows their replicas)")
+            print(f"  {r.short} content(s) have fewer than {s.rf_said()} good copies without it: the scheduler's "
+                  "repair copies them (`ckpt status` shows their replicas)")
         return 0
     raise CkptError(f"unknown action {action!r}: ckpt workers [list | drain ID [--wait] | undrain ID | remove ID]")
 
@@ -111,8 +111,9 @@ def wait_drained(s: Settings, worker_id: str, timeout: float) -> int:
         while not stop.is_set():
             p = operations.drain_progress(s, worker_id)
             if p.state == "removable":
-                print(f"storage worker {worker_id} is drained (removable): every content it held has {s.rf} good "
-                      f"copies elsewhere; stop it, then `ckpt workers remove {worker_id}`", flush=True)
+                print(f"storage worker {worker_id} is drained (removable): every content it held has "
+                      f"{s.rf_said()} good copies elsewhere; stop it, then `ckpt workers remove {worker_id}`",
+                      flush=True)
                 return 0
             if p.state != "draining":
                 print(f"storage worker {worker_id} is {p.state} now, not draining (undrained?)", file=sys.stderr)

@@ -19,6 +19,7 @@ from sqlalchemy.orm.util import identity_key
 
 from pipeline.core import placement
 from pipeline.core.copies import Copy, ShardCopies, good_workers
+from pipeline.db.content_rf import RunRF
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import latest_store_ids, now
 from pipeline.errors import InvalidMove, PlacementError
@@ -311,14 +312,15 @@ __all__ = ["PlacementError", "content_copies", "contents_of", "copy_of", "fresh_
            "place", "place_one", "placed_count", "shard_copies", "shas_on"]
 
 
-def short_without(session: Session, worker_id: str, wanted: int,
+def short_without(session: Session, worker_id: str, wanted: int | RunRF,
                   tier: str | None = Tier.WORKERS) -> tuple[int, int, int]:
     """``(held, short, short_bytes)``: the live contents ``worker_id`` holds a sent copy of, and
     how many of them (and their bytes) have fewer than ``wanted`` good copies on other workers
     (of ``tier``, as :func:`good_copy`: None counts every tier).
 
-    ``wanted`` = RF: what a drain still has to move (0 short: the worker is drained);
-    ``wanted`` = 1: the contents of which it holds the only copy (removing it loses them)."""
+    ``wanted`` = the runs' RF: what a drain still has to move, each content to its own RF
+    (:meth:`RunRF.of_content`; 0 short: the worker is drained); ``wanted`` = 1: the contents of
+    which it holds the only copy (removing it loses them)."""
     its_content = (select(ContentCopy.sha256, Content.size).join(Content, Content.sha256 == ContentCopy.sha256)
                    .where(ContentCopy.worker_id == worker_id, ContentCopy.state.in_(sorted(SENT)),
                           Content.state == ContentState.LIVE.value).subquery())
@@ -334,13 +336,18 @@ def short_without(session: Session, worker_id: str, wanted: int,
     short, size = session.execute(
         select(func.count(), func.coalesce(func.sum(its_content.c.size), 0))
         .select_from(its_content.outerjoin(elsewhere, elsewhere.c.sha256 == its_content.c.sha256))
-        .where(func.coalesce(elsewhere.c.n, 0) < wanted)).one()
+        .where(func.coalesce(elsewhere.c.n, 0)
+               < (wanted.of_content(its_content.c.sha256) if isinstance(wanted, RunRF) else wanted))).one()
     return held, int(short), int(size)
 
 
-def short_contents(s: Session, rf: int) -> list[str]:
-    """Contents of protected checkpoints short of RF good copies."""
+def short_contents(s: Session, rf: RunRF) -> list[str]:
+    """Contents of protected checkpoints short of RF good copies: fewer than the RF of the run
+    of a protected checkpoint that references them (so, short of the largest such RF)."""
     protected = select(Job.checkpoint_id).where(Job.id.in_(latest_store_ids()), Job.state.in_(sorted(PROTECTED)))
     per_shard = good_copies_per_shard(CheckpointFile.checkpoint_id.in_(protected))
-    short = select(per_shard.c.sid).where(per_shard.c.n < rf)
+    short = select(per_shard.c.sid)
+    if rf.other:  # the RF of each shard's run (else a constant: no join)
+        short = short.join(Checkpoint, Checkpoint.id == per_shard.c.cid)
+    short = short.where(per_shard.c.n < rf.of_run())
     return list(s.scalars(select(Shard.sha256).where(Shard.id.in_(short)).distinct()))

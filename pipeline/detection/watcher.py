@@ -426,7 +426,8 @@ class Watcher:
         key, sig = str(path), catalog.signature(found.entries)
         started = now()
         try:
-            with EarlySends(self.settings, self.send, options.replication, started) as early:
+            with EarlySends(self.settings, self.send, options.replication, started,
+                            rf=self.settings.rf_for(str(run))) as early:
                 detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",

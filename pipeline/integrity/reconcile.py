@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
+from pipeline.db.content_rf import run_rf
 from pipeline.db.copies import good_count, good_counts, move, on
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Content, ContentCopy, Job, StorageWorker
@@ -109,8 +110,9 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
                 corrupt = [n for n in bad if answers[n]["sha256"] is not None]
                 # Counted for the whole page first; only the few above RF are decided one by one.
                 counts = good_counts(s, check)
-                surplus = [n for n in check if n not in bad and counts.get(n, 0) > settings.rf
-                           and _trim_if_surplus(s, worker_id, n, settings.rf)]
+                rf = run_rf(s, settings).of(s, [n for n in check if counts.get(n, 0) > 1])  # RF >= 1
+                surplus = [n for n in check if n not in bad and counts.get(n, 0) > rf.get(n, settings.rf)
+                           and _trim_if_surplus(s, worker_id, n, rf[n])]
                 # Decided under the contents' row locks (as the collection's sweep does): every row
                 # of condemned content goes; of live content only a retired row (not one placement
                 # reused for a new upload meanwhile).

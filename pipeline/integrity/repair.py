@@ -1,19 +1,27 @@
-"""Repair: bring one content back to RF copies that match its SHA-256.
+"""Repair: bring one content back to RF copies that match its SHA-256, and its object-store copies back.
 
 One repair job per content (a partial unique index allows one active at a time, so two repairs
 never set aside each other's new copy). A source is a copy whose fresh re-hash matches, or a
-local file that holds the content (the receiving worker checks its hash): never "primary
-wins". A corrupt copy is quarantined on its worker (moved aside, not served, not counted) and
-purged only after the new copy there re-hashed correctly. A host that finds no good source
-while another host's disk holds a local file of the content hands the job to that host
-(``params.host``, which routes it there). A content with no good source on any worker or host
-is ``lost``: the job says so; a later repair (a copy came back) can still succeed.
+local file that holds the content (the receiving worker checks its hash), or else a copy on an
+object store (downloaded once into a temporary file of the home, its SHA-256 checked, then
+uploaded to each worker that needs it): never "primary wins". A corrupt copy is quarantined on
+its worker (moved aside, not served, not counted) and purged only after the new copy there
+re-hashed correctly. A damaged copy on an object store is put again (a corrupt object deleted
+first) from the local file, else from a worker's verified copy, and confirmed by the store's
+checksum; a store that cannot take it now (throttled, unreachable, credentials) leaves the job
+waiting, saying why, retried once its lease ends. A host that finds no good source while
+another host's disk holds a local file of the content hands the job to that host
+(``params.host``, which routes it there). A content with no good source on any tier or host is
+``lost``: the job says so; a later repair (a copy came back) can still succeed.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Generator
+from contextlib import closing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
 from sqlalchemy import Select, select
@@ -23,15 +31,18 @@ from sqlalchemy.orm import Session
 from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import hosts
-from pipeline.db.copies import good_count, move, on, place_one
+from pipeline.db.content_rf import content_rf
+from pipeline.db.copies import good_copy, good_count, move, on, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_job, note, now, renew_lease, transition
-from pipeline.errors import CkptError, WorkerError
+from pipeline.errors import CkptError, ObjectMismatch, ObjectMissing, ObjectStoreError, WorkerError
 from pipeline.leases import leased
+from pipeline.objectstore.tier import store_for
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, StoreState, Tier
 from pipeline.steps import Send, start_job
+from pipeline.store.bucket_copy import put_confirmed, record_confirmed, spool_file
 from pipeline.store.replication import fan_in_job, waiting_jobs
 from pipeline.store.source import Source, holding_hosts, local_source, shard_prefix, source_matches
 
@@ -50,6 +61,10 @@ class ContentWork:
     #: Sources dropped because they did not answer (not proof that their copy is gone): with
     #: one of them, "no source left" is a retry later, never LOST.
     unreachable: list[str] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)  # object stores holding a readable copy: the last sources
+    fix_on_stores: list[str] = field(default_factory=list)  # object stores holding a damaged copy
+    #: The content downloaded from an object store (SHA-256 checked) for the workers that need it.
+    spool: Path | None = None
 
 
 def request_repair(session: Session, settings: Settings, sha: str, reason: str,
@@ -70,9 +85,10 @@ def request_repair(session: Session, settings: Settings, sha: str, reason: str,
         return None
 
 
-def repair_damaged(session: Session, settings: Settings, shas: Select[str], reason: str) -> list[Send]:
+def repair_damaged(session: Session, settings: Settings, shas: Select[str], reason: str,
+                   tier: str = Tier.WORKERS) -> list[Send]:
     """Repair jobs for the contents ``shas`` selects that have a damaged (corrupt or missing) copy on a
-    counting worker; the messages that run them.
+    counting row of ``tier`` (a worker; or an object store); the messages that run them.
 
     Placement puts at most one copy of a content on a worker and never reuses a damaged row
     (its bad file is still there: only a repair quarantines it first), so a store whose content
@@ -86,7 +102,7 @@ def repair_damaged(session: Session, settings: Settings, shas: Select[str], reas
             .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
             .join(Content, Content.sha256 == ContentCopy.sha256)
             .where(ContentCopy.sha256.in_(shas), ContentCopy.state.in_(sorted(states.DAMAGED)),
-                   StorageWorker.state.in_(sorted(states.COUNTING_WORKERS)), StorageWorker.tier == Tier.WORKERS,
+                   StorageWorker.state.in_(sorted(states.COUNTING_WORKERS)), StorageWorker.tier == tier,
                    Content.state == ContentState.LIVE)):
         job = request_repair(session, settings, sha, reason)
         if job is not None:
@@ -101,15 +117,19 @@ def plan(s: Session, settings: Settings, sha: str) -> ContentWork | None:
         return None
     w = ContentWork(sha, content.size, local_source(s, sha, settings.host_id))
     for c in s.scalars(select(ContentCopy).where(ContentCopy.sha256 == sha).order_by(ContentCopy.id)):
-        if c.worker.tier != Tier.WORKERS:
-            continue  # an object store's copy: not read nor rebuilt by a worker's repair (next)
-        ws = c.worker.state
+        ws, on_store = c.worker.state, c.worker.tier == Tier.OBJECT_STORE
         if c.state in states.READABLE_COPIES and ws in states.READABLE_WORKERS:
-            w.sources.append((c.worker_id, c.worker.url))  # re-hashed before it is used
+            if on_store:
+                w.stores.append(c.worker_id)  # its SHA-256 is checked as it is downloaded
+            else:
+                w.sources.append((c.worker_id, c.worker.url))  # re-hashed before it is used
         elif c.state in states.DAMAGED and ws in states.COUNTING_WORKERS:
-            w.fix_in_place.append((c.worker_id, c.worker.url, c.state))
-    w.need = max(0, settings.rf - good_count(s, sha) - len(w.fix_in_place))
-    return w if (w.fix_in_place or w.need) else None
+            if on_store:
+                w.fix_on_stores.append(c.worker_id)
+            else:
+                w.fix_in_place.append((c.worker_id, c.worker.url, c.state))
+    w.need = max(0, content_rf(s, settings, sha) - good_count(s, sha) - len(w.fix_in_place))
+    return w if (w.fix_in_place or w.need or w.fix_on_stores) else None
 
 
 #: Re-plans after the first: copies found bad while this repair ran (concurrent scrubs of
@@ -128,10 +148,10 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
         sha = str(job.sha256 or job.params["sha256"])
 
     key = settings.key()
-    fixed, lost, unreachable = 0, False, list[str]()
+    fixed, lost, unreachable, waits = 0, False, list[str](), list[str]()
     # One copy can outlast the lease (a slow link): kept by time meanwhile.
-    with leased(settings, [job_id]):
-        for w in _passes(settings, sha):
+    with leased(settings, [job_id]), closing(_passes(settings, sha)) as passes:
+        for w in passes:
             try:
                 for worker_id, url, state in w.fix_in_place:
                     _rebuild_on(settings, key, w, worker_id, url, quarantine_first=state == CopyState.CORRUPT)
@@ -152,8 +172,16 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                     if state == CopyState.CORRUPT:
                         _quarantine(key, bad_worker, url, w.sha)
                 break
+            for store_id in w.fix_on_stores:
+                why = _rebuild_on_store(settings, w, store_id)
+                if why is None:
+                    fixed += 1
+                else:
+                    waits.append(why)
             with session_scope(settings.db_url) as s:
                 renew_lease(s, job_id, settings.lease_seconds)
+            if waits:
+                break
 
     with session_scope(settings.db_url) as s:
         if lost and (handed := _hand_over(s, settings, job_id, sha)):
@@ -167,6 +195,15 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
             detail = f"LOST: no copy and no local file matches content {sha[:12]} ({_users(s, sha)})"
             transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.LOST, detail=detail, last_error=detail)
             log.error(detail)
+            return []
+        if waits:
+            # Not the copy's fault: nothing more is marked, and a wait is no failed attempt (a
+            # store throttled for hours must not use them up). Resumed when the lease ends.
+            why = f"waiting for the object store: {waits[0]}"[:1000]
+            if one(s, Job, job_id).blocked_reason != why:
+                note(s, job_id, why)
+            renew_lease(s, job_id, settings.lease_seconds, blocked_reason=why, attempts=0)
+            log.warning("repair of %s waits: %s", sha[:12], waits[0])
             return []
         transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.DONE, detail=f"{fixed} copies rebuilt and verified")
         sends = _wake_stores(s, settings, sha)
@@ -227,14 +264,18 @@ def _users(s: Session, sha: str) -> str:
     return f"used by {shown}{' and more' if len(rows) > 3 else ''}" if rows else "used by no checkpoint"
 
 
-def _passes(settings: Settings, sha: str) -> Iterator[ContentWork]:
+def _passes(settings: Settings, sha: str) -> Generator[ContentWork, None, None]:
     """The work on the content, planned again after each pass until nothing is left."""
     for _ in range(MAX_PASSES):
         with session_scope(settings.db_url) as s:
             work = plan(s, settings, sha)
         if work is None:
             return
-        yield work
+        try:
+            yield work
+        finally:
+            if work.spool is not None:
+                work.spool.unlink(missing_ok=True)
 
 
 class _NoSource(Exception):
@@ -320,7 +361,8 @@ def _transfer(settings: Settings, key: bytes, w: ContentWork, source: WorkerClie
             source = _good_source(settings, key, w)
     src = w.source
     if src is None:
-        _no_source(w)
+        _from_store(settings, w, target)
+        return
     try:
         target.put_range(w.sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset, src.length)
     except WorkerError as exc:
@@ -329,7 +371,78 @@ def _transfer(settings: Settings, key: bytes, w: ContentWork, source: WorkerClie
         if source_matches(src.path, src.kind, src.tensors, src.offset, src.length, w.sha):
             raise  # damaged on the way, the local copy is fine: the retry sends it again
         w.source = None  # the local copy no longer holds the content
-        _no_source(w)
+        _from_store(settings, w, target)
     except (OSError, CkptError):
         w.source = None
+        _from_store(settings, w, target)
+
+
+def _from_store(settings: Settings, w: ContentWork, target: WorkerClient) -> None:
+    """Upload the content to ``target`` from a copy on an object store, the last source (no
+    worker's copy, no local file); raise :class:`_NoSource` when no store holds it either."""
+    path = _spooled(settings, w)
+    if path is None:
         _no_source(w)
+    target.put_range(w.sha, b"", str(path), 0, w.size)  # the worker checks its hash as it receives it
+
+
+def _spooled(settings: Settings, w: ContentWork) -> Path | None:
+    """The content downloaded from the first object store whose copy hashes to it (once per pass,
+    for every worker that needs it). A copy found absent or other bytes is marked so and put
+    again after the workers' copies (``fix_on_stores``); a store that cannot answer now is
+    unreachable (the repair is retried, nothing is lost)."""
+    while w.spool is None and w.stores:
+        store_id = w.stores.pop(0)
+        fd, name = spool_file(settings, f"repair-{w.sha[:12]}-")
+        os.close(fd)
+        try:
+            store_for(settings, store_id).get(w.sha, Path(name), size=w.size)  # its SHA-256 checked
+            w.spool = Path(name)
+        except ObjectStoreError as exc:
+            Path(name).unlink(missing_ok=True)
+            if exc.wait:
+                w.unreachable.append(str(exc))
+                continue
+            with session_scope(settings.db_url) as s:
+                bad = CopyState.MISSING if isinstance(exc, ObjectMissing) else CopyState.CORRUPT
+                move(s, on(store_id, w.sha), bad, from_=states.HELD, error=f"at repair: {exc.reason}")
+            w.fix_on_stores.append(store_id)
+    return w.spool
+
+
+def _rebuild_on_store(settings: Settings, w: ContentWork, store_id: str) -> str | None:
+    """Put the content again on the object store ``store_id``, whose copy is damaged, and record
+    it confirmed; None when done, else why it must wait (the store cannot take it now, or no
+    source holds its bytes now).
+
+    A corrupt object is deleted first: an object the store's checksum still vouches for would
+    otherwise be kept as it is (pipeline.store.bucket_copy confirms before it puts).
+    """
+    with session_scope(settings.db_url) as s:
+        corrupt = s.scalar(select(ContentCopy.state).where(on(store_id, w.sha))) == CopyState.CORRUPT
+        peers = [(url, worker_id) for worker_id, url in s.execute(
+            select(ContentCopy.worker_id, StorageWorker.url)
+            .join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
+            .join(Content, Content.sha256 == ContentCopy.sha256)
+            .where(ContentCopy.sha256 == w.sha, good_copy()).order_by(ContentCopy.id))]
+    src = w.source
+    try:
+        store = store_for(settings, store_id)
+        if corrupt:
+            store.delete(w.sha)
+        try:
+            stored = put_confirmed(settings, store, w.sha, w.size, src, peers)
+        except ObjectMismatch:
+            if src is None or source_matches(src.path, src.kind, src.tensors, src.offset, src.length, w.sha):
+                raise
+            stored = put_confirmed(settings, store, w.sha, w.size, None, peers)  # the local file changed
+        except OSError:
+            stored = put_confirmed(settings, store, w.sha, w.size, None, peers)  # the local file went
+    except ObjectStoreError as exc:
+        log.warning("repair of %s on %s waits: %s", w.sha[:12], store_id, exc)
+        return str(exc)
+    if stored is None:
+        return f"object store {store_id}: no local file and no worker's good copy of {w.sha[:12]} to put there now"
+    with session_scope(settings.db_url) as s:
+        record_confirmed(s, on(store_id, w.sha), stored, from_=states.DAMAGED)
+    return None

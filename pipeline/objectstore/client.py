@@ -20,13 +20,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import boto3
-from botocore import exceptions as bx
-from botocore.config import Config
-
 from pipeline.errors import ObjectMismatch, StoreCredentials
 from pipeline.objectstore import faults, keys
 from pipeline.objectstore.config import Target
+
+if TYPE_CHECKING:  # boto3 is the optional s3 extra: imported when a store is used, not before
+    from botocore import exceptions as bx
 
 if TYPE_CHECKING:
     from pipeline.objectstore import download
@@ -65,6 +64,9 @@ class ObjectStore:
     """A connection to one target. Thread-safe; one per process and target is enough."""
 
     def __init__(self, target: Target, *, client: Any = None) -> None:
+        import boto3
+        from botocore import exceptions as bx
+
         self.target = target
         self._profile_error: bx.ProfileNotFound | None = None
         try:
@@ -85,6 +87,8 @@ class ObjectStore:
             raise StoreCredentials(self.target.name, f"{self._profile_error}; {self.credentials_hint()}")
         with self._lock:
             if self._client is None:
+                from botocore.config import Config
+
                 t = self.target
                 config = Config(
                     signature_version="s3v4",  # presigned PUTs too sign their checksum header
@@ -104,6 +108,8 @@ class ObjectStore:
 
     def credentials_source(self) -> str:
         """Where the credentials come from, in words ("" when none are found); never them."""
+        from botocore import exceptions as bx
+
         if self._profile_error is not None:
             return ""
         try:
@@ -128,6 +134,8 @@ class ObjectStore:
                 "log in again); jobs wait meanwhile and nothing is marked lost")
 
     def _bucket_exists(self) -> bool | None:
+        from botocore import exceptions as bx
+
         try:
             self.s3.head_bucket(Bucket=self.target.bucket)
             return True
@@ -138,6 +146,8 @@ class ObjectStore:
 
     def call(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """``fn(**kwargs)`` (a botocore operation), its failure translated (faults.translate)."""
+        from botocore import exceptions as bx
+
         try:
             return fn(**kwargs)
         except (bx.BotoCoreError, bx.ClientError) as exc:

@@ -9,8 +9,10 @@ after that is translated here, so a job can tell "wait and try again, nothing is
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from botocore import exceptions as bx
+if TYPE_CHECKING:  # botocore is the optional s3 extra: imported when a store is used, not before
+    from botocore import exceptions as bx
 
 from pipeline.errors import (
     BucketMissing,
@@ -33,9 +35,14 @@ BAD_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "Exp
                              "RequestTimeTooSkewed"})
 MISMATCH = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidPart", "IncompleteBody",
                       "InvalidRange"})
-#: A connection that could not be made or broke (a body cut short included): the store may be fine.
-UNREACHABLE = (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError,
-               bx.ProxyConnectionError, bx.ResponseStreamingError, bx.IncompleteReadError, bx.HTTPClientError)
+
+
+def unreachable() -> tuple[type[Exception], ...]:
+    """A connection that could not be made or broke (a body cut short included): the store may be fine."""
+    from botocore import exceptions as bx
+
+    return (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError,
+            bx.ProxyConnectionError, bx.ResponseStreamingError, bx.IncompleteReadError, bx.HTTPClientError)
 
 
 def code_of(exc: bx.ClientError) -> tuple[str, int]:
@@ -54,12 +61,14 @@ def translate(exc: BaseException, target: str, *, credentials: str, what: str,
     bucket) when an answer is ambiguous: a HEAD has no error body, and some stores answer a PUT
     into a missing bucket with 403 AccessDenied.
     """
+    from botocore import exceptions as bx
+
     if isinstance(exc, ObjectStoreError):
         return exc
     if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.ProfileNotFound,
                         bx.CredentialRetrievalError, bx.TokenRetrievalError)):
         return StoreCredentials(target, f"no usable credentials ({exc}); {credentials}")
-    if isinstance(exc, UNREACHABLE):
+    if isinstance(exc, unreachable()):
         return StoreUnreachable(target, f"{what}: endpoint unreachable ({exc}); is it up, and is the network to it?")
     if isinstance(exc, bx.ClientError):
         return _client_error(exc, target, credentials=credentials, what=what, bucket_exists=bucket_exists)

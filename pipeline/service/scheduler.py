@@ -26,6 +26,7 @@ from pipeline.cluster.discovery import Browser
 from pipeline.cluster.membership import ProbeResult, probe_all
 from pipeline.cron import last_fire
 from pipeline.db import workers
+from pipeline.db.content_rf import run_rf
 from pipeline.db.copies import (
     contents_of,
     good_copies_per_shard,
@@ -61,6 +62,7 @@ from pipeline.service.readiness import mark_ready
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier, WorkerState
 from pipeline.steps import Send
+from pipeline.store.replication import on_its_way
 from pipeline.webhook import Notifier
 
 T = TypeVar("T")
@@ -164,6 +166,8 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
         return [Send("verify", (job.id,))]
     if job.state == S.SHARDED:
         sends: list[Send] = []
+        run = session.scalar(select(Checkpoint.run).where(Checkpoint.id == job.checkpoint_id))
+        rf = settings.rf_for(run) if run is not None else settings.rf  # the RF of its checkpoint's run
         # Copies placed on a worker that went down meanwhile no longer count: place others.
         for content in contents_of(session, job.checkpoint_id or 0):
             for cp in content.copies:
@@ -171,7 +175,7 @@ def resume(session: Session, settings: Settings, job: Job) -> list[Send]:
                     move(session, cp, CopyState.ABANDONED, error=f"{cp.worker_id} is {cp.worker.state}")
             if content.state == ContentState.LIVE:
                 try:
-                    place(session, content, settings.rf)
+                    place(session, content, rf)
                 except PlacementError as exc:
                     log.warning("job %d: content %s cannot be placed again yet: %s", job.id, content.sha256[:12], exc)
                     sends += repair_damaged(session, settings, just(content.sha256),
@@ -273,14 +277,18 @@ def retention_sweep(settings: Settings) -> None:
 
 
 def under_replicated(settings: Settings) -> list[Send]:
-    """Repair jobs for the contents of protected checkpoints that are short of RF good copies,
-    and for the damaged copies of stores still on their way (they hold its placement back)."""
+    """Repair jobs for the contents of protected checkpoints that are short of RF good copies
+    (rebuilt from a worker's copy, a local file, or an object store's copy), for the damaged
+    copies of stores still on their way (they hold its placement back), and for damaged copies
+    on object stores (placement never reuses their row: only a repair puts them again)."""
     sends = []
     with session_scope(settings.db_url) as s:
-        for sha in short_contents(s, settings.rf):
+        for sha in short_contents(s, run_rf(s, settings)):
             job = request_repair(s, settings, sha, "under-replicated: a worker is down, draining or lost its copy")
             if job is not None:
                 sends.append(Send("repair", (job.id,)))
+        damaged = select(ContentCopy.sha256).where(ContentCopy.state.in_(sorted(states.DAMAGED)))
+        sends += repair_damaged(s, settings, damaged, "its copy on an object store is damaged", tier=Tier.OBJECT_STORE)
         in_flight = select(Job.checkpoint_id).where(
             Job.id.in_(latest_store_ids()), Job.state.in_(sorted(states.ACTIVE[JobKind.STORE] | {S.WAITING})))
         shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id.in_(in_flight))
@@ -323,6 +331,8 @@ def store_sweep(settings: Settings) -> list[Send]:
                         place(s, content, wanted, tier=Tier.OBJECT_STORE)
                 except PlacementError:
                     pass  # no store takes it now: the next sweep tries again
+                if on_its_way(content):
+                    continue  # its first verified worker copies send these, for a worker to put
                 for cp in content.copies:
                     quiet = cp.sent_at is None or t - cp.sent_at > timedelta(seconds=settings.lease_seconds)
                     if cp.state == CopyState.PENDING and is_target(cp.worker_id) and quiet:
@@ -336,7 +346,7 @@ def finish_drains(settings: Settings) -> None:
     """A draining worker becomes removable once none of its shards still needs its copy."""
     with session_scope(settings.db_url) as s:
         for w in s.scalars(select(StorageWorker).where(StorageWorker.state == WorkerState.DRAINING)):
-            total, short, _size = short_without(s, w.id, settings.rf)
+            total, short, _size = short_without(s, w.id, run_rf(s, settings))
             if not short:
                 workers.set_state(s, w, WorkerState.REMOVABLE, error=None)
                 log.info("storage worker %s is drained: %d shards have RF copies elsewhere; it can be removed",

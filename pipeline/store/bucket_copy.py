@@ -23,10 +23,12 @@ import http.client
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, select, update
+from sqlalchemy.orm import Session
 
 from pipeline.cluster.client import WorkerClient
 from pipeline.db.copies import move
@@ -52,20 +54,9 @@ def send_to_store(settings: Settings, copy_id: int, sha: str, size: int, worker_
                   peers: list[tuple[str, str]], named: dict[str, Any] | None) -> list[Send]:
     """Put content ``sha`` on the object store of ``worker_id`` and confirm it; the follow-ups."""
     try:
-        store = store_for(settings, worker_id)
-        stored = _held(store, sha, size)
-        if stored is None and size <= store.target.multipart_threshold:
-            stored = _pushed(settings, store, sha, size, peers)
+        stored = put_confirmed(settings, store_for(settings, worker_id), sha, size, src, peers)
         if stored is None:
-            if src is not None:
-                put = store.put(sha, Path(src.path), offset=src.offset, length=src.length,
-                                head=shard_prefix(src.path, src.kind, src.tensors))
-            else:
-                fetched = _put_from_peer(settings, store, sha, size, peers)
-                if fetched is None:
-                    return replication._abandon(settings, copy_id, "no local file and no good copy holds its bytes")
-                put = fetched
-            stored = store.confirm(sha, size, put.checksum)
+            return replication._abandon(settings, copy_id, "no local file and no good copy holds its bytes")
     except ObjectMismatch as exc:
         if src is not None and not source_matches(src.path, src.kind, src.tensors, src.offset, src.length, sha):
             return replication._source_gone(settings, copy_id, src, StoreState.SUPERSEDED, str(exc))
@@ -77,11 +68,42 @@ def send_to_store(settings: Settings, copy_id: int, sha: str, size: int, worker_
         end = StoreState.VANISHED if isinstance(exc, FileNotFoundError) else StoreState.SUPERSEDED
         return replication._source_gone(settings, copy_id, src, end, f"{src.path}: {exc}")
     with session_scope(settings.db_url) as s:
-        t = now()
-        if move(s, ContentCopy.id == copy_id, CopyState.STORED, at=t, from_=(CopyState.PENDING,)):
-            s.execute(update(ContentCopy).where(ContentCopy.id == copy_id).values(checksum=stored.checksum))
-            move(s, ContentCopy.id == copy_id, CopyState.VERIFIED, at=t, from_=(CopyState.STORED,))
+        record_confirmed(s, ContentCopy.id == copy_id, stored, from_=(CopyState.PENDING,))
         return replication.fan_in(s, settings, sha)
+
+
+def put_confirmed(settings: Settings, store: ObjectStore, sha: str, size: int, src: Source | None,
+                  peers: list[tuple[str, str]]) -> Stored | None:
+    """Put content ``sha`` on ``store``, unless the store already proves it holds it: by a worker
+    of ``peers`` ((url, worker id) of verified copies) itself (:func:`_pushed`), else from the
+    local file ``src``, else from the first of ``peers`` whose bytes hash to it; then confirm it
+    by the store's checksum. None when no source holds its bytes. Raises ObjectStoreError
+    (ObjectMismatch: the store refused the bytes, or holds others)."""
+    stored = _held(store, sha, size)
+    if stored is None and size <= store.target.multipart_threshold:
+        stored = _pushed(settings, store, sha, size, peers)
+    if stored is not None:
+        return stored
+    if src is not None:
+        put = store.put(sha, Path(src.path), offset=src.offset, length=src.length,
+                        head=shard_prefix(src.path, src.kind, src.tensors))
+    else:
+        fetched = _put_from_peer(settings, store, sha, size, peers)
+        if fetched is None:
+            return None
+        put = fetched
+    return store.confirm(sha, size, put.checksum)
+
+
+def record_confirmed(s: Session, where: ColumnElement[bool], stored: Stored, *, from_: Iterable[str]) -> bool:
+    """Record a copy on an object store that the store's checksum confirmed: ``from_ → stored →
+    verified`` (the checksum stands for a worker's re-hash) with that checksum; whether it moved."""
+    t = now()
+    if not move(s, where, CopyState.STORED, at=t, from_=from_):
+        return False
+    s.execute(update(ContentCopy).where(where).values(checksum=stored.checksum))
+    move(s, where, CopyState.VERIFIED, at=t, from_=(CopyState.STORED,))
+    return True
 
 
 def _pushed(settings: Settings, store: ObjectStore, sha: str, size: int,
@@ -122,10 +144,8 @@ def _put_from_peer(settings: Settings, store: ObjectStore, sha: str, size: int,
                    peers: list[tuple[str, str]]) -> Stored | None:
     """Put the content from a worker's verified copy, through a temporary file hashed on the way."""
     key = settings.key()
-    spool = Path(settings.home) / "tmp"
-    spool.mkdir(parents=True, exist_ok=True)
     for url, peer_id in peers:
-        fd, name = tempfile.mkstemp(prefix=f"bucket-{sha[:12]}-", dir=spool)
+        fd, name = spool_file(settings, f"bucket-{sha[:12]}-")
         try:
             with os.fdopen(fd, "wb") as out:
                 if not _fetch(WorkerClient(url, key, peer_id, timeout=settings.stall_seconds), sha, size, out):
@@ -136,6 +156,14 @@ def _put_from_peer(settings: Settings, store: ObjectStore, sha: str, size: int,
         finally:
             os.unlink(name)
     return None
+
+
+def spool_file(settings: Settings, prefix: str) -> tuple[int, str]:
+    """A new temporary file under the home (``<home>/tmp``) for a shard on its way between a worker
+    and an object store: its descriptor and path. The caller removes it."""
+    spool = Path(settings.home) / "tmp"
+    spool.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=prefix, dir=spool)
 
 
 def _fetch(client: WorkerClient, sha: str, size: int, out: Any) -> bool:

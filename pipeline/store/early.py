@@ -72,8 +72,10 @@ class EarlySends:
     messages in flight; :attr:`sent` is final once it has exited."""
 
     def __init__(self, settings: Settings, send: Callable[[list[Send]], object], mode: str,
-                 started: datetime | None = None) -> None:
+                 started: datetime | None = None, *, rf: int | None = None) -> None:
         self.settings, self.send, self.mode = settings, send, mode
+        #: the workers' RF of the checkpoint's run (``Settings.rf_for``); the global one if not given
+        self.rf = settings.rf if rf is None else rf
         #: when the store's hashing began: given, the copies of the unchanged contents found are
         #: re-hashed on their workers meanwhile (counted from then: pipeline.store.verification)
         self.started = started
@@ -112,7 +114,7 @@ class EarlySends:
             self._stopped = True
             return
         with self._lock:
-            if placed >= self.settings.rf:
+            if placed >= self.rf:
                 self._shared(sha)  # unchanged: a read, not a write per shard (the record references it)
             elif not self._stopped:
                 self._found.append((entry, plan, sha))
@@ -179,7 +181,7 @@ class EarlySends:
             with session_scope(self.settings.db_url) as s:
                 reference(s, {sha: plan.size})
                 content = revive(s, [s.get_one(Content, sha)])[0]
-                copies = [(c.id, c.worker_id) for c in place(s, content, self.settings.rf)]
+                copies = [(c.id, c.worker_id) for c in place(s, content, self.rf)]
         except PlacementError:
             return  # too few workers now: the shard step says so, and waits
         except Exception as exc:  # the control plane: detection goes on, the shard step sends

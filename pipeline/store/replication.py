@@ -27,6 +27,7 @@ from pipeline import failpoints, states
 from pipeline.capacity import capacity_reason
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
+from pipeline.db.content_rf import content_rf
 from pipeline.db.copies import move, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
@@ -75,6 +76,8 @@ def replicate(settings: Settings, copy_id: int, chain: Sequence[int] = (),
             return []  # condemned meanwhile: a store that references it again revives it
         for c in pending:  # each is sent: through the first, or the first itself
             c.attempts += 1
+            # Being sent now: the scheduler's object-store sweep does not send it again meanwhile.
+            c.sent_at = now()
         if cp.attempts > settings.max_attempts:
             raise AttemptsExhausted(f"copy {cp.id} of {cp.sha256[:12]} on {cp.worker_id}", cp.attempts - 1,
                                     cp.last_error)
@@ -202,6 +205,17 @@ def to_stores_once_held(s: Session, sha: str, just_verified: int) -> list[Send]:
         select(ContentCopy.id).join(StorageWorker, StorageWorker.id == ContentCopy.worker_id)
         .where(ContentCopy.sha256 == sha, ContentCopy.state == CopyState.PENDING,
                StorageWorker.tier == Tier.OBJECT_STORE))]
+
+
+def on_its_way(content: Content) -> bool:
+    """Whether ``content`` is being sent to workers and none holds it yet: a copy pending on one
+    (sent by the shard step, or while hashing: pipeline.store.early), none verified. Its copies
+    on object stores wait: the first verified worker copies send them (:func:`to_stores_once_held`)
+    and a worker puts them; sent before, with no worker to put them, this host would send the
+    bytes a second time (measured in the cluster in a box: the trainer's link sent 2.0x the
+    checkpoint, the bucket's link received 1.0x)."""
+    on_workers = [c.state for c in content.copies if c.worker.tier == Tier.WORKERS]
+    return CopyState.PENDING in on_workers and CopyState.VERIFIED not in on_workers
 
 
 def _hop_failed(settings: Settings, hop: Hop, entry: dict[str, Any], named: dict[str, Any] | None) -> list[Send]:
@@ -337,7 +351,7 @@ def _move_off(settings: Settings, copy_id: int, worker_id: str, error: str, *, f
                 raise WorkerError(worker.url, f"{error}; no other worker can take the copy") from None
             # Full, and every other worker too: the stores waiting on this content wait for room
             # (the scheduler places them again once their wait ends: pipeline.store.sharding).
-            reason = capacity_reason(s, settings, [cp.content])
+            reason = capacity_reason(s, settings, [cp.content], content_rf(s, settings, cp.sha256))
             for job in waiting_jobs(s, cp.sha256):
                 transition(s, job.id, JobKind.STORE, S.SHARDED, S.WAITING, detail=reason, blocked_reason=reason,
                            lease_seconds=settings.lease_seconds)

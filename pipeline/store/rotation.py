@@ -185,11 +185,11 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
                     job.blocked_reason = None
                     why = ("collected with the next garbage collection: it was forgotten" if state == S.FORGOTTEN
                            else "it had come back after its rotation")
-                    note(s, job_id, f"local copy removed by the local policy; {settings.rf}+ verified replicas "
-                                    f"remained ({why})")
+                    note(s, job_id, f"local copy removed by the local policy; {settings.rf_for(ckpt.run)}+ verified "
+                                    f"replicas remained ({why})")
                 else:
                     transition(s, job_id, JobKind.STORE, S.VERIFIED, S.ROTATED, blocked_reason=None,
-                               detail=f"local copy removed; {settings.rf}+ verified replicas remain")
+                               detail=f"local copy removed; {settings.rf_for(ckpt.run)}+ verified replicas remain")
     except OutsideRoots:  # retargeted between the check above and the rename: nothing moved
         _block(settings, job_id, f"{path} is no longer inside a watched root (a link on its path leads out)")
         return []

@@ -36,7 +36,7 @@ from pipeline.objectstore.tier import is_target
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, begin_step
-from pipeline.store.replication import fan_in_job
+from pipeline.store.replication import fan_in_job, on_its_way
 
 log = logging.getLogger("ckpt.shard")
 S = states.StoreState
@@ -81,14 +81,14 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
         try:
             with s.begin_nested():  # all contents placed, or none
                 for c in contents:
-                    place(s, c, settings.rf)
+                    place(s, c, settings.rf_for(run))
             place_on_stores(s, settings, contents, run)
         except PlacementError:
             s.expire_all()
             blocked = contents_of(s, ckpt_id)
             repairs = repair_damaged(s, settings, shas_of(ckpt_id),
                                      f"checkpoint {ckpt_id} cannot be placed while this copy is damaged")
-            return _wait(s, settings, job_id, capacity_reason(s, settings, blocked)) + repairs
+            return _wait(s, settings, job_id, capacity_reason(s, settings, blocked, settings.rf_for(run))) + repairs
         # Copies sent while hashing may be stored by now: read them as their last commit left
         # them, locked, so that an upload committing after this either sees this job sharded
         # (and fans it in) or was seen stored here (PostgreSQL; SQLite writes one at a time).
@@ -98,7 +98,7 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
                       .execution_options(populate_existing=True)).all()
         pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
-                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf}"
+                           detail=f"{len(contents)} contents, {len(pending)} copies to send, RF {settings.rf_for(run)}"
                                   + (f", {mode}" if pending else "")
                                   + (f"; {len(sent)} sent while hashing" if sent else ""),
                            bytes_done=0, bytes_total=sum(cp.content.size for cp in pending), blocked_reason=None)
@@ -138,10 +138,9 @@ def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION.
     A copy on an object store is sent by a message of its own (never a hop of a chain), once a
     worker holds the content when it is still on its way to them."""
-    to_workers = {cp.sha256 for cp in pending if not is_target(cp.worker_id)}
     # A content on its way to workers goes to an object store once a worker holds it (the worker
     # puts it there: pipeline.store.replication sends it then); one already on workers goes now.
-    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and cp.sha256 not in to_workers]
+    alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and not on_its_way(cp.content)]
     pending = [cp for cp in pending if not is_target(cp.worker_id)]
     if mode != "chain":
         return [Send("replicate", (cp.id,)) for cp in pending] + alone

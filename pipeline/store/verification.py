@@ -25,6 +25,7 @@ from pipeline import states
 from pipeline.cluster.client import WorkerClient
 from pipeline.core.copies import Need
 from pipeline.db import workers
+from pipeline.db.content_rf import content_rf
 from pipeline.db.copies import just, move, on, place, shas_of
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, Shard, StorageWorker
@@ -130,7 +131,8 @@ def replace_copy(session: Session, settings: Settings, cp: ContentCopy, state: s
     referencing = select(CheckpointFile.checkpoint_id).join(Shard, Shard.file_id == CheckpointFile.id).where(
         Shard.sha256 == cp.sha256)
     run = session.scalar(select(Checkpoint.run).where(Checkpoint.id.in_(referencing)).limit(1)) or ""
-    wanted = settings.rf if tier == Tier.WORKERS else settings.target_policy(run)[0]
+    # The workers' RF of the content (the largest of its runs'), an object store's of a run.
+    wanted = content_rf(session, settings, cp.sha256) if tier == Tier.WORKERS else settings.target_policy(run)[0]
     try:
         with session.begin_nested():
             fresh = place(session, cp.content, wanted, tier=tier)

@@ -95,3 +95,16 @@ def test_no_import_cycles_in_the_package():
     for m in sorted(graph):
         if state.get(m) is None:
             visit(m)
+
+
+def test_the_services_import_no_boto3_the_s3_extra_is_optional():
+    """boto3 is the optional ``s3`` extra: `ckpt up`'s services, the CLI, the web UI and the storage
+    worker start without it, and import it only once an object store is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import pipeline.cli.main, pipeline.tasks, pipeline.service.scheduler, webui, workers.app; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]", out.stdout

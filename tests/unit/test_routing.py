@@ -111,3 +111,27 @@ def test_a_checkpoint_waiting_for_a_silent_host_says_so(db, tmp_path):
     assert rows[gone]["blocked_reason"] == "waiting for host node-gone: not seen for 12 min (its files are there)"
     assert rows[here]["blocked_reason"] is None and rows[here]["host"] == "node-here"
     assert "node-never: it never reported in" in rows[never]["blocked_reason"]
+
+
+def test_an_object_store_copy_a_worker_can_put_goes_to_any_host_not_behind_the_trainers_uploads(db, tmp_path):
+    """A copy on an object store is put by a storage worker once one holds the content
+    (pipeline/store/bucket_copy.py): it needs no local file, so it waits in the shared queue,
+    not behind the uploads queued on the trainer's host; before, from the trainer's file."""
+    (tmp_path / "runs" / "r").mkdir()
+    path = atomic_save(state_dict(1), tmp_path / "runs" / "r" / "a.safetensors")
+    ckpt, _job, _ = _record(db, path, "node-a")
+    with session_scope(db.db_url) as ses:
+        ses.add(StorageWorker(id="w1", url="http://127.0.0.1:1", source="static", state="up", last_seen=now()))
+        ses.add(StorageWorker(id="target:s3", url="s3://b/p", source="target", tier="objectstore", state="up",
+                              last_seen=now()))
+        ses.flush()
+        sha = sorted({sh.sha256 for f in ses.get(Checkpoint, ckpt).files for sh in f.shards})[0]
+        on_store = ContentCopy(sha256=sha, worker_id="target:s3", state="pending", attempts=0)
+        on_worker = ContentCopy(sha256=sha, worker_id="w1", state="pending", attempts=0)
+        ses.add_all([on_store, on_worker])
+        ses.flush()
+        assert queues_for(ses, Send("replicate", (on_store.id,))) == [host_queue("node-a")]  # no worker holds it
+        on_worker.state, on_worker.stored_at, on_worker.verified_at = "verified", now(), now()
+        ses.flush()
+        assert queues_for(ses, Send("replicate", (on_store.id,))) == [SHARED]
+        assert queues_for(ses, Send("replicate", (on_worker.id,))) == [host_queue("node-a")]

@@ -85,11 +85,23 @@ def test_remote_retention_per_run_tables_override_the_global_policy(tmp_path):
     assert not load({"home": tmp_path}, environ={}).policy_for("/r").is_set  # the default keeps everything
 
 
+def test_a_run_table_sets_the_workers_rf_of_its_runs(tmp_path):
+    (tmp_path / "config.toml").write_text('rf = 2\n[runs."/data/runs/big-*"]\nrf = 3\n[runs."/data/runs/scratch"]\n'
+                                          'keep_last = 1\n')
+    s = load({"home": tmp_path}, environ={})
+    assert (s.rf_for("/data/runs/big-1"), s.rf_for("/data/runs/scratch"), s.rf_for("/elsewhere")) == (3, 2, 2)
+    assert s.need_for("/data/runs/big-1").rf == 3 and s.rf_per_run() and s.rf_said() == "their RF"
+    (tmp_path / "config.toml").write_text('rf = 3\n[runs."/data/runs/big-*"]\nrf = 3\n')
+    assert not load({"home": tmp_path}, environ={}).rf_per_run()  # the same as the global: nothing to ask per run
+
+
 @pytest.mark.parametrize("text,needle", [
     ('[runs."/r"]\nkeep_lst = 3\n', "unknown option 'keep_lst'"),
     ('[runs."/r"]\nkeep_best = 3\n', "keep_best needs best_metric"),
     ('[runs."/r"]\nbest_mode = "median"\n', "best_mode must be min or max"),
     ('remote_keep_last = -1\n', "keep counts must be >= 0"),
+    ('[runs."/r"]\nrf = 0\n', r"runs\.'/r'\.rf must be at least 1, got 0"),
+    ('[runs."/r"]\nrf = "two"\n', r"runs\.'/r'\.rf: 'two' is not a valid int"),
 ])
 def test_bad_retention_settings_are_named(tmp_path, text, needle):
     (tmp_path / "config.toml").write_text(text)

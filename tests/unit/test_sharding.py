@@ -319,3 +319,51 @@ def test_an_unchanged_shard_costs_no_write_while_hashing(db, tmp_path):
     with session_scope(db.db_url) as s:
         sent = [s.get(ContentCopy, cid) for cid in early.sent]
         assert sent and {c.sha256 for c in sent} <= on_down and all(c.worker_id != "w-0" for c in sent)
+
+
+def test_an_object_store_copy_waits_for_a_worker_to_hold_its_content_even_one_sent_while_hashing(db, tmp_path):
+    """The object-store copy of a content still on its way to workers is sent only once a worker
+    holds it (the worker puts it: the trainer's link carries the bytes once), for a content sent
+    while hashing too: neither the shard step nor the scheduler's sweep sends it before. (Found in
+    the cluster in a box: the shard step sent the bucket copies of the contents sent early at once,
+    and with no worker holding them yet the trainer put them itself, 2.0x the checkpoint on its link.)"""
+    import json
+
+    from pipeline.service.scheduler import store_sweep
+    from pipeline.store.early import AHEAD, EarlySends
+
+    db, run, path = _on_trainer(db, tmp_path, 5)
+    db = dataclasses.replace(db, targets=json.dumps([{"name": "store", "url": "s3://box/ckpt", "region": "us-east-1",
+                                                      "endpoint": "http://127.0.0.1:9", "addressing_style": "path"}]))
+    with session_scope(db.db_url) as s:
+        s.add(StorageWorker(id="target:store", url="s3://box/ckpt", source="target", tier="objectstore", state="up",
+                            free_bytes=10**10, capacity_bytes=10**10, last_seen=now()))
+    queued: list = []
+    early = EarlySends(db, queued.extend, "chain")
+    d = catalog.hash_checkpoint(run, path, completeness.inspect(path), shard_size=db.shard_size,
+                                on_shard=early.shard)
+    assert len(early.sent) == db.rf * AHEAD
+    with session_scope(db.db_url) as s:
+        _ckpt, job, _ = catalog.record(s, d, lease_seconds=60, detail="test")
+        job_id = job.id
+
+    sends = sharding.shard_checkpoint(db, job_id, early.sent)
+    with session_scope(db.db_url) as s:
+        on_store = {c.id: c.sha256 for c in s.query(ContentCopy).filter(ContentCopy.worker_id == "target:store")}
+        early_shas = {s.get(ContentCopy, send.args[0]).sha256 for send in queued}
+    assert set(on_store.values()) == {sha for shards in d.shards for _p, sha in shards}  # placed, every one
+    sent = {i for send in sends if send.actor == "replicate" for i in (send.args[0], *send.args[1])}
+    assert not sent & set(on_store)  # every content is on its way to workers: none goes to the store yet
+    assert not [send for send in store_sweep(db) if send.args[0] in on_store]
+
+    # The first upload sent while hashing is verified: its content's store copy may go now (the
+    # upload's own message sends it: pipeline.store.replication.to_stores_once_held; the sweep
+    # would send it too, were that message lost).
+    first = queued[0]
+    with session_scope(db.db_url) as s:
+        for c in s.query(ContentCopy).filter(ContentCopy.id.in_([first.args[0], *first.args[1]])):
+            c.state = "verified"
+        done = s.get(ContentCopy, first.args[0]).sha256
+    assert done in early_shas
+    swept = [send.args[0] for send in store_sweep(db) if send.args[0] in on_store]
+    assert [on_store[i] for i in swept] == [done]
