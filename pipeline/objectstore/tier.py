@@ -30,6 +30,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Content, ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import ObjectMissing, ObjectStoreError
+from pipeline.objectstore import keys
 from pipeline.objectstore.client import ObjectStore
 from pipeline.objectstore.config import Target
 from pipeline.settings import Settings
@@ -78,10 +79,17 @@ class TargetClient:
         self.url = store.target.url
 
     def head(self, name: str) -> int | None:
+        """The size of the object that holds ``name``'s bytes, None if there is none: an object
+        with no SHA-256, or a one-PUT SHA-256 that is not its name, is other bytes under the key
+        (overwritten since its confirm) and holds nothing. A multipart object's composite is
+        checked by the scrub against the one recorded with its copy."""
         try:
-            return self.store.head(name).size
+            got = self.store.head(name)
         except ObjectMissing:
             return None
+        if not got.checksum or (not keys.is_composite(got.checksum) and got.checksum != keys.full_checksum(name)):
+            return None
+        return got.size
 
     def stat(self, names: list[str]) -> dict[str, int | None]:
         return {n: self.head(n) for n in names}
