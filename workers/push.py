@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,7 +41,9 @@ def check(doc: dict[str, Any]) -> tuple[str, dict[str, str], int]:
 
 def _passed_on(k: object, v: object) -> bool:
     """Whether a header may go on to the store: an x-amz-* or Content-Type string, on one line."""
-    if not isinstance(k, str) or not isinstance(v, str) or any(c in k + v for c in "\r\n"):
+    if not isinstance(k, str) or not isinstance(v, str) or any(c in v for c in "\r\n\0"):
+        return False
+    if not re.fullmatch(r"[A-Za-z0-9-]+", k):  # a header name is a token: no ':', no space
         return False
     return k.lower().startswith("x-amz-") or k.lower() == "content-type"
 

@@ -461,6 +461,18 @@ class CapacitySample(Base):
     stored_bytes: Mapped[int] = mapped_column(BigInteger)
 
 
+class ControlPlane(Base):
+    """This control plane's identity (one row, made by migration 0018): it owns the bucket
+    prefixes it uses (``<prefix>/.ckpt-home``, pipeline/objectstore/tier.py)."""
+
+    __tablename__ = "control_plane"
+
+    #: Always "this": the table holds one row.
+    name: Mapped[str] = mapped_column(String(16), primary_key=True, default="this")
+    id: Mapped[str] = mapped_column(String(36))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
 class Lock(Base):
     """A named lease held by one process (the scheduler's leader lock)."""
 

@@ -76,6 +76,7 @@ class ObjectStore:
             self._profile_error = exc
             self._session = boto3.session.Session(region_name=target.region or None)
         self._client = client
+        self._given = client is not None  # a client passed in (tests) is kept
         self._lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -155,7 +156,22 @@ class ObjectStore:
                                    bucket_exists=self._bucket_exists)
             if err is None:
                 raise
+            if isinstance(err, StoreCredentials):
+                self._renew()
             raise err from exc
+
+    def _renew(self) -> None:
+        """Forget the client and its credentials: the next call reads the chain again (keys renewed
+        where the error said, in the profile or the role, are used without a restart)."""
+        import boto3
+
+        if self._given:
+            return
+        with self._lock:
+            if self._profile_error is None:
+                self._session = boto3.session.Session(profile_name=self.target.profile or None,
+                                                      region_name=self.target.region or None)
+            self._client = None
 
     def key(self, sha256: str) -> str:
         return keys.key_for(self.target.prefix, sha256)

@@ -169,10 +169,18 @@ def parse_targets(tables: Any, where: str) -> list[Target]:
         raise ConfigError(f"{where}: targets must be an array of tables ([[targets]])")
     out = [target_from(t, f"{where}: targets[{i}]") for i, t in enumerate(tables)]
     seen: set[str] = set()
+    at: dict[tuple[str, str], str] = {}
     for t in out:
         if t.name in seen:
             raise ConfigError(f"{where}: two targets are named {t.name!r}")
         seen.add(t.name)
+        # Keys are content addressed: two targets at one bucket and prefix name the same objects,
+        # and the collection of one would delete what the other counts as a copy.
+        place = (t.url, t.endpoint.rstrip("/").lower())
+        if place in at:
+            raise ConfigError(f"{where}: targets {at[place]!r} and {t.name!r} are the same bucket and prefix "
+                              f"({t.url}{' at ' + t.endpoint if t.endpoint else ''}): keep one")
+        at[place] = t.name
     return out
 
 

@@ -10,8 +10,9 @@ every page and deletes an object only when
   one whose row a transaction is about to commit, is always younger; a multipart object's
   ``LastModified`` is when its upload began, which only makes it look older while a row names
   it), and
-- no copy row on the target names it in a state that holds or awaits a file (``pending``,
-  ``stored``, ``verified``, ``corrupt``, ``missing``).
+- no copy row on the target, nor on another storage row at the same ``s3://bucket/prefix`` (a
+  target renamed in config.toml: its old row keeps its copies), names it in a state that holds
+  or awaits a file (``pending``, ``stored``, ``verified``, ``corrupt``, ``missing``).
 
 A content the control plane knows is claimed first, under its row lock, as a ``deleting`` copy
 (a new one, or one given up, ``abandoned``/``trimmed``, moved by compare-and-set): placement
@@ -33,12 +34,12 @@ from sqlalchemy.orm import Session
 
 from pipeline.db.copies import move, new_copy
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Content, ContentCopy
+from pipeline.db.models import Content, ContentCopy, StorageWorker
 from pipeline.db.transitions import now, renew_lease
 from pipeline.integrity.gc import copy_deleted, pace
 from pipeline.objectstore.client import Listed, ObjectStore
 from pipeline.settings import Settings
-from pipeline.states import REUSABLE, CopyState
+from pipeline.states import RETIRED, REUSABLE, CopyState, Tier
 
 log = logging.getLogger("ckpt.gc")
 
@@ -52,9 +53,18 @@ def claim(session: Session, worker_id: str, shas: list[str]) -> list[str]:
         select(Content).where(Content.sha256.in_(shas)).order_by(Content.sha256).with_for_update())}
     rows = {c.sha256: c for c in session.scalars(
         select(ContentCopy).where(ContentCopy.worker_id == worker_id, ContentCopy.sha256.in_(shas)))}
+    # Another row at the same bucket and prefix (a target renamed in config.toml keeps its objects
+    # under a new row id) names the same objects: one it holds or awaits is nobody's orphan.
+    url = select(StorageWorker.url).where(StorageWorker.id == worker_id).scalar_subquery()
+    twins = select(StorageWorker.id).where(StorageWorker.tier == Tier.OBJECT_STORE, StorageWorker.url == url,
+                                           StorageWorker.id != worker_id)
+    named_elsewhere = set(session.scalars(select(ContentCopy.sha256).where(
+        ContentCopy.worker_id.in_(twins), ContentCopy.sha256.in_(shas), ContentCopy.state.not_in(sorted(RETIRED)))))
     doomed = []
     for sha in shas:
         row, content = rows.get(sha), known.get(sha)
+        if sha in named_elsewhere:
+            continue
         if content is None:
             doomed.append(sha)  # no content row, so no copy row: nothing can name it
         elif row is None:

@@ -27,9 +27,11 @@ from sqlalchemy import func, select
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
 from pipeline.db.engine import session_scope
+from pipeline.db.identity import control_plane_id
 from pipeline.db.models import Content, ContentCopy, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import ObjectMissing, ObjectStoreError
+from pipeline.objectstore import keys
 from pipeline.objectstore.client import ObjectStore
 from pipeline.objectstore.config import PREFIX, Target, row_id
 from pipeline.settings import Settings
@@ -72,10 +74,17 @@ class TargetClient:
         self.url = store.target.url
 
     def head(self, name: str) -> int | None:
+        """The size of the object that holds ``name``'s bytes, None if there is none: an object
+        with no SHA-256, or a one-PUT SHA-256 that is not its name, is other bytes under the key
+        (overwritten since its confirm) and holds nothing. A multipart object's composite is
+        checked by the scrub against the one recorded with its copy."""
         try:
-            return self.store.head(name).size
+            got = self.store.head(name)
         except ObjectMissing:
             return None
+        if not got.checksum or (not keys.is_composite(got.checksum) and got.checksum != keys.full_checksum(name)):
+            return None
+        return got.size
 
     def stat(self, names: list[str]) -> dict[str, int | None]:
         return {n: self.head(n) for n in names}
@@ -106,12 +115,53 @@ def held_bytes(worker_id: str, settings: Settings) -> int:
                             .where(ContentCopy.worker_id == worker_id, ContentCopy.state.in_(sorted(SENT)))) or 0)
 
 
-def _ask(settings: Settings, target: Target) -> str | None:
-    """None if the target's bucket answers, else why not (never raises)."""
+#: The object that names the control plane owning a target's prefix.
+OWNER = ".ckpt-home"
+
+
+class ForeignPrefix(ObjectStoreError):
+    """The prefix belongs to another control plane (its ``.ckpt-home`` names another id)."""
+
+
+def owner_key(target: Target) -> str:
+    return f"{target.prefix}/{OWNER}" if target.prefix else OWNER
+
+
+def claim_prefix(store: ObjectStore, owner: str) -> None:
+    """Make sure the target's prefix is this control plane's: its ``.ckpt-home`` object names
+    ``owner`` (written if absent, read back: of two control planes writing at once, the one whose
+    id stays wins). Raises ForeignPrefix when it names another."""
+    t, key = store.target, owner_key(store.target)
+
+    def read() -> str | None:
+        try:
+            r = store.call(f"read of {key}", store.s3.get_object, Bucket=t.bucket, Key=key)
+        except ObjectMissing:
+            return None
+        return bytes(r["Body"].read(256)).decode("utf-8", "replace").strip()
+
+    found = read()
+    if found is None:
+        store.call(f"put of {key}", store.s3.put_object, Bucket=t.bucket, Key=key, Body=owner.encode(),
+                   ContentType="text/plain")
+        found = read()
+    if found != owner:
+        raise ForeignPrefix(t.name, f"{t.url} belongs to another ckpt home (control plane {str(found)[:8]}..., "
+                                    f"named in {key}): its collection would delete this home's objects and this "
+                                    f"one its; give each home a prefix of its own (e.g. {t.url}/<home>), or remove "
+                                    f"{key} if that home is gone for good")
+
+
+def _ask(settings: Settings, target: Target, owner: str) -> str | None:
+    """None if the target's bucket answers and its prefix is this control plane's, else why not
+    (never raises)."""
     try:
         store = store_for(settings, row_id(target.name))
         store.call(f"head of bucket {target.bucket}", store.s3.head_bucket, Bucket=target.bucket)
+        claim_prefix(store, owner)
         return None
+    except ForeignPrefix as exc:
+        return FOREIGN + str(exc)
     except ObjectStoreError as exc:
         return str(exc)
     except Exception as exc:  # an answer nobody foresaw is still only this target's problem
@@ -119,15 +169,21 @@ def _ask(settings: Settings, target: Target) -> str | None:
         return f"object store {target.name}: probe failed ({type(exc).__name__}: {exc})"
 
 
+#: What a probe's answer starts with when the prefix is another control plane's.
+FOREIGN = "not this home's: "
+
+
 def probe(settings: Settings) -> list[str]:
     """Record every configured target and what its bucket answered now; the ids of those that
     came back (from down: their copies count again)."""
     configured = {row_id(t.name): t for t in settings.object_targets()}
+    with session_scope(settings.db_url) as s:
+        owner = control_plane_id(s)
     futures: dict[str, Future[str | None]] = {}
     for wid, target in configured.items():
         future: Future[str | None] = Future()
         futures[wid] = future
-        threading.Thread(target=lambda t=target, f=future: f.set_result(_ask(settings, t)),
+        threading.Thread(target=lambda t=target, f=future: f.set_result(_ask(settings, t, owner)),
                          name=f"probe {wid}", daemon=True).start()
     done, _late = wait(futures.values(), timeout=settings.probe_seconds + 1.0) if futures else (set(), set())
     answers = {wid: f.result() if f in done else f"object store {wid}: no answer within {settings.probe_seconds:g} s"
@@ -157,7 +213,10 @@ def probe(settings: Settings) -> list[str]:
                 continue
             w.last_error = error
             silent = w.last_seen is None or t - w.last_seen > timedelta(seconds=settings.worker_down_seconds)
-            if w.state in COUNTING_WORKERS and silent:
+            if error.startswith(FOREIGN) and w.state in (WorkerState.CANDIDATE, *COUNTING_WORKERS):
+                workers.observe(s, w, WorkerState.DOWN, error=error)  # at once: its objects are not ours
+                log.error("object store %s: %s", wid, error)
+            elif w.state in COUNTING_WORKERS and silent:
                 workers.set_state(s, w, WorkerState.DOWN)
                 log.warning("object store %s is down: %s", wid, error)
         for wid, w in rows.items():

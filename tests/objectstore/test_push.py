@@ -70,6 +70,8 @@ def test_a_push_is_refused_before_anything_is_sent(worker, server, bucket):
             ("file:///etc/passwd", headers, len(data)),
             (url, {**headers, "Host": "elsewhere"}, len(data)),
             (url, {**headers, "x-amz-meta-a": "b\r\nX-Injected: 1"}, len(data)),
+            (url, {**headers, "x-amz-a:b": "c"}, len(data)),
+            (url, {**headers, "x-amz-a b": "c"}, len(data)),
             (url, headers, len(data) + 1)):
         with pytest.raises(WorkerError) as refused:
             client.push(sha, size, bad_url, bad_headers)

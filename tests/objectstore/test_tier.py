@@ -48,8 +48,9 @@ def contents(cluster, job_id: int) -> set[str]:
 
 
 def in_bucket(server, bucket: str) -> dict[str, int]:
+    """The shards under the prefix (its .ckpt-home marker is not one)."""
     listed = raw_client(server).list_objects_v2(Bucket=bucket, Prefix="ckpt/").get("Contents", [])
-    return {keys.sha_of("ckpt", o["Key"]): o["Size"] for o in listed}
+    return {sha: o["Size"] for o in listed if (sha := keys.sha_of("ckpt", o["Key"])) is not None}
 
 
 def test_required_copies_are_confirmed_by_the_store_before_the_local_copy_goes(make_cluster, server, bucket):  # noqa: F811
