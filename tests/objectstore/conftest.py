@@ -63,10 +63,26 @@ def raw_client(server) -> object:
 
 
 @pytest.fixture
-def bucket(server, aws_env) -> str:
+def bucket(server, aws_env):
     name = f"t-{uuid.uuid4().hex[:12]}"
     raw_client(server).create_bucket(Bucket=name)
-    return name
+    yield name
+    drop_bucket(server, name)
+
+
+def drop_bucket(server, name: str) -> None:
+    """Empty and delete a test's bucket: each bucket is a collection with volumes of its own, and
+    one server per test process would otherwise run out of them (bench/seaweed.py)."""
+    s3 = raw_client(server)
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name):
+            for o in page.get("Contents", []):
+                s3.delete_object(Bucket=name, Key=o["Key"])
+        for up in s3.list_multipart_uploads(Bucket=name).get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
+        s3.delete_bucket(Bucket=name)
+    except Exception as exc:  # a test that broke the bucket on purpose: the server's volumes suffer, not the test
+        print(f"could not drop bucket {name}: {exc}")
 
 
 def make_target(endpoint: str, bucket: str, **options) -> Target:

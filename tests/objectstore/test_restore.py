@@ -33,7 +33,7 @@ from pipeline.restore.loader import load_state_dict
 from pipeline.states import CopyState, WorkerState
 from tests.checkpoints import files_of, hf_folder
 from tests.integration.conftest import checkpoint_job
-from tests.objectstore.conftest import FlakyFront, make_target, raw_client
+from tests.objectstore.conftest import FlakyFront, drop_bucket, make_target, raw_client
 from tests.processes import Cluster
 
 pytestmark = pytest.mark.integration
@@ -85,10 +85,11 @@ def aws(server):
 
 
 @pytest.fixture(scope="module")
-def bucket(server, aws) -> str:
+def bucket(server, aws) -> Iterator[str]:
     name = "restore-tier"
     raw_client(server).create_bucket(Bucket=name)
-    return name
+    yield name
+    drop_bucket(server, name)
 
 
 @pytest.fixture(scope="module")
