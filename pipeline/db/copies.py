@@ -273,12 +273,14 @@ def good_copies_per_shard(checkpoints: ColumnElement[bool], tier: str = Tier.WOR
     ).subquery()
 
 
-def held_per_worker(session: Session) -> dict[str, tuple[int, int]]:
-    """Per worker, the contents it holds a sent copy of and their bytes."""
-    rows = session.execute(
-        select(ContentCopy.worker_id, func.count(ContentCopy.id), func.coalesce(func.sum(Content.size), 0))
-        .join(Content, Content.sha256 == ContentCopy.sha256)
-        .where(ContentCopy.state.in_(sorted(SENT))).group_by(ContentCopy.worker_id))
+def held_per_worker(session: Session, worker_ids: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Per worker (or only ``worker_ids``: along the (worker, state) index), the contents it
+    holds a sent copy of and their bytes."""
+    q = (select(ContentCopy.worker_id, func.count(ContentCopy.id), func.coalesce(func.sum(Content.size), 0))
+         .join(Content, Content.sha256 == ContentCopy.sha256).where(ContentCopy.state.in_(sorted(SENT))))
+    if worker_ids is not None:
+        q = q.where(ContentCopy.worker_id.in_(list(worker_ids)))
+    rows = session.execute(q.group_by(ContentCopy.worker_id))
     return {worker_id: (int(n), int(size)) for worker_id, n, size in rows}
 
 

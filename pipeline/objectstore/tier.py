@@ -19,23 +19,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, wait
 from datetime import timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from pipeline.cluster.client import WorkerClient
 from pipeline.db import workers
+from pipeline.db.copies import held_per_worker
 from pipeline.db.engine import session_scope
 from pipeline.db.identity import control_plane_id
-from pipeline.db.models import Content, ContentCopy, StorageWorker
+from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
 from pipeline.errors import ObjectMissing, ObjectStoreError
 from pipeline.objectstore import keys
 from pipeline.objectstore.client import ObjectStore
 from pipeline.objectstore.config import PREFIX, Target, row_id
 from pipeline.settings import Settings
-from pipeline.states import COUNTING_WORKERS, SENT, Tier, WorkerState
+from pipeline.states import COUNTING_WORKERS, Tier, WorkerState
 
 log = logging.getLogger("ckpt.objectstore")
 
@@ -107,14 +109,6 @@ def client_for(settings: Settings, worker_id: str, url: str, *,
     return WorkerClient(url, settings.key(), worker_id, timeout=timeout)
 
 
-def held_bytes(worker_id: str, settings: Settings) -> int:
-    """The bytes of the copies recorded on ``worker_id`` that it should hold."""
-    with session_scope(settings.db_url) as s:
-        return int(s.scalar(select(func.coalesce(func.sum(Content.size), 0))
-                            .join(ContentCopy, ContentCopy.sha256 == Content.sha256)
-                            .where(ContentCopy.worker_id == worker_id, ContentCopy.state.in_(sorted(SENT)))) or 0)
-
-
 #: The object that names the control plane owning a target's prefix.
 OWNER = ".ckpt-home"
 
@@ -132,6 +126,8 @@ def claim_prefix(store: ObjectStore, owner: str) -> None:
     ``owner`` (written if absent, read back: of two control planes writing at once, the one whose
     id stays wins). Raises ForeignPrefix when it names another."""
     t, key = store.target, owner_key(store.target)
+    if time.monotonic() - _claimed.get((t.endpoint, t.url, owner), -CLAIM_SECONDS) < CLAIM_SECONDS:
+        return  # confirmed ours by this process lately: read again now and then, not every tick
 
     def read() -> str | None:
         try:
@@ -150,6 +146,13 @@ def claim_prefix(store: ObjectStore, owner: str) -> None:
                                     f"named in {key}): its collection would delete this home's objects and this "
                                     f"one its; give each home a prefix of its own (e.g. {t.url}/<home>), or remove "
                                     f"{key} if that home is gone for good")
+    _claimed[t.endpoint, t.url, owner] = time.monotonic()
+
+
+#: Prefixes this process confirmed as its control plane's, and when (monotonic): the marker is read
+#: again after CLAIM_SECONDS, not at every probe.
+_claimed: dict[tuple[str, str, str], float] = {}
+CLAIM_SECONDS = 600.0
 
 
 def _ask(settings: Settings, target: Target, owner: str) -> str | None:
@@ -188,7 +191,9 @@ def probe(settings: Settings) -> list[str]:
     done, _late = wait(futures.values(), timeout=settings.probe_seconds + 1.0) if futures else (set(), set())
     answers = {wid: f.result() if f in done else f"object store {wid}: no answer within {settings.probe_seconds:g} s"
                for wid, f in futures.items()}
-    used = {wid: held_bytes(wid, settings) for wid in configured}
+    with session_scope(settings.db_url) as s:
+        held = held_per_worker(s, configured)
+    used = {wid: held.get(wid, (0, 0))[1] for wid in configured}
     returned: list[str] = []
     t = now()
     with session_scope(settings.db_url) as s:
@@ -225,4 +230,4 @@ def probe(settings: Settings) -> list[str]:
     return returned
 
 
-__all__ = ["PREFIX", "TargetClient", "client_for", "held_bytes", "is_target", "probe", "row_id", "store_for"]
+__all__ = ["PREFIX", "TargetClient", "client_for", "is_target", "probe", "row_id", "store_for"]
