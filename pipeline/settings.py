@@ -342,8 +342,9 @@ class Settings:
         return copies, str(over.get("target_mode", self.target_mode))
 
     def object_targets(self) -> list[targets_config.Target]:
-        """The object-store targets (``[[targets]]``), validated."""
-        return targets_config.from_json(self.targets)
+        """The object-store targets (``[[targets]]``), validated (parsed once per text: the
+        tier policy asks for them per checkpoint a page shows)."""
+        return list(_targets_of(self.targets))
 
     def key(self) -> bytes:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
@@ -698,3 +699,8 @@ def configure(settings: Settings) -> Settings:
     global _current
     _current = settings
     return settings
+
+
+@functools.lru_cache(maxsize=16)
+def _targets_of(text: str) -> tuple[targets_config.Target, ...]:
+    return tuple(targets_config.from_json(text))
