@@ -22,6 +22,11 @@ before the second transaction of a ``replicate`` message commits, ``.after`` jus
 it committed (before the side effects that follow it). With ``<dir>/trace`` present,
 every failpoint reached is appended to it, one ``name pid module:line`` per line: that is
 how the fault harness learns which points an operation passes through.
+
+A commit point can also be armed by its place in the code, whatever its ordinal:
+``gc@gc.py:212.before`` fires at the first commit made at ``gc.py:212`` by a ``gc``
+message. The ordinal of the commit after a loop depends on how many rounds the loop ran
+(how much work that message found); its place does not.
 """
 from __future__ import annotations
 
@@ -86,19 +91,27 @@ def commit_point(when: str) -> None:
         return
     if when == "before":
         _local.commits += 1
-    _act(f"{actor}.commit{_local.commits}.{when}")
+    place = _caller()
+    _act(f"{actor}.commit{_local.commits}.{when}", place, f"{actor}@{place}.{when}")
 
 
-def _act(name: str) -> None:
+def _act(name: str, place: str | None = None, alias: str | None = None) -> None:
     trace = os.path.join(_DIR, "trace")
     if os.path.exists(trace):
         with open(trace, "a") as f:
-            f.write(f"{name} {os.getpid()} {_caller()}\n")
-    path = os.path.join(_DIR, name)
-    try:
-        with open(path) as f:
-            words = f.read().split()
-    except FileNotFoundError:
+            f.write(f"{name} {os.getpid()} {place or _caller()}\n")
+    for armed in (name, alias):
+        if armed is None:
+            continue
+        path = os.path.join(_DIR, armed)
+        try:
+            with open(path) as f:
+                words = f.read().split()
+        except FileNotFoundError:
+            continue
+        name = armed
+        break
+    else:
         return
     if not words:
         return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -387,6 +388,17 @@ class Trace:
             if key not in seen:
                 seen.add(key)
                 out.append(n)
+        return out
+
+    def places(self, names: list[str]) -> list[str]:
+        """The distinct commit points of ``names`` armed by their place in the code
+        (``gc@gc.py:212.before``): a later message that finds less work reaches the commit
+        after a loop at a smaller ordinal, but at the same place."""
+        out = []
+        for n in self.distinct(names):
+            if m := re.match(r"^(\w+)\.commit\d+\.(before|after)$", n):
+                n = f"{m.group(1)}@{self.where[n]}.{m.group(2)}"
+            out.append(n)
         return out
 
 

@@ -25,7 +25,7 @@ def points(names: list[str], actors: set[str]) -> list[str]:
 def run_faults(cluster: FaultCluster, names: list[str], trials: int, fire, where=None,
                trace: Trace | None = None) -> list[str]:
     if trace is not None and trials == 1:  # soak mode (--soak N) also kills at every round of a loop
-        names = trace.distinct(names)
+        names = trace.places(names)
     bad = []
     for name in names:
         row = Table.row(f"SIGKILL dramatiq worker at {name}" if where is None else f"SIGKILL {where} at {name}")
