@@ -23,7 +23,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Content, ContentCopy, Job
 from pipeline.db.transitions import now
 from pipeline.integrity import gc
-from pipeline.objectstore import tier
+from pipeline.objectstore import orphans, tier
 from tests.objectstore.conftest import FlakyFront
 
 ROW = "target:store"
@@ -85,15 +85,22 @@ def collection_job(settings) -> int:
 
 
 def test_collection_deletes_condemned_copies_and_old_orphans_never_a_young_or_named_object(db, server, bucket,
-                                                                                           tmp_path):
+                                                                                           tmp_path, monkeypatch):
     settings = with_target(db, server.endpoint, bucket)
     tier.probe(settings)  # records the target's row: up
     shas = put_all(settings, tmp_path, ["condemned", "unknown", "known", "pending", "verified", "abandoned"])
     known = {k: v for k, v in shas.items() if k != "unknown"}  # "unknown": a home restored from an older database
     record(settings, known, {"condemned": "verified", "pending": "pending", "verified": "verified",
                              "abandoned": "abandoned"}, condemned={"condemned"})
-    time.sleep(GRACE + 1.5)
+    time.sleep(1.1)  # the store's LastModified is in whole seconds: the young put is a second later
     young = put_all(settings, tmp_path, ["young"], first=10)["young"]  # a put just made: no row names it yet
+    # The collector's clock stands still GRACE - 0.5 s after the young put, as the store dated
+    # it: the young object is 1.5 s old, every other at least 2.5 s, however long the
+    # collection itself takes on a loaded machine.
+    dated = {o.sha256: o.last_modified for o in tier.store_for(settings, ROW).inventory()}
+    assert dated[young] > max(t for sha, t in dated.items() if sha != young), dated
+    frozen = dated[young] + timedelta(seconds=GRACE - 0.5)
+    monkeypatch.setattr(orphans, "now", lambda: frozen)
 
     job_id = collection_job(settings)
     assert gc.collect(settings, job_id) == []
