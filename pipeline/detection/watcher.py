@@ -427,11 +427,11 @@ class Watcher:
         started = now()
         try:
             with EarlySends(self.settings, self.send, options.replication, started,
-                            rf=self.settings.rf_for(str(run))) as early:
+                            rf=self.settings.rf_for(str(run)), total_bytes=sum(e.size for e in found.entries)) as early:
                 detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",
-                                                   on_shard=early.shard)
+                                                   on_shard=early.on_shard)
         except (OSError, SourceChanged) as exc:
             if faults.changed_while_read(exc):
                 return self._settle
