@@ -13,6 +13,7 @@ from bench.elsewhere import Elsewhere
 from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Job
+from pipeline.liveness import stat_fields
 
 
 def _die_with_parent() -> None:
@@ -40,6 +41,19 @@ def peak_rss_kib(pid: int) -> int | None:
     except FileNotFoundError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its descendants (the dead ones its waited-for children's time holds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        try:
+            fields = stat_fields(p)
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    return total
 
 
 def cmdline(pid: int) -> str:
@@ -148,6 +162,16 @@ class System:
                     name = role if i == 0 else f"{role}/child{i}"
                     out[name] = rss
         out["ckpt up"] = peak_rss_kib(self.proc.pid) or 0
+        return out
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds each child of ``ckpt up`` (with what it forked) and ``ckpt up`` itself used so far."""
+        info = json.loads((self.home / "up.json").read_text())
+        out = {role: cpu_seconds(pid) for role, pid in info["children"].items()}
+        try:
+            out["ckpt up"] = sum(int(x) for x in stat_fields(self.proc.pid)[11:13]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, AttributeError):
+            pass
         return out
 
     def job(self, job_id: int) -> Job:

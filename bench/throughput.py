@@ -10,6 +10,8 @@ shows.
 """
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ def measure_throughput(work: Path, saves: int = 1000, keep_last: int = 3, timeou
                                 .where(Checkpoint.run == str(run), Job.kind == "store",
                                        Job.state.in_(sorted(states.PROTECTED)))) or 0
 
+        cpu0, own0 = system.cpu_by_role(), _own_cpu()
         t0 = time.perf_counter()
         for i in range(saves):
             w = torch.randint(-2**31, 2**31 - 1, (1 << 18,), dtype=torch.int32,
@@ -51,6 +54,11 @@ def measure_throughput(work: Path, saves: int = 1000, keep_last: int = 3, timeou
             protected_at.setdefault(n, time.perf_counter() - t0)
             time.sleep(0.2)
         out["seconds"] = time.perf_counter() - t0
+        cpu1 = system.cpu_by_role()
+        out["cpu_s"] = {role: round(cpu1[role] - cpu0.get(role, 0.0), 2) for role in cpu1}
+        out["cpu_s"]["bench (writing)"] = round(_own_cpu() - own0, 2)
+        out["load"] = os.getloadavg()
+        out["stages"] = _stages(system, str(run))
         out["protected"] = n
         out["per_s"] = n / out["seconds"] if n == saves else None
         with session_scope(system.settings.db_url, readonly=True) as s:
@@ -61,12 +69,45 @@ def measure_throughput(work: Path, saves: int = 1000, keep_last: int = 3, timeou
     return out
 
 
+def _own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _stages(system: System, run: str) -> dict[str, float]:
+    """Medians over the saves: from written (its file's time) to detected (its store job
+    created), and from detected to protected."""
+    from sqlalchemy import func, select
+
+    from pipeline import states
+    from pipeline.db.engine import session_scope
+    from pipeline.db.models import Checkpoint, Job, JobEvent
+
+    with session_scope(system.settings.db_url, readonly=True) as s:
+        rows = s.execute(select(Checkpoint.mtime, Job.created_at, func.min(JobEvent.at))
+                         .join(Job, Job.checkpoint_id == Checkpoint.id)
+                         .join(JobEvent, JobEvent.job_id == Job.id)
+                         .where(Checkpoint.run == run, Job.kind == "store",
+                                JobEvent.to_state.in_(sorted(states.PROTECTED)))
+                         .group_by(Job.id)).all()
+    if not rows:
+        return {}
+    waits = sorted(created.timestamp() - written for written, created, _ in rows)
+    after = [(at - created).total_seconds() for _, created, at in rows]
+    return {"written_to_detected_median_s": round(statistics.median(waits), 2),
+            "written_to_detected_p90_s": round(waits[int(0.9 * (len(waits) - 1))], 2),
+            "detected_to_protected_median_s": round(statistics.median(after), 2)}
+
+
 def table(t: dict) -> str:
     head = (f"throughput: {t['saves']:,} saves of {t['mib_each']} MiB written in {t['written_s']:.1f} s, "
             f"keep-last {t['keep_last']} rotation on")
     rate = (f"{t['saves']:,} protected in {t['seconds']:.1f} s = {t['per_s']:.1f} checkpoints/s   target >= 10"
             if t["per_s"] else f"only {t['protected']:,} of {t['saves']:,} protected in {t['seconds']:.0f} s")
     lines = [head, f"  {rate}", f"  store jobs by state: {t['by_state']}; saves left on disk: {t['on_disk']}",
+             f"  stages (median): {t.get('stages')}; load average {t.get('load')}",
+             "  CPU seconds by process: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                      sorted(t.get("cpu_s", {}).items(), key=lambda kv: -kv[1])),
              "  protected so far    at s    rate in the slice /s"]
     prev_n, prev_t = 0, 0.0
     step = max(1, t["saves"] // 5)

@@ -33,8 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.system import System, descendants
-from pipeline.liveness import stat_fields
+from bench.system import System, cpu_seconds, descendants
 from pipeline.settings import Settings
 from pipeline.states import ACTIVE, PROTECTED, JobKind
 
@@ -137,26 +136,13 @@ def train(profile: str, mode: str, run: Path, out: Path, plan: dict[str, float])
         from pipeline import api
 
         api.protector().drain()  # what the interpreter's exit would wait for anyway
-        recorder_cpu = sum(_cpu_seconds(c.proc.pid) for c in api.protector().record._children.values())  # type: ignore[attr-defined]
+        recorder_cpu = sum(cpu_seconds(c.proc.pid) for c in api.protector().record._children.values())  # type: ignore[attr-defined]
     steps_s = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
     saves = sorted(run.glob("checkpoint-*"))
     size = sum(f.stat().st_size for f in saves[0].rglob("*") if f.is_file()) if saves else 0
     out.write_text(json.dumps({"mode": mode, "steps": steps_s, "total_s": total, "save_bytes": size,
                                "threads": torch.get_num_threads(), "saves": clock.saves,
                                "recorder_cpu_s": recorder_cpu}))
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid`` and its descendants (the dead ones its waited-for children's time holds)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in (pid, *descendants(pid)):
-        try:
-            fields = stat_fields(p)
-        except OSError:
-            continue
-        total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
-    return total
 
 
 def _run_queue_seconds(pids: list[int]) -> float:
@@ -198,9 +184,9 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
          system: System | None = None) -> dict:
     run, out = work / "runs" / "train", work / "train.json"
     run.mkdir(parents=True, exist_ok=True)
-    cpu0 = _cpu_seconds(system.proc.pid) if system and system.proc else 0.0
+    cpu0 = cpu_seconds(system.proc.pid) if system and system.proc else 0.0
     apart = [w.pid for w in system.workers] if system else []
-    apart0 = (sum(_cpu_seconds(p) for p in apart), _run_queue_seconds(apart))
+    apart0 = (sum(cpu_seconds(p) for p in apart), _run_queue_seconds(apart))
     p = subprocess.run([sys.executable, "-m", "bench.training", profile, v.mode, str(run), str(out), json.dumps(plan)],
                        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
                        timeout=3600)
@@ -212,12 +198,12 @@ def _run(profile: str, v: Variant, work: Path, env: dict[str, str], plan: dict[s
     if any("degraded" in line for line in doc["ckpt_lines"]):  # its saves were not (all) the callbacks'
         doc["label"] += " [protection degraded]"
     if system is not None and system.proc is not None:
-        doc["tool_cpu_s"] = _cpu_seconds(system.proc.pid) - cpu0 + doc.get("recorder_cpu_s", 0.0)
+        doc["tool_cpu_s"] = cpu_seconds(system.proc.pid) - cpu0 + doc.get("recorder_cpu_s", 0.0)
         ended = time.monotonic()
         doc["ended_at"] = datetime.now(UTC).replace(tzinfo=None).isoformat()  # as the timeline's
         if apart:  # did the workers apart get the CPU they asked for (bench.elsewhere)?
             doc["workers_apart"] = {"placement": system.elsewhere.placement,
-                                    "cpu_s": sum(_cpu_seconds(p) for p in apart) - apart0[0],
+                                    "cpu_s": sum(cpu_seconds(p) for p in apart) - apart0[0],
                                     "run_queue_wait_s": _run_queue_seconds(apart) - apart0[1]}
         states = _protected(system)
         doc["protected_at_end"] = sum(s in PROTECTED for s in states.values())

@@ -79,11 +79,12 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
                                  follow_link=ckpt_path.is_symlink())  # locate() kept it inside its root
     entries = completeness.accept(found, declared=True)
     started = now()
-    with EarlySends(settings, _send, options.replication, rf=settings.rf_for(str(run))) as early:
+    with EarlySends(settings, _send, options.replication, rf=settings.rf_for(str(run)),
+                    total_bytes=sum(e.size for e in entries)) as early:
         detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
                                            layout=found.verdict.layout,
                                            completed_by="structure" if found.verdict.complete else "declared",
-                                           on_shard=early.shard)
+                                           on_shard=early.on_shard)
     with session_scope(settings.db_url) as s:
         ckpt, job, created = catalog.record(s, detected, lease_seconds=settings.lease_seconds, detail=detail,
                                             host=settings.host_id, started_at=started)

@@ -232,6 +232,8 @@ def record(session: Session, d: Detected, *, lease_seconds: float, detail: str,
 
 def _claim(session: Session, parts: tuple[int, ...], checkpoint_id: int) -> None:
     """The parts other hosts announced are now files of ``checkpoint_id``."""
+    if not parts:  # most checkpoints: no query
+        return
     for part in session.scalars(select(CheckpointPart).where(CheckpointPart.id.in_(parts))):
         part.checkpoint_id = checkpoint_id
 

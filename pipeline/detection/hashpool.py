@@ -2,11 +2,17 @@
 
 The watcher's scan finds a checkpoint complete in the time of a few header reads; hashing it
 takes as long as reading every byte. So the scan hands each complete checkpoint to this pool
-and goes on with the other runs. Each run is a lane: its checkpoints are hashed one at a
-time, in the order found; the lanes are served in turn by ``threads`` threads (a lane's next
-checkpoint queues behind the other lanes' first). One run thus holds at most one thread: a
-big checkpoint in one run never delays another run's while fewer than ``threads`` runs are
-hashing at once.
+and goes on with the other runs. Each run is a lane: its checkpoints are hashed in the order
+found, by one thread at a time; the lanes are served in turn by ``threads`` threads (a lane's
+next checkpoint queues behind the other lanes' work already waiting). One run thus holds at
+most one thread: a big checkpoint in one run never delays another run's while fewer than
+``threads`` runs are hashing at once.
+
+A lane whose thread finds no other lane waiting goes on with its own next checkpoints, a batch
+of at most ``batch`` of them and ``batch_seconds`` (a run saving faster than one save at a
+time is recorded: its backlog costs one transaction and one send per batch, not per save);
+work that needs recording returns :class:`Staged`, and the batch's staged items are recorded
+together by ``record``, in the order found, at the batch's end.
 
 A piece of work runs on a pool thread and returns what to change in the watcher's own state,
 a function that the watcher applies on its thread (:meth:`finished`); an exception it raises
@@ -17,27 +23,51 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 #: What a piece of work changes in the watcher, applied on its thread; returns seconds until the
 #: entry needs a new look, or None.
 Apply = Callable[[], float | None]
-Work = Callable[[], Apply]
+#: Most checkpoints of one lane taken in one turn, and for how long a turn goes on taking them.
+BATCH = 32
+BATCH_SECONDS = 0.5
 
 
-def _raising(exc: BaseException) -> Apply:
+@dataclass(frozen=True)
+class Staged:
+    """Work hashed, to be recorded with its batch (``HashPool(record=...)``)."""
+
+    item: Any
+
+
+Work = Callable[[], Apply | Staged]
+#: Records a batch's staged items (in the order found) in one go; one Apply per item.
+Record = Callable[[list[Any]], list[Apply]]
+
+
+def raising(exc: BaseException) -> Apply:
+    """An Apply that raises ``exc`` on the watcher's thread (reported against its entry)."""
     def apply() -> None:
         raise exc
     return apply
 
 
+def _no_record(items: list[Any]) -> list[Apply]:
+    raise TypeError("work returned Staged to a pool without a record function")
+
+
 class HashPool:
     """``threads`` threads hashing the checkpoints the scan hands over, each run in its own lane."""
 
-    def __init__(self, threads: int, *, done: Callable[[str], None] = lambda run: None) -> None:
-        """``done(run)`` is called (on a pool thread) each time work of ``run`` ends."""
-        self._done = done
+    def __init__(self, threads: int, *, done: Callable[[str], None] = lambda run: None,
+                 record: Record = _no_record, batch: int = BATCH, batch_seconds: float = BATCH_SECONDS) -> None:
+        """``done(run)`` is called (on a pool thread) each time a batch of ``run`` ends."""
+        self._done, self._record = done, record
+        self._batch, self._batch_seconds = max(1, batch), batch_seconds
         self._lock = threading.Condition()
         self._lanes: dict[str, deque[tuple[str, Work]]] = {}  # run -> its work not started yet
         self._keys: set[str] = set()       # queued, being hashed, or done and not yet applied
@@ -89,13 +119,19 @@ class HashPool:
     def _serve(self) -> None:
         while (item := self._ready.get()) is not None:
             run, key, work = item
-            try:
-                apply = work()
-            except BaseException as exc:  # the watcher reports it against the entry, on its thread
-                apply = _raising(exc)
+            batch = [(key, _run(work))]
+            began = time.monotonic()
+            while len(batch) < self._batch and time.monotonic() - began < self._batch_seconds:
+                with self._lock:
+                    lane = self._lanes[run]
+                    if not lane or not self._ready.empty():  # another lane waits: its turn
+                        break
+                    key, work = lane.popleft()
+                batch.append((key, _run(work)))
+            applies = self._recorded([result for _key, result in batch])
             with self._lock:
-                self._finished.append((run, key, apply))
-                self._pending -= 1
+                self._finished.extend((run, key, apply) for (key, _r), apply in zip(batch, applies, strict=True))
+                self._pending -= len(batch)
                 lane = self._lanes[run]
                 if lane:  # the lane's next, behind the other lanes' work already waiting
                     self._ready.put((run, *lane.popleft()))
@@ -103,3 +139,21 @@ class HashPool:
                     del self._lanes[run]
                 self._lock.notify_all()
             self._done(run)
+
+    def _recorded(self, results: list[Apply | Staged]) -> list[Apply]:
+        """``results`` with the staged ones recorded, together (an error recording them is each one's)."""
+        staged = [r.item for r in results if isinstance(r, Staged)]
+        if not staged:
+            return [r for r in results if not isinstance(r, Staged)]
+        try:
+            recorded = iter(self._record(staged))
+        except BaseException as exc:
+            recorded = iter([raising(exc)] * len(staged))
+        return [next(recorded) if isinstance(r, Staged) else r for r in results]
+
+
+def _run(work: Work) -> Apply | Staged:
+    try:
+        return work()
+    except BaseException as exc:  # the watcher reports it against the entry, on its thread
+        return raising(exc)

@@ -20,6 +20,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select
@@ -33,7 +34,7 @@ from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, claims, completeness, faults, ondisk, parts, problems, roots, waits
 from pipeline.detection.events import Watches
-from pipeline.detection.hashpool import Apply, HashPool
+from pipeline.detection.hashpool import Apply, HashPool, Staged, Work, raising
 from pipeline.detection.reports import Reports, shown
 from pipeline.errors import SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
@@ -49,6 +50,19 @@ LINK_INSIDE = ("a symlink inside a checkpoint is never followed: its target is n
 #: How often a watcher reports its host in (pipeline.status judges a host silent after several).
 HOST_REPORT_SECONDS = 10.0
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Hashed:
+    """A complete checkpoint hashed on a pool thread, to be recorded with its batch."""
+
+    run: Path
+    found: completeness.Examined
+    layout: str
+    detected: catalog.Detected
+    started: datetime
+    #: the copies sent while it was hashed (pipeline.store.early)
+    sent: list[int]
 
 
 class Watcher:
@@ -88,7 +102,8 @@ class Watcher:
     def hashing(self) -> HashPool:
         """The pool hashing what the scan found complete (started at its first use)."""
         if self._hashing is None:
-            self._hashing = HashPool(self.settings.hash_threads, done=lambda run: self.poke(Path(run)))
+            self._hashing = HashPool(self.settings.hash_threads, done=lambda run: self.poke(Path(run)),
+                                     record=self._record_all)
         return self._hashing
 
     def close(self) -> None:
@@ -408,10 +423,11 @@ class Watcher:
         return completeness.too_costly(entries, max_bytes=self.settings.max_hash_bytes,
                                        sparse_ratio=self.settings.sparse_ratio)
 
-    def _hash(self, run: Path, key: str, work: Callable[[], Apply], pool: HashPool | None) -> float | None:
+    def _hash(self, run: Path, key: str, work: Work, pool: HashPool | None) -> float | None:
         """Do ``work`` here (no pool) or hand it to ``pool``'s lane of ``run``."""
         if pool is None:
-            return work()()
+            done = work()
+            return (self._record_all([done.item])[0] if isinstance(done, Staged) else done)()
         pool.submit(str(run), key, work)
         return None
 
@@ -420,18 +436,18 @@ class Watcher:
 
     def _hash_and_record(self, run: Path, path: Path, found: completeness.Examined, verdict: Verdict,
                          remote: tuple[list[catalog.PartFile], list[int]] | None, options: RootOptions,
-                         tree_ns: int) -> Apply:
-        """Hash a complete checkpoint and record it. Runs on a pool thread: the watcher's own
-        state changes only in the function returned, which the watcher applies on its thread."""
-        key, sig = str(path), catalog.signature(found.entries)
+                         tree_ns: int) -> Apply | Staged:
+        """Hash a complete checkpoint, to be recorded with its batch (:meth:`_record_all`). Runs on
+        a pool thread: the watcher's own state changes only in the function the record returns,
+        which the watcher applies on its thread."""
         started = now()
         try:
             with EarlySends(self.settings, self.send, options.replication, started,
-                            rf=self.settings.rf_for(str(run))) as early:
+                            rf=self.settings.rf_for(str(run)), total_bytes=sum(e.size for e in found.entries)) as early:
                 detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",
-                                                   on_shard=early.shard)
+                                                   on_shard=early.on_shard)
         except (OSError, SourceChanged) as exc:
             if faults.changed_while_read(exc):
                 return self._settle
@@ -440,25 +456,44 @@ class Watcher:
             detected = dataclasses.replace(detected, remote=tuple(remote[0]), parts=tuple(remote[1]))
         if completeness.tree_mtime_ns(path) != tree_ns:  # an entry came or went while hashing
             return self._settle
-        with session_scope(self.settings.db_url) as s:
-            ckpt, job, created = catalog.record(s, detected, lease_seconds=self.settings.lease_seconds,
-                                                detail="detected by the watcher", host=self.settings.host_id,
-                                                started_at=started)
-            problems.clear(s, key, self.settings.host_id)
-            job_id, ckpt_id = job.id, ckpt.id
-        if created:
-            log.info("detected %s as checkpoint %d (%s, job %d)", path, ckpt_id, verdict.layout, job_id)
-            failpoints.hit("watch.recorded")  # committed, not yet enqueued
-            self.send([Send("shard", (job_id, early.sent))])
+        return Staged(Hashed(run, found, verdict.layout, detected, started, early.sent))
 
-        def recorded() -> None:
-            self.known[key] = sig
-            self.changes.forget(key)  # record() cleared the flag
-            for rel in found.links:  # recorded without them: say so, once
-                self.reports.problem(run, f"{key}/{rel}", LINK_INSIDE)
-            self._unwait([key])
-            self.reports.reported.pop(key, None)
-        return recorded
+    def _record_all(self, batch: list[Hashed]) -> list[Apply]:
+        """Record hashed checkpoints of one run, in the order found, in one transaction (a run's
+        backlog costs one, and one send); each in a savepoint of its own: one that cannot be
+        recorded is that entry's fault, reported on the watcher's thread, and never the others'."""
+        applies: list[Apply] = []
+        created: list[tuple[Hashed, int, int]] = []
+        with session_scope(self.settings.db_url) as s:
+            for h in batch:
+                try:
+                    with s.begin_nested():
+                        ckpt, job, new = catalog.record(s, h.detected, lease_seconds=self.settings.lease_seconds,
+                                                        detail="detected by the watcher", host=self.settings.host_id,
+                                                        started_at=h.started)
+                        problems.clear(s, str(h.detected.path), self.settings.host_id)
+                except Exception as exc:
+                    applies.append(raising(exc))
+                    continue
+                if new:
+                    created.append((h, job.id, ckpt.id))
+                applies.append(functools.partial(self._recorded_one, h))
+        for h, job_id, ckpt_id in created:
+            log.info("detected %s as checkpoint %d (%s, job %d)", h.detected.path, ckpt_id, h.layout, job_id)
+        if created:
+            failpoints.hit("watch.recorded")  # committed, not yet enqueued
+            self.send([Send("shard", (job_id, h.sent)) for h, job_id, _ckpt_id in created])
+        return applies
+
+    def _recorded_one(self, h: Hashed) -> None:
+        """What recording ``h`` changes in the watcher's own state (on its thread)."""
+        key = str(h.detected.path)
+        self.known[key] = catalog.signature(h.found.entries)
+        self.changes.forget(key)  # record() cleared the flag
+        for rel in h.found.links:  # recorded without them: say so, once
+            self.reports.problem(h.run, f"{key}/{rel}", LINK_INSIDE)
+        self._unwait([key])
+        self.reports.reported.pop(key, None)
 
     def _wait(self, run: Path, key: str, first: tuple[int, float], verdict: Verdict, ready_at: float | None) -> None:
         """Write the wait of ``key`` (pipeline.detection.waits) when it starts, its files change or

@@ -17,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
@@ -27,7 +27,7 @@ from pipeline.core.retention import LocalCheckpoint, to_rotate
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointPart, Job, StorageWorker
-from pipeline.db.transitions import note, transition
+from pipeline.db.transitions import latest_store_ids, note, transition
 from pipeline.detection import parts, roots
 from pipeline.detection.catalog import file_sig, latest_store_job, on_host, own_files, owner_elsewhere
 from pipeline.detection.ondisk import differs as changed_since_detection
@@ -55,11 +55,15 @@ def _coordinator_rotated(session: Session, job: Job) -> bool:
     return job.state == S.FORGOTTEN and ckpt is not None and not ckpt.local_present
 
 
+def _local(run: str, host: str | None) -> ColumnElement[bool]:
+    """The checkpoints of ``run`` whose local copy is on ``host``."""
+    return and_(Checkpoint.run == run, Checkpoint.local_present.is_(True), on_host(host))
+
+
 def rotation_candidates(session: Session, run: str, keep_last: int, host: str | None) -> list[int]:
     """Checkpoint ids of ``run`` on ``host`` that the local retention policy wants gone (each
     host keeps its own newest ``keep_last``)."""
-    local = session.scalars(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.local_present.is_(True),
-                                                     on_host(host)))
+    local = session.scalars(select(Checkpoint).where(_local(run, host)))
     return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime, "" if c.is_dir else save_group(c.name)) for c in local],
                      keep_last)
 
@@ -69,8 +73,13 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
     sends = []
     with session_scope(settings.db_url) as s:
         _empty_trash(s, run)
+        # Every local checkpoint's newest store job in one query, not one per candidate: a run
+        # whose rotation is behind has hundreds, and this runs after each verified save.
+        local = select(Checkpoint.id).where(_local(run, settings.host_id))
+        latest = {j.checkpoint_id: j for j in s.scalars(
+            select(Job).where(Job.id.in_(latest_store_ids(Job.checkpoint_id.in_(local)))))}
         for cid in rotation_candidates(s, run, settings.keep_last, settings.host_id):
-            job = latest_store_job(s, cid)
+            job = latest.get(cid)
             if job is None:
                 continue
             if job.state in ROTATABLE:

@@ -224,6 +224,29 @@ def test_shards_are_sent_as_they_are_hashed_and_the_shard_step_sends_only_the_re
     assert named_source(queued[0].args[2]) is None
 
 
+def test_a_checkpoint_that_fits_in_one_shard_is_not_sent_while_hashing(db, tmp_path):
+    """Sending while hashing gains nothing for a checkpoint that fits in one shard (its hash is
+    done as soon as its first shard's would be) and costs the detection lane a transaction per
+    content: the shard step, queued at once, places and sends all of its copies. A larger one
+    is still sent while it is hashed."""
+    from pipeline.detection.watcher import Watcher
+
+    db, run, path = _on_trainer(db, tmp_path, 4)
+    assert path.stat().st_size > db.shard_size
+    sent: list = []
+    Watcher(db, sent.extend, use_events=False).scan()
+    assert [x.actor for x in sent].count("replicate") >= 1 and sent[-1].actor == "shard" and sent[-1].args[1]
+
+    whole = dataclasses.replace(db, shard_size=64 * 1024 * 1024)
+    small = atomic_save(state_dict(5), run / "step_5.safetensors")
+    assert small.stat().st_size <= whole.shard_size
+    sent.clear()
+    Watcher(whole, sent.extend, use_events=False).scan()
+    (shard,) = sent
+    assert (shard.actor, shard.args[1]) == ("shard", [])
+    assert sharding.shard_checkpoint(whole, shard.args[0], [])  # the shard step sends its new contents
+
+
 def test_fanned_out_shards_sent_while_hashing_are_counted_as_messages(db, tmp_path):
     """Fan-out sends RF messages per content: no more than ``AHEAD`` of them are queued while
     hashing (each ties up a Dramatiq thread the shard step's message then waits for)."""

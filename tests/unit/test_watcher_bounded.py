@@ -28,7 +28,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.migrate import upgrade
 from pipeline.db.models import Checkpoint, DetectionProblem
 from pipeline.detection import catalog
-from pipeline.detection.hashpool import HashPool
+from pipeline.detection.hashpool import HashPool, Staged
 from pipeline.detection.watcher import Watcher
 from pipeline.service import readiness
 
@@ -227,3 +227,111 @@ def test_the_pool_serves_runs_in_turn_one_checkpoint_each():
     assert [key for _run, key, _apply in pool.finished()] == order
     assert not pool.busy("a1")
     pool.close()
+
+
+def test_a_runs_backlog_is_taken_in_one_turn_and_recorded_together_in_the_order_found():
+    """While no other run waits, the lane's thread goes on with its run's next checkpoints and
+    records what they staged in one call, in the order they were found."""
+    gate = threading.Event()
+    recorded: list[list[str]] = []
+
+    def record(items):
+        recorded.append(list(items))
+        return [lambda: None for _ in items]
+
+    pool = HashPool(1, record=record)
+
+    def work(name: str):
+        def go():
+            if name == "a1":
+                gate.wait(timeout=30)
+            return Staged(name)
+        return go
+
+    for name in ("a1", "a2", "a3", "a4"):
+        pool.submit("A", name, work(name))
+    gate.set()
+    pool.wait_idle()
+    assert recorded == [["a1", "a2", "a3", "a4"]]
+    assert [key for _run, key, _apply in pool.finished()] == ["a1", "a2", "a3", "a4"]
+    pool.close()
+
+
+def _backlog(db, tmp_path, monkeypatch, n: int):
+    """``n`` saves in one run, and a watcher whose first hash waits until all are handed over
+    (a run that saved faster than it is recorded)."""
+    run = tmp_path / "runs" / "fast"
+    run.mkdir(parents=True)
+    for i in range(1, n + 1):
+        safetensors_file(run / f"step_{i}.safetensors", i, rows=4)
+    gate = threading.Event()
+    real = catalog.hash_checkpoint
+
+    def hash_checkpoint(run, path, entries, **kw):
+        if Path(path).name == "step_1.safetensors":
+            gate.wait(timeout=30)
+        return real(run, path, entries, **kw)
+
+    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
+    sends: list[list] = []
+    w = Watcher(db, sends.append, use_events=False)
+    return run, w, gate, sends
+
+
+def test_saves_of_one_run_in_flight_together_are_recorded_in_one_go_and_ranked_in_order(db, tmp_path, monkeypatch):
+    """Six saves handed over while the first is hashed are recorded as one batch: one send of
+    their six shard messages, in the order of the saves, and detection order (the tie-break of
+    "newest") follows the steps, so rotation keeps the newest and never ranks an older one above."""
+    from pipeline.store.rotation import rotation_candidates
+
+    run, w, gate, sends = _backlog(db, tmp_path, monkeypatch, 6)
+    try:
+        w.scan(wait=False)
+        gate.set()
+        w.scan()
+    finally:
+        w.close()
+    assert len(sends) == 1 and [x.actor for x in sends[0]] == ["shard"] * 6
+    with session_scope(db.db_url) as s:
+        rows = s.scalars(select(Checkpoint).where(Checkpoint.run == str(run)).order_by(Checkpoint.id)).all()
+        assert [c.step for c in rows] == [1, 2, 3, 4, 5, 6]
+        assert [x.args[0] for x in sends[0]] == [c.id for c in rows]  # one job per checkpoint, same order
+        gone = rotation_candidates(s, str(run), 3, db.host_id)
+        assert sorted(s.get(Checkpoint, i).step for i in gone) == [1, 2, 3]
+
+
+def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db, tmp_path, monkeypatch):
+    """One save of a batch whose record fails is reported and looked at again later, by itself;
+    the batch's other saves are recorded and sent."""
+    run, w, gate, sends = _backlog(db, tmp_path, monkeypatch, 5)
+    real = catalog.record
+
+    def record(session, d, **kw):
+        out = real(session, d, **kw)
+        if d.path.name == "step_3.safetensors":  # after its rows were written: none of them may stay
+            raise ValueError("step_3 cannot be recorded")
+        return out
+
+    monkeypatch.setattr(catalog, "record", record)
+    clock = [0.0]
+    w.reports.backoff.clock = lambda: clock[0]
+    try:
+        w.scan(wait=False)
+        gate.set()
+        w.scan()
+        with session_scope(db.db_url) as s:
+            steps = sorted(c.step for c in s.scalars(select(Checkpoint).where(Checkpoint.run == str(run))))
+            problem = s.scalar(select(DetectionProblem.reason)
+                               .where(DetectionProblem.path.endswith("step_3.safetensors")))
+        assert steps == [1, 2, 4, 5] and [len(batch) for batch in sends] == [4]
+        assert problem is not None and "step_3 cannot be recorded" in problem
+
+        monkeypatch.setattr(catalog, "record", real)
+        clock[0] += 3600  # its backoff is over
+        w.scan()
+    finally:
+        w.close()
+    with session_scope(db.db_url) as s:
+        steps = sorted(c.step for c in s.scalars(select(Checkpoint).where(Checkpoint.run == str(run))))
+        assert steps == [1, 2, 3, 4, 5]
+        assert s.scalar(select(DetectionProblem.reason)) is None
