@@ -4,8 +4,9 @@ job events.
 A SQLite control plane (the default) is filled the way months of training fill it: 10 runs of
 10,000 checkpoints, each a file of 4 shards of which 3 are the previous step's content (so
 contents and copies number like a real run's), most of them forgotten or rotated, every store
-job with its timeline (10 events each: 1M in all), 3 storage workers, and a year of capacity
-samples; then the scheduler's ``PRAGMA optimize`` (pipeline.db.engine.optimize), so the planner
+job with its timeline (10 events each: 1M in all), 3 storage workers and an object-store
+target holding one verified copy of every live content (the tier of ``[[targets]]``), and a
+year of capacity samples; then the scheduler's ``PRAGMA optimize`` (pipeline.db.engine.optimize), so the planner
 has the statistics it has in service. Then each read is timed, best of 3, in this process (the
 pages through Flask's test client, the real app) and ``ckpt status`` as the separate process a
 user runs.
@@ -50,6 +51,10 @@ def fill(url: str, runs: int = 10, per_run: int = 10_000, events_per_job: int = 
             {"id": f"w{i}", "url": f"http://127.0.0.1:{7000 + i}", "zone": "", "source": "static", "state": "up",
              "capacity_bytes": 4 * 10**12, "free_bytes": 3 * 10**12, "used_bytes": 10**12,
              "last_seen": T0 + timedelta(days=200)} for i in range(3)])
+        conn.execute(insert(StorageWorker), [
+            {"id": "target:store", "url": "s3://ckpts/lab", "zone": "objectstore:store", "source": "target",
+             "tier": "objectstore", "state": "up", "capacity_bytes": 0, "free_bytes": 0, "used_bytes": 0,
+             "last_seen": T0 + timedelta(days=200)}])
         contents, copies, ckpts, files, shards, jobs, events = [], [], [], [], [], [], []
         content_id = 0
         for r in range(runs):
@@ -91,9 +96,10 @@ def fill(url: str, runs: int = 10, per_run: int = 10_000, events_per_job: int = 
             contents.append({"sha256": sha(k), "size": 2**26, "state": "live" if live else "deleted",
                              "created_at": T0, "last_referenced_at": T0})
             if live:
-                for w in (k % 3, (k + 1) % 3):
-                    copies.append({"sha256": sha(k), "worker_id": f"w{w}", "state": "verified", "attempts": 0,
-                                   "stored_at": T0, "verified_at": T0 + timedelta(days=199), "checked_at": T0})
+                for w in (f"w{k % 3}", f"w{(k + 1) % 3}", "target:store"):
+                    copies.append({"sha256": sha(k), "worker_id": w, "state": "verified", "attempts": 0,
+                                   "stored_at": T0, "verified_at": T0 + timedelta(days=199), "checked_at": T0,
+                                   "checksum": None if w.startswith("w") else f"{k:064x}"})
         for table, rows in ((Content, contents), (ContentCopy, copies), (Checkpoint, ckpts),
                             (CheckpointFile, files), (Shard, shards), (Job, jobs), (JobEvent, events)):
             for i in range(0, len(rows), 20_000):
@@ -117,7 +123,8 @@ def best_of(fn, n: int = 3) -> float:
 def measure_scale(work: Path) -> dict:
     home = work / "scale"
     home.mkdir(parents=True, exist_ok=True)
-    env = {"CKPT_HOME": str(home), "CKPT_MDNS": "0"}
+    env = {"CKPT_HOME": str(home), "CKPT_MDNS": "0",
+           "CKPT_TARGETS": '[{"name": "store", "url": "s3://ckpts/lab", "endpoint": "http://127.0.0.1:9"}]'}
     s = settings_mod.configure(settings_mod.load(environ=env))
     upgrade(s.db_url)
     out = fill(s.db_url)
