@@ -47,7 +47,12 @@ def writers(points: Path, point: str) -> set[int]:
 def run(cluster: Cluster, *argv: str) -> tuple[int, subprocess.CompletedProcess]:
     """(pid, its result) of a process run with the cluster's environment."""
     proc = subprocess.Popen(list(argv), env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a test that fails leaves no process behind
+        proc.communicate()
+        raise
     return proc.pid, subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
