@@ -11,7 +11,9 @@ chain replication side by side (bench/cluster.py); and what protection costs a t
 checkpoint to a real S3 server and back beside boto3's transfer manager (``--parts s3``: SeaweedFS
 on loopback; bench/s3.py); and byte-grouped compression side by side with plain zstd and zipnn
 (``--parts codec``; bench/codec.py); and checkpoints per second to protected at 1,000 saves with
-keep-last rotation on (``--parts throughput``, bench/throughput.py).
+keep-last rotation on (``--parts throughput``, bench/throughput.py); and store and restore side by
+side with smoltorrent on loopback (``--parts smoltorrent --smoltorrent-dir PATH``, a checkout of it;
+bench/smoltorrent.py).
 Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster,throughput``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
 ``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: its former name; ``chain+s3``: chain with
@@ -31,23 +33,23 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import cluster, codec, layouts, limits, loading, month, s3, scale, throughput, training, transitions
-from bench.system import System
+from bench import (
+    cluster,
+    codec,
+    layouts,
+    limits,
+    loading,
+    month,
+    s3,
+    scale,
+    smoltorrent,
+    throughput,
+    training,
+    transitions,
+)
+from bench.system import System, replica_files, restore, store
 
 GiB = layouts.GiB
-
-
-def store(system: System, path: Path) -> dict:
-    seconds, rss, out = system.cli("store", str(path), "--wait")
-    job_id = int(re.search(r"job (\d+)", out).group(1))
-    ckpt_id = int(re.search(r"checkpoint (\d+)", out).group(1))
-    assert system.job(job_id).state == "verified", out
-    return {"seconds": seconds, "cli_rss_kib": rss, "job_id": job_id, "checkpoint_id": ckpt_id}
-
-
-def restore(system: System, ckpt_id: int, dest: Path) -> dict:
-    seconds, rss, _ = system.cli("restore", str(ckpt_id), "--to", str(dest), "--wait")
-    return {"seconds": seconds, "cli_rss_kib": rss}
 
 
 def used_bytes(system: System) -> int:
@@ -61,25 +63,6 @@ def used_bytes(system: System) -> int:
 def _store_limit(system: System, path: Path, work: Path) -> float:
     hash_s, _ = limits.sha256_seconds(path)
     return hash_s + limits.write_copies_seconds(path, work / "scratch", system.settings.rf)
-
-
-def replica_files(system: System, ckpt_id: int) -> list[Path]:
-    """One stored copy of every shard of a checkpoint, in file order: what a restore reads."""
-    from sqlalchemy import select
-
-    from pipeline.db.engine import session_scope
-    from pipeline.db.models import CheckpointFile, Shard
-
-    with session_scope(system.settings.db_url) as s:
-        shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt_id)
-                         .order_by(CheckpointFile.relpath, Shard.seq)).all()
-    out = []
-    for sha in shas:
-        held = sorted(system.home.glob(f"workers/*/shards/{sha[:2]}/{sha[2:4]}/{sha}"))
-        if not held:
-            raise RuntimeError(f"no stored copy of shard {sha[:12]} under {system.home}/workers")
-        out.append(held[0])
-    return out
 
 
 def measure_size(work: Path, gib: float) -> dict:
@@ -318,6 +301,9 @@ def main() -> None:
     ap.add_argument("--codec-gib", type=float, default=1.0,
                     help="size of the bf16 checkpoint of --parts codec (GiB, default 1; 0: the 64 MiB of weights only)")
     ap.add_argument("--s3-gib", type=float, default=1.0, help="checkpoint size of the s3 part (GiB, default 1)")
+    ap.add_argument("--smoltorrent-dir", metavar="PATH",
+                    help="a checkout of github.com/YuvrajSingh-mist/smoltorrent, for --parts smoltorrent (its code is "
+                         "not part of this repository: git clone it, then pass its path)")
     ap.add_argument("--replication", choices=("chain", "fanout"),
                     help="replication mode of the loopback systems (default: the system's own, chain)")
     args = ap.parse_args()
@@ -331,6 +317,7 @@ def main() -> None:
         s3_doc: dict = {}
         codec_doc: dict = {}
         throughput_doc: dict = {}
+        smol_doc: dict = {}
         for gib in [float(x) for x in args.sizes.split(",")] if "sizes" in parts else []:
             print(f"== {gib} GiB ...", flush=True)
             sizes.append(measure_size(work, gib))
@@ -370,6 +357,13 @@ def main() -> None:
         if "s3" in parts:
             print(f"== S3: {args.s3_gib} GiB to SeaweedFS on loopback, ours and boto3's ...", flush=True)
             s3_doc = s3.measure_s3(work / "s3", args.s3_gib)
+        if "smoltorrent" in parts:
+            why = smoltorrent.missing(args.smoltorrent_dir)
+            if why:
+                print(f"== smoltorrent: skipped: this part {why}", flush=True)
+            else:
+                print("== beside smoltorrent: store and restore, 2 runs each, alternating ...", flush=True)
+                smol_doc = smoltorrent.measure_smoltorrent(work, Path(args.smoltorrent_dir))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -392,10 +386,13 @@ def main() -> None:
         text += "\n" + codec.table(codec_doc)
     if s3_doc:
         text += "\n" + s3.table(s3_doc)
+    if smol_doc:
+        text += "\n" + smoltorrent.table(smol_doc)
     print(text.strip("\n"))
     out.write_text(json.dumps({"sizes": sizes, "dirs": dirs, "control_plane": cp, "month": month_doc,
                                "scale": scale_doc, "cluster": boxes, "training": training_docs, "s3": s3_doc,
-                               "codec": codec_doc, "throughput": throughput_doc, "table": text},
+                               "codec": codec_doc, "throughput": throughput_doc, "smoltorrent": smol_doc,
+                               "table": text},
                               indent=2, default=str))
     print(f"saved {out}")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,3 +178,34 @@ class System:
     def job(self, job_id: int) -> Job:
         with session_scope(self.settings.db_url) as s:
             return s.get(Job, job_id)
+
+
+def store(system: System, path: Path) -> dict:
+    seconds, rss, out = system.cli("store", str(path), "--wait")
+    job_id = int(re.search(r"job (\d+)", out).group(1))
+    ckpt_id = int(re.search(r"checkpoint (\d+)", out).group(1))
+    assert system.job(job_id).state == "verified", out
+    return {"seconds": seconds, "cli_rss_kib": rss, "job_id": job_id, "checkpoint_id": ckpt_id}
+
+
+def restore(system: System, ckpt_id: int, dest: Path) -> dict:
+    seconds, rss, _ = system.cli("restore", str(ckpt_id), "--to", str(dest), "--wait")
+    return {"seconds": seconds, "cli_rss_kib": rss}
+
+
+def replica_files(system: System, ckpt_id: int) -> list[Path]:
+    """One stored copy of every shard of a checkpoint, in file order: what a restore reads."""
+    from sqlalchemy import select
+
+    from pipeline.db.models import CheckpointFile, Shard
+
+    with session_scope(system.settings.db_url) as s:
+        shas = s.scalars(select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt_id)
+                         .order_by(CheckpointFile.relpath, Shard.seq)).all()
+    out = []
+    for sha in shas:
+        held = sorted(system.home.glob(f"workers/*/shards/{sha[:2]}/{sha[2:4]}/{sha}"))
+        if not held:
+            raise RuntimeError(f"no stored copy of shard {sha[:12]} under {system.home}/workers")
+        out.append(held[0])
+    return out

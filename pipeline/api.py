@@ -183,10 +183,11 @@ def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwri
 
     s = _control_plane(settings)
     ref = checkpoint.id if isinstance(checkpoint, Protected) else str(checkpoint)
-    r = operations.restore_to(s, ref, str(to), overwrite=overwrite, from_here=True)
+    r = operations.restore_to(s, ref, str(to), overwrite=overwrite, from_here=True, send=not wait)
     dest = Path(r.detail)
     if not wait:
         return dest
+    operations.restore_here(s, r.job_id)  # in this process; handed to the host's worker if it fails here
     deadline = time.monotonic() + timeout
     while True:
         with session_scope(s.db_url, readonly=True) as session:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import dramatiq.errors
-import redis.exceptions
 from sqlalchemy import inspect
 from sqlalchemy.orm import Session
 
@@ -29,7 +27,7 @@ from pipeline.integrity import gc, retention, scrub
 from pipeline.objectstore import tier
 from pipeline.restore import job as restore_job
 from pipeline.settings import Settings
-from pipeline.steps import Send
+from pipeline.steps import Send, record_error
 from pipeline.store.early import EarlySends
 from pipeline.units import human_bytes
 
@@ -51,7 +49,11 @@ class Requested:
 def _send(sends: list[Send]) -> bool:
     """Send what a request decided, after it committed. A broker that does not answer (Redis
     down while `ckpt up` restarts) loses nothing: the job is recorded, and the scheduler re-drives
-    it once its lease ends (docs/design.md, invariant 3); the caller is told, not failed."""
+    it once its lease ends (docs/design.md, invariant 3); the caller is told, not failed. The
+    broker's modules are imported here: a restore run in this process never sends anything."""
+    import dramatiq.errors
+    import redis.exceptions
+
     from pipeline.tasks.actors import send_all
 
     try:
@@ -95,15 +97,43 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
 
 
 def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
-               from_here: bool = False, host: str | None = None) -> Requested:
+               from_here: bool = False, host: str | None = None, send: bool = True) -> Requested:
     """Give checkpoint ``ref`` (id or path) back at ``dest`` on ``host`` (default this one), which
     must have a running consumer (:class:`pipeline.errors.NoConsumer`). ``from_here``: the caller
-    runs on this host (the CLI, the Python API), so its current directory is a restore root too."""
+    runs on this host (the CLI, the Python API), so its current directory is a restore root too.
+    ``send=False``: the job is only recorded, for the caller to run here (:func:`restore_here`)."""
     with session_scope(settings.db_url) as s:
         job = restore_job.request(s, settings, ref, dest, overwrite=overwrite, host=host,
                                   extra_roots=[Path.cwd()] if from_here else [])
         result = Requested(job.id, job.checkpoint_id, True, job.state, job.params["dest"])
+    if not send:
+        return result
     return dataclasses.replace(result, sent=_send([Send("restore", (result.job_id,))]))
+
+
+def restore_here(settings: Settings, job_id: int, watch: restore_job.Watch | None = None) -> bool:
+    """Run restore job ``job_id`` (recorded by :func:`restore_to` with ``send=False``, for this
+    host) in this process: what a caller that waits for it does (``ckpt restore --wait``,
+    ``pipeline.restore()``), instead of sending its message and polling the database until the
+    host's Dramatiq worker, which looks for messages at most ``CKPT_POLL_MS`` apart, has done it.
+    Its attempt is counted, its lease kept and its checks made as in the actor (it is the same
+    step). An attempt that fails or is interrupted here hands the job to the host's Dramatiq
+    worker (its message; the attempts left and the retries go on there); a process killed outright
+    leaves it to the scheduler's re-drive once its lease ends. True if it ended here."""
+    try:
+        follow = restore_job.restore(settings, job_id, watch)
+    except BaseException as exc:
+        with session_scope(settings.db_url) as s:
+            record_error(s, job_id, f"restore: {type(exc).__name__}: {exc}")
+        _send([Send("restore", (job_id,))])
+        if not isinstance(exc, Exception):
+            raise
+        log.warning("restore job %d: the attempt in this process failed (%s: %s); the host's Dramatiq worker "
+                    "takes it over", job_id, type(exc).__name__, exc)
+        return False
+    if follow:
+        _send(follow)
+    return True
 
 
 def drain(settings: Settings, worker_id: str) -> None:

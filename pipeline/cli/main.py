@@ -42,7 +42,7 @@ from pipeline.cli.common import (
     stop_on_signals,
 )
 from pipeline.cli.config_cmd import add_parser as add_config_parser
-from pipeline.cli.progress import wait_job
+from pipeline.cli.progress import wait_job, watching
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
 from pipeline.cli.status_view import cmd_status
 from pipeline.cli.target_cmd import add_parser as add_target_parser
@@ -210,7 +210,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from pipeline import operations
 
     s = settings_from(args)
-    control_plane(s)
+    # Waited for on this host: run here (operations.restore_here), no message to wait for;
+    # the broker and the actors are needed only if this attempt hands the job over.
+    here = args.wait and args.host in (None, s.host_id)
+    if here:
+        from pipeline.db.migrate import upgrade
+
+        upgrade(s.db_url)
+    else:
+        control_plane(s)
     ref = args.checkpoint
     if args.latest:
         if ref:
@@ -224,11 +232,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"newest protected checkpoint of {args.latest}: {newest.path} (step {newest.step}, id {newest.id})")
     elif not ref:
         raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
-    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True, host=args.host)
-    print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail} on host {args.host or s.host_id}")
+    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True, host=args.host, send=not here)
+    print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail} on host {args.host or s.host_id}", flush=True)
     if not r.sent:
         print("  recorded, but the broker does not answer now (`ckpt up` restarting?): it starts once it is back",
               file=sys.stderr)
+    if here:
+        operations.restore_here(s, r.job_id, watching(states.RestoreState.GATHERING))
     if args.wait:
         return wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)
     return 0

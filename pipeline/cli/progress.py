@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from pipeline import states
@@ -43,6 +45,23 @@ def wait_job(s: Settings, job_id: int, *, ok: tuple[str, ...], timeout: float) -
             bar.line(f"job {job_id}: still {state} after {timeout:.0f} s; it goes on in the background")
             return 2
         time.sleep(0.05)
+
+
+def watching(state: str, every: float = 0.2) -> Callable[[int, int], None]:
+    """A progress bar for work running in this process, told (from any thread) the bytes done
+    and the total; drawn at most every ``every`` seconds, on a terminal only."""
+    bar = Progress(sys.stderr)
+    lock = threading.Lock()
+    drawn = 0.0
+
+    def watch(done: int, total: int) -> None:
+        nonlocal drawn
+        with lock:
+            if bar.tty and time.monotonic() - drawn >= every:
+                drawn = time.monotonic()
+                bar.update(state, done, total)
+
+    return watch
 
 
 def age(seconds: float | None) -> str:

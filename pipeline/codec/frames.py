@@ -25,13 +25,16 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import zstandard
 
 from pipeline.codec.planes import SHAPES, Layout, layout_of, merge, split
 from pipeline.codec.segments import Segment, clip
 from pipeline.errors import CorruptFrame
+
+if TYPE_CHECKING:  # imported where a frame is decoded (pipeline/codec/planes.py)
+    import numpy as np
 
 MAGIC = b"CKPL"
 VERSION = 1
@@ -290,6 +293,8 @@ def _unpack(table: Table, bodies: list[memoryview]) -> bytearray:
 
 def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body: memoryview,
              segment: int) -> np.ndarray:
+    import numpy as np
+
     coding, _, raw = entry
     if coding == RAW:
         return np.frombuffer(body, dtype=np.uint8)

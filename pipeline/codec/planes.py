@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # imported where a frame is split or merged: a command that sends none never loads numpy
+    import numpy as np
 
 
 class Layout(IntEnum):
@@ -62,6 +64,8 @@ def layout_of(dtype: str | None) -> Layout:
 
 def split(data: bytes | bytearray | memoryview, layout: Layout) -> list[np.ndarray]:
     """The planes of ``data``, whose length must be a whole number of elements."""
+    import numpy as np
+
     shape = SHAPES[layout]
     w = shape.width
     if len(data) % w:
@@ -77,6 +81,8 @@ def split(data: bytes | bytearray | memoryview, layout: Layout) -> list[np.ndarr
 
 def merge(planes: list[np.ndarray], layout: Layout, out: memoryview) -> None:
     """Write the elements whose planes are ``planes`` into ``out`` (exactly their size)."""
+    import numpy as np
+
     shape = SHAPES[layout]
     w = shape.width
     target = np.frombuffer(out, dtype=np.uint8)

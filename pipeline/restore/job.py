@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from pipeline.steps import Send, fail_job, start_job
 
 log = logging.getLogger("ckpt.restore")
 R = states.RestoreState
+#: Told the bytes a restore has written so far and its total (from the fetching threads, one at a time).
+Watch = Callable[[int, int], None]
 
 
 def request(session: Session, settings: Settings, ref: str | int, dest: str, *, overwrite: bool = False,
@@ -118,7 +120,9 @@ def _restorable(session: Session, ckpt: Checkpoint) -> None:
         raise RestoreError(f"checkpoint {ckpt.id} is {state}: only replicated or verified checkpoints can be restored")
 
 
-def restore(settings: Settings, job_id: int) -> list[Send]:
+def restore(settings: Settings, job_id: int, watch: Watch | None = None) -> list[Send]:
+    """Run restore job ``job_id`` here: the step of the ``restore`` actor, and of a caller that
+    restores on its own host (pipeline.operations.restore_here); ``watch`` sees its progress."""
     with session_scope(settings.db_url) as s:
         runs_on = (s.scalar(select(Job.params).where(Job.id == job_id)) or {}).get("host")
         if runs_on not in (None, settings.host_id):
@@ -152,7 +156,7 @@ def restore(settings: Settings, job_id: int) -> list[Send]:
     old = f".{dest.name}.ckpt-old-{job_id}"
     done = sum(f.size for f in files)
     try:
-        staging = _staging(settings, job_id, attempt, files, dest, is_dir, resumed, verified)
+        staging = _staging(settings, job_id, attempt, files, dest, is_dir, resumed, verified, watch)
     except UnsafeDestination as exc:
         with session_scope(settings.db_url) as s:
             return _refuse(s, job_id, exc)
@@ -178,7 +182,7 @@ class _Staged(Staging):
 
 
 def _staging(settings: Settings, job_id: int, attempt: int, files: list[FileSource], dest: Path, is_dir: bool,
-             resumed: bool, verified: str | None) -> _Staged | None:
+             resumed: bool, verified: str | None, watch: Watch | None) -> _Staged | None:
     """The verified staging entry to put in place: this attempt's, or the one a crashed
     attempt verified; None if a later attempt took the job over meanwhile."""
     if resumed and verified:
@@ -191,7 +195,7 @@ def _staging(settings: Settings, job_id: int, attempt: int, files: list[FileSour
         adopted.close()
     staged = _Staged(dest.parent, f".{dest.name}.ckpt-restore-{job_id}.{attempt}", is_dir=is_dir)
     try:
-        gathered = _gather(settings, job_id, attempt, files, staged)
+        gathered = _gather(settings, job_id, attempt, files, staged, watch)
     except BaseException:
         staged.close()
         raise
@@ -281,18 +285,21 @@ def _refuse(session: Session, job_id: int, exc: RestoreError, staging: Staging |
     return []
 
 
-def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSource], staging: _Staged) -> int | None:
+def _gather(settings: Settings, job_id: int, attempt: int, files: list[FileSource], staging: _Staged,
+            watch: Watch | None) -> int | None:
     """Rebuild every file in ``staging``, verified and fsynced, and move the job to
     ``verified``; None if a later attempt took the job over meanwhile."""
     key = settings.key()
     tally = Tally()
-    done = 0
+    done, total = 0, sum(f.size for f in files)
     renew_every = max(0.5, settings.lease_seconds / 4)
     last_renewal = time.monotonic()
 
     def progress(n: int) -> None:
         nonlocal done, last_renewal
         done += n
+        if watch is not None:
+            watch(done, total)
         if time.monotonic() - last_renewal >= renew_every:
             last_renewal = time.monotonic()
             with session_scope(settings.db_url) as s2:
