@@ -22,6 +22,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, DetectionProblem, Job
 from pipeline.db.transitions import now
 from pipeline.detection import catalog
+from pipeline.detection.watcher import Watcher
 from pipeline.service.scheduler import expired_work
 from pipeline.store.rotation import rotation_candidates
 from tests.unit.test_watcher_bounded import _backlog, _backoff_clock, _recording_pool, safetensors_file
@@ -218,3 +219,40 @@ def test_a_run_with_one_save_waits_at_most_the_save_being_hashed_behind_a_run_wi
         f"a{i}" for i in range(1, 1000)]
     assert all(len(b) <= 32 for b in recorded)
 
+
+def test_a_save_hashed_before_a_bigger_than_a_shard_one_is_recorded_before_that_one_is_hashed(
+        db, tmp_path, monkeypatch):
+    """A small save and, right after it, one larger than a shard (hashed for minutes at real
+    sizes): the turn ends before the big one, so the small one is recorded (and its uploads
+    start) while the big one is hashed, never only once that has ended. A trainer keeping one
+    save deletes the small one as soon as the big one is written: recorded only after the big
+    one's hashing, it would never be protected."""
+    run = tmp_path / "runs" / "mixed"
+    run.mkdir(parents=True)
+    safetensors_file(run / "step_1.safetensors", 1, rows=4)
+    big = safetensors_file(run / "step_2.safetensors", 2, rows=64)
+    assert big.stat().st_size > db.shard_size >= (run / "step_1.safetensors").stat().st_size
+    _age(run, 100)
+    gate = threading.Event()
+    small_recorded_first: list[bool] = []
+    real = catalog.hash_checkpoint
+
+    def small_is_recorded() -> bool:
+        with session_scope(db.db_url) as s:
+            return s.scalar(select(Checkpoint.id).where(Checkpoint.name == "step_1.safetensors")) is not None
+
+    def hash_checkpoint(run, path, entries, **kw):
+        if Path(path).name == "step_1.safetensors":
+            gate.wait(timeout=30)  # until both are handed over
+        else:  # the big one: hashed while the small one is recorded, or after a long wait
+            deadline = time.monotonic() + 10
+            while not small_is_recorded() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            small_recorded_first.append(small_is_recorded())
+        return real(run, path, entries, **kw)
+
+    monkeypatch.setattr(catalog, "hash_checkpoint", hash_checkpoint)
+    w = Watcher(db, lambda batch: None, use_events=False)
+    _batch_then_scan(w, gate, more=0)
+    assert small_recorded_first == [True]
+    assert [c.step for c in _rows(db, run)] == [1, 2]
