@@ -36,7 +36,7 @@ from pipeline.detection import catalog, claims, completeness, faults, ondisk, pa
 from pipeline.detection.events import Watches
 from pipeline.detection.hashpool import Apply, HashPool, Staged, Work, raising
 from pipeline.detection.reports import Reports, shown
-from pipeline.errors import SourceChanged, UnreadableEntry
+from pipeline.errors import RefusedRecord, SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
 from pipeline.steps import Send
@@ -473,6 +473,9 @@ class Watcher:
                                                         detail="detected by the watcher", host=self.settings.host_id,
                                                         started_at=h.started)
                         problems.clear(s, str(h.detected.path), self.settings.host_id)
+                except SQLAlchemyError as exc:  # this save's own: a control plane away fails the commit too
+                    applies.append(raising(RefusedRecord(exc)))
+                    continue
                 except Exception as exc:
                     applies.append(raising(exc))
                     continue

@@ -314,16 +314,30 @@ def test_saves_of_one_run_in_flight_together_are_recorded_in_one_go_and_ranked_i
         assert sorted(s.get(Checkpoint, i).step for i in gone) == [1, 2, 3]
 
 
-def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db, tmp_path, monkeypatch):
+def _refuse(session) -> None:
+    """What the control plane refuses (its own error, the transaction still usable): a row
+    without the values it requires."""
+    session.add(Checkpoint(path=None))
+    session.flush()
+
+
+def _raise(session) -> None:
+    raise ValueError("step_3 cannot be recorded")
+
+
+@pytest.mark.parametrize("fail, said", [(_raise, "step_3 cannot be recorded"), (_refuse, "IntegrityError")])
+def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db, tmp_path, monkeypatch, fail, said):
     """One save of a batch whose record fails is reported and looked at again later, by itself;
-    the batch's other saves are recorded and sent."""
+    the batch's other saves are recorded and sent. A database error of that save alone (its
+    savepoint rolled back, the batch committed) is that save's, not the control plane's: the
+    scan goes on, and the save is reported with backoff, not hashed again at every scan."""
     run, w, gate, sends = _backlog(db, tmp_path, monkeypatch, 5)
     real = catalog.record
 
     def record(session, d, **kw):
         out = real(session, d, **kw)
         if d.path.name == "step_3.safetensors":  # after its rows were written: none of them may stay
-            raise ValueError("step_3 cannot be recorded")
+            fail(session)
         return out
 
     monkeypatch.setattr(catalog, "record", record)
@@ -337,7 +351,7 @@ def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db
             problem = s.scalar(select(DetectionProblem.reason)
                                .where(DetectionProblem.path.endswith("step_3.safetensors")))
         assert steps == [1, 2, 4, 5] and [len(batch) for batch in sends] == [4]
-        assert problem is not None and "step_3 cannot be recorded" in problem
+        assert problem is not None and said in problem
 
         monkeypatch.setattr(catalog, "record", real)
         clock[0] += 3600  # its backoff is over
