@@ -233,6 +233,14 @@ class MissingRow(CkptError):
         super().__init__(f"no {table} row {key!r} in the control plane; was it deleted while a step ran?")
 
 
+class RefusedRecord(CkptError):
+    """The control plane refused to record one checkpoint of a batch (its savepoint rolled back,
+    the others recorded): that checkpoint's fault, reported against it, not the control plane's."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"the control plane refused to record it: {type(exc).__name__}: {exc}")
+
+
 class ObjectStoreError(CkptError):
     """Raised when an object-store target (``[[targets]]``, pipeline/objectstore) cannot do what
     was asked. ``wait`` says what a job does with it: wait and try again later, nothing marked

@@ -82,7 +82,7 @@ def store(settings: Settings, path: str, *, detail: str = "requested") -> Reques
     entries = completeness.accept(found, declared=True)
     started = now()
     with EarlySends(settings, _send, options.replication, rf=settings.rf_for(str(run)),
-                    total_bytes=sum(e.size for e in entries)) as early:
+                    total_bytes=completeness.total_size(entries)) as early:
         detected = catalog.hash_checkpoint(run, ckpt_path, entries, shard_size=settings.shard_size,
                                            layout=found.verdict.layout,
                                            completed_by="structure" if found.verdict.complete else "declared",

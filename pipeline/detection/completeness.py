@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,6 +200,11 @@ def too_costly(entries: list[FileEntry] | tuple[FileEntry, ...], *, max_bytes: i
             return (f"{name} is {e.size:,} bytes, more than max_hash_bytes ({max_bytes:,}): it is not hashed;"
                     f" set CKPT_MAX_HASH_BYTES above {e.size:,} (or 0) to protect it")
     return None
+
+
+def total_size(entries: Iterable[FileEntry]) -> int:
+    """The bytes hashing ``entries`` reads."""
+    return sum(e.size for e in entries)
 
 
 def tree_mtime_ns(path: Path) -> int:

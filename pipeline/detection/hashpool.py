@@ -12,7 +12,10 @@ A lane whose thread finds no other lane waiting goes on with its own next checkp
 of at most ``batch`` of them and ``batch_seconds`` (a run saving faster than one save at a
 time is recorded: its backlog costs one transaction and one send per batch, not per save);
 work that needs recording returns :class:`Staged`, and the batch's staged items are recorded
-together by ``record``, in the order found, at the batch's end.
+together by ``record``, in the order found, at the batch's end. A batch takes after its first
+only checkpoints of at most ``batch_bytes`` (their hashing is short): a bigger one, hashed for
+minutes at real sizes, starts a turn of its own, so what the batch hashed before it is recorded
+(and its uploads start) meanwhile, not once it is hashed.
 
 A piece of work runs on a pool thread and returns what to change in the watcher's own state,
 a function that the watcher applies on its thread (:meth:`finished`); an exception it raises
@@ -64,15 +67,17 @@ class HashPool:
     """``threads`` threads hashing the checkpoints the scan hands over, each run in its own lane."""
 
     def __init__(self, threads: int, *, done: Callable[[str], None] = lambda run: None,
-                 record: Record = _no_record, batch: int = BATCH, batch_seconds: float = BATCH_SECONDS) -> None:
-        """``done(run)`` is called (on a pool thread) each time a batch of ``run`` ends."""
+                 record: Record = _no_record, batch: int = BATCH, batch_seconds: float = BATCH_SECONDS,
+                 batch_bytes: int | None = None) -> None:
+        """``done(run)`` is called (on a pool thread) each time a batch of ``run`` ends;
+        ``batch_bytes``: the largest checkpoint a batch takes after its first (None: any)."""
         self._done, self._record = done, record
-        self._batch, self._batch_seconds = max(1, batch), batch_seconds
+        self._batch, self._batch_seconds, self._batch_bytes = max(1, batch), batch_seconds, batch_bytes
         self._lock = threading.Condition()
-        self._lanes: dict[str, deque[tuple[str, Work]]] = {}  # run -> its work not started yet
+        self._lanes: dict[str, deque[tuple[str, Work, int]]] = {}  # run -> its work not started yet (and size)
         self._keys: set[str] = set()       # queued, being hashed, or done and not yet applied
         self._pending = 0                  # queued or being hashed
-        self._ready: queue.SimpleQueue[tuple[str, str, Work] | None] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[tuple[str, str, Work, int] | None] = queue.SimpleQueue()
         self._finished: deque[tuple[str, str, Apply]] = deque()
         self._threads = [threading.Thread(target=self._serve, name=f"ckpt-hash-{i}", daemon=True)
                          for i in range(max(1, threads))]
@@ -85,8 +90,9 @@ class HashPool:
         with self._lock:
             return key in self._keys
 
-    def submit(self, run: str, key: str, work: Work) -> None:
-        """Hash ``key`` of ``run`` by ``work``, after the lane's earlier work; once at a time per key."""
+    def submit(self, run: str, key: str, work: Work, size: int = 0) -> None:
+        """Hash ``key`` of ``run`` (``size`` bytes) by ``work``, after the lane's earlier work;
+        once at a time per key."""
         with self._lock:
             if key in self._keys:
                 return
@@ -95,9 +101,9 @@ class HashPool:
             lane = self._lanes.get(run)
             if lane is None:  # an idle lane: straight to the threads
                 self._lanes[run] = deque()
-                self._ready.put((run, key, work))
+                self._ready.put((run, key, work, size))
             else:
-                lane.append((key, work))
+                lane.append((key, work, size))
 
     def finished(self) -> list[tuple[str, str, Apply]]:
         """``(run, key, apply)`` of the work done since the last call, in the order it ended."""
@@ -118,7 +124,7 @@ class HashPool:
 
     def _serve(self) -> None:
         while (item := self._ready.get()) is not None:
-            run, key, work = item
+            run, key, work, _size = item
             batch = [(key, _run(work))]
             began = time.monotonic()
             while len(batch) < self._batch and time.monotonic() - began < self._batch_seconds:
@@ -126,7 +132,9 @@ class HashPool:
                     lane = self._lanes[run]
                     if not lane or not self._ready.empty():  # another lane waits: its turn
                         break
-                    key, work = lane.popleft()
+                    if self._batch_bytes is not None and lane[0][2] > self._batch_bytes:
+                        break  # long to hash: what this batch hashed is recorded first
+                    key, work, _size = lane.popleft()
                 batch.append((key, _run(work)))
             applies = self._recorded([result for _key, result in batch])
             with self._lock:

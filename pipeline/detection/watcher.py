@@ -36,7 +36,7 @@ from pipeline.detection import catalog, claims, completeness, faults, ondisk, pa
 from pipeline.detection.events import Watches
 from pipeline.detection.hashpool import Apply, HashPool, Staged, Work, raising
 from pipeline.detection.reports import Reports, shown
-from pipeline.errors import SourceChanged, UnreadableEntry
+from pipeline.errors import RefusedRecord, SourceChanged, UnreadableEntry
 from pipeline.service.readiness import mark_ready
 from pipeline.settings import RootOptions, Settings
 from pipeline.steps import Send
@@ -103,7 +103,7 @@ class Watcher:
         """The pool hashing what the scan found complete (started at its first use)."""
         if self._hashing is None:
             self._hashing = HashPool(self.settings.hash_threads, done=lambda run: self.poke(Path(run)),
-                                     record=self._record_all)
+                                     record=self._record_all, batch_bytes=self.settings.shard_size)
         return self._hashing
 
     def close(self) -> None:
@@ -394,7 +394,7 @@ class Watcher:
             self._unwait([key])
             return None
         return self._hash(run, key, functools.partial(self._hash_and_record, run, path, found, verdict, remote,
-                                                      options, tree_ns), pool)
+                                                      options, tree_ns), pool, completeness.total_size(entries))
 
     @staticmethod
     def _unchanged_file(path: Path, recorded: catalog.Signature | None) -> bool:
@@ -423,12 +423,12 @@ class Watcher:
         return completeness.too_costly(entries, max_bytes=self.settings.max_hash_bytes,
                                        sparse_ratio=self.settings.sparse_ratio)
 
-    def _hash(self, run: Path, key: str, work: Work, pool: HashPool | None) -> float | None:
-        """Do ``work`` here (no pool) or hand it to ``pool``'s lane of ``run``."""
+    def _hash(self, run: Path, key: str, work: Work, pool: HashPool | None, size: int) -> float | None:
+        """Do ``work`` (hashing ``size`` bytes) here (no pool) or hand it to ``pool``'s lane of ``run``."""
         if pool is None:
             done = work()
             return (self._record_all([done.item])[0] if isinstance(done, Staged) else done)()
-        pool.submit(str(run), key, work)
+        pool.submit(str(run), key, work, size)
         return None
 
     def _settle(self) -> float:
@@ -443,7 +443,8 @@ class Watcher:
         started = now()
         try:
             with EarlySends(self.settings, self.send, options.replication, started,
-                            rf=self.settings.rf_for(str(run)), total_bytes=sum(e.size for e in found.entries)) as early:
+                            rf=self.settings.rf_for(str(run)),
+                            total_bytes=completeness.total_size(found.entries)) as early:
                 detected = catalog.hash_checkpoint(run, path, found.entries, shard_size=self.settings.shard_size,
                                                    layout=verdict.layout,
                                                    completed_by="structure" if verdict.complete else "quiet",
@@ -472,6 +473,9 @@ class Watcher:
                                                         detail="detected by the watcher", host=self.settings.host_id,
                                                         started_at=h.started)
                         problems.clear(s, str(h.detected.path), self.settings.host_id)
+                except SQLAlchemyError as exc:  # this save's own: a control plane away fails the commit too
+                    applies.append(raising(RefusedRecord(exc)))
+                    continue
                 except Exception as exc:
                     applies.append(raising(exc))
                     continue
@@ -578,7 +582,8 @@ class Watcher:
         if (why := self._too_costly(found.entries)) is not None:
             self.reports.problem(run, key, why)
             return None
-        return self._hash(run, key, functools.partial(self._hash_part, run, path, found), pool)
+        return self._hash(run, key, functools.partial(self._hash_part, run, path, found), pool,
+                          completeness.total_size(found.entries))
 
     def _hash_part(self, run: Path, path: Path, found: completeness.Examined) -> Apply:
         """Hash a DCP rank's files and announce them (on a pool thread, as :meth:`_hash_and_record`)."""

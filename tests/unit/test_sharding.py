@@ -7,9 +7,10 @@ import os
 import time
 
 import pytest
+from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import ContentCopy, Job, Shard, StorageWorker
+from pipeline.db.models import CheckpointFile, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness
 from pipeline.store import sharding
@@ -390,3 +391,27 @@ def test_an_object_store_copy_waits_for_a_worker_to_hold_its_content_even_one_se
     assert done in early_shas
     swept = [send.args[0] for send in store_sweep(db) if send.args[0] in on_store]
     assert [on_store[i] for i in swept] == [done]
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_checkpoint_of_exactly_one_shard_is_sent_by_its_shard_step_and_one_byte_more_while_hashing(
+        db, tmp_path, over):
+    """The early-send threshold at its edge: a save of exactly ``shard_size`` bytes fits in one
+    shard (nothing sent while hashing; its shard step sends every content, none left out); with
+    a shard one byte smaller, it is sent while hashed, and the shard step sends the rest."""
+    from pipeline.detection.watcher import Watcher
+
+    db, run, path = _on_trainer(db, tmp_path, 4)
+    db = dataclasses.replace(db, shard_size=path.stat().st_size - over)
+    sent: list = []
+    Watcher(db, sent.extend, use_events=False).scan()
+    shard = sent[-1]
+    assert shard.actor == "shard" and {x.actor for x in sent[:-1]} <= {"replicate"}
+    assert bool(shard.args[1]) == bool(over) == bool(sent[:-1])  # sent while hashing only above one shard
+    rest = sharding.shard_checkpoint(db, shard.args[0], shard.args[1])
+    assert rest or over  # what was not sent early, the shard step sends
+    with session_scope(db.db_url) as s:
+        shas = set(s.scalars(select(Shard.sha256).join(Shard.file).where(
+            CheckpointFile.checkpoint_id == s.get(Job, shard.args[0]).checkpoint_id)))
+        placed = set(s.scalars(select(ContentCopy.sha256).where(ContentCopy.sha256.in_(shas))))
+    assert shas and placed == shas  # every content has its copies, none left out

@@ -229,25 +229,32 @@ def test_the_pool_serves_runs_in_turn_one_checkpoint_each():
     pool.close()
 
 
-def test_a_runs_backlog_is_taken_in_one_turn_and_recorded_together_in_the_order_found():
-    """While no other run waits, the lane's thread goes on with its run's next checkpoints and
-    records what they staged in one call, in the order they were found."""
-    gate = threading.Event()
+def _recording_pool(gate: threading.Event, gated: str, started: threading.Event | None = None):
+    """A one-thread pool whose record keeps each batch's keys, and the work it is given: work
+    ``name`` stages ``name``; ``gated``'s waits for ``gate`` (``started`` is set as it begins)."""
     recorded: list[list[str]] = []
 
     def record(items):
         recorded.append(list(items))
         return [lambda: None for _ in items]
 
-    pool = HashPool(1, record=record)
-
     def work(name: str):
         def go():
-            if name == "a1":
+            if name == gated:
+                if started is not None:
+                    started.set()
                 gate.wait(timeout=30)
             return Staged(name)
         return go
 
+    return HashPool(1, record=record), recorded, work
+
+
+def test_a_runs_backlog_is_taken_in_one_turn_and_recorded_together_in_the_order_found():
+    """While no other run waits, the lane's thread goes on with its run's next checkpoints and
+    records what they staged in one call, in the order they were found."""
+    gate = threading.Event()
+    pool, recorded, work = _recording_pool(gate, "a1")
     for name in ("a1", "a2", "a3", "a4"):
         pool.submit("A", name, work(name))
     gate.set()
@@ -257,18 +264,25 @@ def test_a_runs_backlog_is_taken_in_one_turn_and_recorded_together_in_the_order_
     pool.close()
 
 
-def _backlog(db, tmp_path, monkeypatch, n: int):
-    """``n`` saves in one run, and a watcher whose first hash waits until all are handed over
-    (a run that saved faster than it is recorded)."""
+def _backoff_clock(w: Watcher) -> list[float]:
+    """The clock of ``w``'s backoff, moved by hand: ``clock[0] += 3600`` ends every backoff."""
+    clock = [0.0]
+    w.reports.backoff.clock = lambda: clock[0]
+    return clock
+
+
+def _backlog(db, tmp_path, monkeypatch, n: int, prefix: str = "step_"):
+    """``n`` saves in one run (``{prefix}{i}.safetensors``), and a watcher whose first hash waits
+    until all are handed over (a run that saved faster than it is recorded)."""
     run = tmp_path / "runs" / "fast"
     run.mkdir(parents=True)
     for i in range(1, n + 1):
-        safetensors_file(run / f"step_{i}.safetensors", i, rows=4)
+        safetensors_file(run / f"{prefix}{i}.safetensors", i, rows=4)
     gate = threading.Event()
     real = catalog.hash_checkpoint
 
     def hash_checkpoint(run, path, entries, **kw):
-        if Path(path).name == "step_1.safetensors":
+        if Path(path).name == f"{prefix}1.safetensors":
             gate.wait(timeout=30)
         return real(run, path, entries, **kw)
 
@@ -300,21 +314,34 @@ def test_saves_of_one_run_in_flight_together_are_recorded_in_one_go_and_ranked_i
         assert sorted(s.get(Checkpoint, i).step for i in gone) == [1, 2, 3]
 
 
-def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db, tmp_path, monkeypatch):
+def _refuse(session) -> None:
+    """What the control plane refuses (its own error, the transaction still usable): a row
+    without the values it requires."""
+    session.add(Checkpoint(path=None))
+    session.flush()
+
+
+def _raise(session) -> None:
+    raise ValueError("step_3 cannot be recorded")
+
+
+@pytest.mark.parametrize("fail, said", [(_raise, "step_3 cannot be recorded"), (_refuse, "IntegrityError")])
+def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db, tmp_path, monkeypatch, fail, said):
     """One save of a batch whose record fails is reported and looked at again later, by itself;
-    the batch's other saves are recorded and sent."""
+    the batch's other saves are recorded and sent. A database error of that save alone (its
+    savepoint rolled back, the batch committed) is that save's, not the control plane's: the
+    scan goes on, and the save is reported with backoff, not hashed again at every scan."""
     run, w, gate, sends = _backlog(db, tmp_path, monkeypatch, 5)
     real = catalog.record
 
     def record(session, d, **kw):
         out = real(session, d, **kw)
         if d.path.name == "step_3.safetensors":  # after its rows were written: none of them may stay
-            raise ValueError("step_3 cannot be recorded")
+            fail(session)
         return out
 
     monkeypatch.setattr(catalog, "record", record)
-    clock = [0.0]
-    w.reports.backoff.clock = lambda: clock[0]
+    clock = _backoff_clock(w)
     try:
         w.scan(wait=False)
         gate.set()
@@ -324,7 +351,7 @@ def test_a_save_that_cannot_be_recorded_fails_alone_and_its_batch_is_recorded(db
             problem = s.scalar(select(DetectionProblem.reason)
                                .where(DetectionProblem.path.endswith("step_3.safetensors")))
         assert steps == [1, 2, 4, 5] and [len(batch) for batch in sends] == [4]
-        assert problem is not None and "step_3 cannot be recorded" in problem
+        assert problem is not None and said in problem
 
         monkeypatch.setattr(catalog, "record", real)
         clock[0] += 3600  # its backoff is over
