@@ -32,11 +32,6 @@ def pytest_addoption(parser):
 LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a",
          "tests/browser/": "cluster-a", "tests/integration/test_writers.py": "cluster-a",
          "tests/integration/test_stalled_worker.py": "cluster-a",
-         # Lane b held 3,950 of the suite's 9,200 process-seconds (issue 31's run, loaded machine):
-         # these three (940 s) even the lanes out at about a third each.
-         "tests/integration/test_trainer_protection.py": "cluster-a",
-         "tests/integration/test_newest_save.py": "cluster-a",
-         "tests/integration/test_resume_trainers.py": "cluster-a",
          "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
 
 
