@@ -299,6 +299,13 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     if coding == RAW:
         return np.frombuffer(body, dtype=np.uint8)
     try:
+        # A zstd frame declares its size, and the decoder allocates what it declares: a frame
+        # whose header a flipped bit made claim exabytes raised MemoryError. Refused unless it
+        # declares its table's size (or none, when max_output_size bounds it).
+        declared = zstandard.frame_content_size(body)
+        if declared not in (raw, zstandard.CONTENTSIZE_UNKNOWN):
+            raise CorruptFrame(f"planes frame: a zstd section of segment {segment} declares {declared:,} bytes, "
+                               f"not its {raw:,}")
         plain = dctx.decompress(body, max_output_size=raw)
     except zstandard.ZstdError as exc:
         raise CorruptFrame(f"planes frame: a zstd section of segment {segment} is corrupted ({exc})") from None

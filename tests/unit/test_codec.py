@@ -159,6 +159,22 @@ def test_a_corrupted_frame_is_refused(data):
         pass
 
 
+def test_a_section_that_declares_another_size_is_refused_before_it_is_allocated():
+    """Given a frame whose zstd section's header, one bit flipped, declares exabytes (hypothesis
+    found it: the decoder allocated what the header declared and raised MemoryError), then
+    decoding refuses it as corrupt: a peer's bytes never size an allocation."""
+    raw = b"{header}" * 50 + weights(3000) + b"\x01"
+    frame = encode(raw, [Segment(400, 6000, "BF16"), Segment(6400, 1, "F32")])
+    for at in range(len(frame)):
+        for flip in (1, 16, 144):
+            bad = bytearray(frame)
+            bad[at] ^= flip
+            try:
+                assert decode(bad) == raw
+            except CorruptFrame:
+                pass
+
+
 @SLOW
 @given(st.data())
 def test_a_truncated_frame_is_refused(data):
