@@ -44,7 +44,6 @@ from pipeline.cli.common import (
 from pipeline.cli.config_cmd import add_parser as add_config_parser
 from pipeline.cli.progress import wait_job, watching
 from pipeline.cli.retention_cmds import add_parsers as add_retention_parsers
-from pipeline.cli.status_view import cmd_status
 from pipeline.cli.target_cmd import add_parser as add_target_parser
 from pipeline.cli.workers_cmd import add_parser as add_workers_parser
 from pipeline.errors import CkptError
@@ -143,6 +142,15 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     return max(wait_job(s, r.job_id, ok=("done",), timeout=args.timeout) for r in started)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    # Imported when run: the status queries bring SQLAlchemy and the models, which a storage
+    # worker (``ckpt worker``, started by every ``ckpt up``) never needs (docs/design.md,
+    # "Start-up").
+    from pipeline.cli.status_view import cmd_status as status
+
+    return status(args)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import configfile, effective, operations
+from pipeline import configfile, effective
 from pipeline.cli.common import add_home_option, existing_home, explained, parse_size
 from pipeline.errors import CkptError, ObjectStoreError
 from pipeline.objectstore.config import Target, from_json, parse_targets, parse_url, target_from
@@ -221,6 +221,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
         except CkptError:
             settings = None  # a table the loader refuses (one holding a key) never ran: removed as it is
         if settings is not None:
+            from pipeline import operations  # SQLAlchemy: only to remove
+
             operations.check_target_removal(settings, args.name)
         configfile.write(path, configfile.removed(text, data, KEY, index, path))
     print(f"removed target {args.name} ({url}) from {path}")
