@@ -163,7 +163,9 @@ class Supervisor:
 
     def start_services(self) -> None:
         env = self._env()
-        dramatiq_argv = [sys.executable, "-m", "dramatiq", "pipeline.tasks", "--processes", str(self.processes),
+        # Dramatiq's command, its worker processes forked with the steps imported (dramatiq_master.py).
+        dramatiq_argv = [sys.executable, "-m", "pipeline.service.dramatiq_master", "pipeline.tasks",
+                         "--processes", str(self.processes),
                          "--threads", str(self.threads), "--queues", SHARED, host_queue(self.settings.host_id)]
         services = [("dramatiq", dramatiq_argv), ("scheduler", self._ckpt("scheduler")),
                     ("watcher", self._ckpt("watch"))]

@@ -7,6 +7,7 @@ standard library's pure modules and each other, never I/O, the database or a bro
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 
@@ -125,3 +126,21 @@ def test_a_storage_worker_starts_without_the_control_planes_libraries():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[] []", out.stdout
+
+
+def test_the_dramatiq_master_preloads_what_the_tasks_import_and_not_the_broker():
+    """`ckpt up`'s Dramatiq master imports the steps before it forks its worker processes
+    (pipeline/service/dramatiq_master.py): after its preload, importing ``pipeline.tasks`` (what
+    each worker process does) imports nothing outside that package; and the preload itself
+    neither imports ``pipeline.tasks`` (each process's broker and broker id are its own) nor
+    starts a thread (a fork copies none)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, threading; from pipeline.service.dramatiq_master import preload; preload(); "
+            "print(int('pipeline.tasks' in sys.modules), threading.active_count()); before = set(sys.modules); "
+            "import pipeline.tasks; "
+            "print(sorted(m for m in set(sys.modules) - before if not m.startswith('pipeline.tasks')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "CKPT_REDIS_URL": "stub://"})
+    assert out.stdout.split("\n")[:2] == ["0 1", "[]"], out.stdout
