@@ -26,33 +26,50 @@ def pytest_addoption(parser):
 
 
 #: Tests that start real processes (clusters, workers in network namespaces, a browser), in
-#: two lanes of about equal length: each lane runs in one xdist process, one test at a time.
-#: The first prefix a test's id starts with names its lane. Two integration modules run in
-#: lane a, so the lanes take about as long (770 and 800 s of test time on 2026-11-25).
-LANES = {"tests/chaos/": "cluster-a", "tests/faults/": "cluster-a", "tests/multihost/": "cluster-a",
-         "tests/browser/": "cluster-a", "tests/integration/test_writers.py": "cluster-a",
-         "tests/integration/test_stalled_worker.py": "cluster-a",
-         "tests/integration/": "cluster-b", "tests/model/": "cluster-b"}
+#: four lanes of about equal length: each lane runs in one xdist process, one test at a time.
+#: The first prefix a test's id starts with names its lane. Balanced from the test time of each
+#: module in a run on a quiet machine (2026-11-26, --durations=0 --junitxml): 565, 535, 460 and
+#: 470 s; the trainer modules (real training, the heaviest on the cores) in different lanes.
+_A2 = ("tests/browser/", "tests/multihost/", "tests/integration/test_writers.py",
+       "tests/integration/test_stalled_worker.py", "tests/integration/test_without_torch.py",
+       "tests/integration/test_faults.py", "tests/integration/test_retention_gc.py",
+       "tests/integration/test_cli_home.py")
+_B1 = ("tests/integration/test_trainer_protection.py", "tests/integration/test_newest_save.py",
+       "tests/integration/test_worker_loss.py", "tests/integration/test_early_sends.py",
+       "tests/integration/test_dead_letters.py", "tests/integration/test_up.py",
+       "tests/integration/test_host_outage.py", "tests/integration/test_rotation.py")
+LANES = {"tests/chaos/": "cluster-a1", "tests/faults/": "cluster-a1",
+         **{prefix: "cluster-a2" for prefix in _A2}, **{prefix: "cluster-b1" for prefix in _B1},
+         "tests/integration/": "cluster-b2", "tests/model/": "cluster-b2"}
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """With ``-n 3`` (pyproject's addopts): the tests that start real processes run in two
+    """With ``-n 4`` (pyproject's addopts): the tests that start real processes run in four
     lanes, each in an xdist process of its own (xdist hands out the first scopes one per
-    process: the lanes are the first two), one test at a time and in its order (a module's
-    tests share its cluster); every other module runs in whichever process is free, the third
-    from the start. Two clusters at once use the two cores that one cluster leaves idle while
-    it waits on processes, leases and links; with two processes the other modules (about 330 s)
-    queued behind the lanes and the 2 cores were 62-67 % busy. (xdist's own ``--dist
+    process: the lanes are the first four), one test at a time and in its order (a module's
+    tests share its cluster); every other module runs in whichever process is free. Clusters
+    at once use the cores that one cluster leaves idle while it waits on processes, leases and
+    links (docs/testing.md). (xdist's own ``--dist
     loadgroup`` does not group under pytest 9.2: it renames items through an attribute pytest
     no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class TwoLanes(LoadScopeScheduling):
+    lanes = set(LANES.values())
+
+    class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return next((lane for prefix, lane in LANES.items() if nodeid.startswith(prefix)),
                         nodeid.split("::", 1)[0])
 
-    return TwoLanes(config, log)
+        def _assign_work_unit(self, node) -> None:
+            # The lanes before any module: xdist orders the scopes by their number of tests
+            # (--loadscope-reorder, on by default), where a unit-test module can outnumber a lane,
+            # and hands the first ones out one per process.
+            for lane in reversed([scope for scope in self.workqueue if scope in lanes]):
+                self.workqueue.move_to_end(lane, last=False)
+            super()._assign_work_unit(node)
+
+    return Lanes(config, log)
 
 
 def fault_table_path(config) -> Path:
