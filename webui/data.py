@@ -378,7 +378,8 @@ def recent_transfers(settings: Settings, limit: int = 30) -> list[dict[str, Any]
         q = (select(Job, recent.c.at).join(recent, recent.c.job_id == Job.id)
              .where(((Job.kind == JobKind.STORE) & (recent.c.to_state == "verified"))
                     | ((Job.kind == JobKind.RESTORE) & (recent.c.to_state == "done")))
-             .order_by(recent.c.at.desc()).limit(limit))
+             .order_by(recent.c.at.desc()).limit(limit)
+             .options(selectinload(Job.checkpoint)))  # one query for their checkpoints, not one each
         for j, at in s.execute(q):
             c = j.checkpoint
             if c is None:

@@ -77,13 +77,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         with session_scope(s.db_url, readonly=True) as session:
             run = resolve_run(session, args.run)
+    # A filter or a page asks for the checkpoint table: the full view.
+    detail = bool(args.detail or args.all or args.run or args.state or args.search or args.before)
     doc = status(s, all_versions=args.all, run=run, state=args.state, before=args.before, limit=args.limit,
-                 search=args.search)
+                 search=args.search, run_usage=detail or args.json)
     if args.json:
         print(json.dumps(doc, indent=2, default=jsonable))
         return 0
-    # A filter or a page asks for the checkpoint table: the full view.
-    if args.detail or args.all or args.run or args.state or args.search or args.before:
+    if detail:
         full(doc)
     else:
         compact(doc)

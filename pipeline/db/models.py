@@ -79,6 +79,10 @@ class Checkpoint(Base):
         Index("ix_checkpoints_run_recent", "run", "current", "mtime", "id"),
         # Counts and bytes by run and state (the overview, /metrics) from the index alone.
         Index("ix_checkpoints_run_state", "run", "current", "store_state", "local_present", "total_bytes"),
+        # The few checkpoints changed on disk (status, the runs view), per run: a partial index
+        # holds only them (migrations/versions/0019).
+        Index("ix_checkpoints_disk_changed", "run", "current",
+              sqlite_where=text("disk_changed_at IS NOT NULL"), postgresql_where=text("disk_changed_at IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -126,7 +130,7 @@ class Checkpoint(Base):
     #: When the files at its path stopped matching this (current) version while the new
     #: content is not recorded yet, and what changed (pipeline.detection.ondisk): shown loudly
     #: as "changed on disk, not protected"; a restore by path refuses it. None: they match.
-    disk_changed_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True, index=True)
+    disk_changed_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     disk_changed: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     files: Mapped[list[CheckpointFile]] = relationship(
