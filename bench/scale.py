@@ -97,7 +97,7 @@ def fill(url: str, runs: int = 10, per_run: int = 10_000, events_per_job: int = 
                              "created_at": T0, "last_referenced_at": T0})
             if live:
                 for w in (f"w{k % 3}", f"w{(k + 1) % 3}", "target:store"):
-                    copies.append({"sha256": sha(k), "worker_id": w, "state": "verified", "attempts": 0,
+                    copies.append({"sha256": sha(k), "worker_id": w, "state": "verified", "attempts": 0, "size": 2**26,
                                    "stored_at": T0, "verified_at": T0 + timedelta(days=199), "checked_at": T0,
                                    "checksum": None if w.startswith("w") else f"{k:064x}"})
         for table, rows in ((Content, contents), (ContentCopy, copies), (Checkpoint, ckpts),

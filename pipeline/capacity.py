@@ -83,16 +83,14 @@ class Usage:
 
 def stored_bytes(session: Session) -> tuple[int, int]:
     """(all, condemned) bytes of sent copies."""
-    # Copies counted per content first (a few thousand rows), then each content looked up.
-    held = (select(ContentCopy.sha256.label("sha"), func.count(ContentCopy.id).label("n"))
-            .where(ContentCopy.state.in_(sorted(states.SENT))).group_by(ContentCopy.sha256)).subquery()
-    rows = session.execute(
-        select(Content.state, func.coalesce(func.sum(Content.size * held.c.n), 0))
-        .select_from(held).join(Content, Content.sha256 == held.c.sha)
-        .group_by(Content.state)
-    ).all()
-    by_state = {state: int(n) for state, n in rows}
-    return sum(by_state.values()), by_state.get(ContentState.CONDEMNED.value, 0)
+    sent = ContentCopy.state.in_(sorted(states.SENT))
+    # Every sent copy's own size, from the (worker, state, size) index; then the condemned
+    # contents' (few: the state index), each with its copies.
+    total = session.scalar(select(func.coalesce(func.sum(ContentCopy.size), 0)).where(sent)) or 0
+    condemned = session.scalar(select(func.coalesce(func.sum(ContentCopy.size), 0))
+                               .join(Content, Content.sha256 == ContentCopy.sha256)
+                               .where(Content.state == ContentState.CONDEMNED, sent)) or 0
+    return int(total), int(condemned)
 
 
 @dataclass(frozen=True)

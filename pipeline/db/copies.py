@@ -180,7 +180,8 @@ def move(session: Session, where: ContentCopy | ColumnElement[bool], to: str, *,
 
 def new_copy(content: Content, worker_id: str) -> ContentCopy:
     """A new ``pending`` copy of ``content`` on ``worker_id`` (added to the content's copies)."""
-    row = ContentCopy(sha256=content.sha256, worker_id=worker_id, state=CopyState.PENDING, attempts=0)
+    row = ContentCopy(sha256=content.sha256, worker_id=worker_id, state=CopyState.PENDING, attempts=0,
+                      size=content.size)
     content.copies.append(row)
     return row
 
@@ -276,8 +277,9 @@ def good_copies_per_shard(checkpoints: ColumnElement[bool], tier: str = Tier.WOR
 def held_per_worker(session: Session, worker_ids: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
     """Per worker (or only ``worker_ids``: along the (worker, state) index), the contents it
     holds a sent copy of and their bytes."""
-    q = (select(ContentCopy.worker_id, func.count(ContentCopy.id), func.coalesce(func.sum(Content.size), 0))
-         .join(Content, Content.sha256 == ContentCopy.sha256).where(ContentCopy.state.in_(sorted(SENT))))
+    # The copies' own sizes, along the (worker, state, size) index: no content looked up.
+    q = (select(ContentCopy.worker_id, func.count(ContentCopy.id), func.coalesce(func.sum(ContentCopy.size), 0))
+         .where(ContentCopy.state.in_(sorted(SENT))))
     if worker_ids is not None:
         q = q.where(ContentCopy.worker_id.in_(list(worker_ids)))
     rows = session.execute(q.group_by(ContentCopy.worker_id))

@@ -1,7 +1,8 @@
 """The reads every page and ``ckpt status`` make, written to read as few rows as they can at 100k
 checkpoints (docs/benchmarks.md), held to a recount of plain rows on SQLite and PostgreSQL:
 each run's unique and shared stored bytes (pipeline.capacity.per_run), the live contents no
-worker holds a good copy of (pipeline.status.lost_contents), the thinned capacity history.
+worker holds a good copy of (pipeline.status.lost_contents), the bytes each worker holds and all
+the bytes stored (summed from the copies' own sizes, migration 0020), the thinned capacity history.
 
 Given a random catalog (runs, kept and released checkpoints, shards sharing contents within a
 run and across runs, copies in every state on workers of every state), When the read is made,
@@ -10,14 +11,16 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from alembic import command
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, text
 
 from pipeline import capacity, states
 from pipeline.core.copies import good_workers
-from pipeline.db.copies import content_copies
-from pipeline.db.engine import session_scope
+from pipeline.db.copies import content_copies, held_per_worker
+from pipeline.db.engine import get_engine, session_scope
+from pipeline.db.migrate import alembic_config
 from pipeline.db.models import (
     CapacitySample,
     Checkpoint,
@@ -130,6 +133,56 @@ def test_lost_contents_are_the_live_ones_without_a_good_copy(db, catalog):
         want = {sha(k) for k in range(CONTENTS)
                 if content_states[k] == ContentState.LIVE and not good_workers(rows[sha(k)])}
         assert set(s.scalars(lost_contents())) == want
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(catalogs)
+def test_the_bytes_each_worker_holds_and_all_stored_are_what_the_rows_say(db, catalog):
+    """Per worker, its sent copies (stored, verified) and their contents' bytes; in all, the
+    sent copies' bytes and those of condemned contents: the copies made without a size (as
+    here) carry their content's all the same."""
+    ckpts, copies, content_states, worker_states = catalog
+    kept = _fill(db.db_url, ckpts, copies, content_states, worker_states)
+    sent = [(k, w) for (k, w), state in kept.items() if state in states.SENT]
+    want = {w: (sum(1 for _k, x in sent if x == w), sum(size(k) for k, x in sent if x == w))
+            for w in {w for _k, w in sent}}
+    with session_scope(db.db_url, readonly=True) as s:
+        assert held_per_worker(s) == want
+        assert held_per_worker(s, ["w2"]) == ({"w2": want["w2"]} if "w2" in want else {})
+        assert capacity.stored_bytes(s) == (
+            sum(size(k) for k, _w in sent),
+            sum(size(k) for k, _w in sent if content_states[k] == ContentState.CONDEMNED))
+
+
+def test_0020_gives_each_existing_copy_its_contents_size(db):
+    cfg = alembic_config(db.db_url)
+    with get_engine(db.db_url).connect() as conn:
+        cfg.attributes["connection"] = conn
+        conn.execute(text("DELETE FROM copies"))
+        conn.execute(text("DELETE FROM contents"))
+        conn.commit()
+        command.downgrade(cfg, "0019")
+        conn.commit()
+        conn.execute(text("INSERT INTO storage_workers (id, url, zone, source, tier, state, capacity_bytes, free_bytes,"
+                          " used_bytes) VALUES ('w9', 'http://x', '', 'static', 'workers', 'up', 0, 0, 0)"))
+        for k in (1, 2):
+            conn.execute(text("INSERT INTO contents (sha256, size, state, created_at, last_referenced_at) VALUES"
+                              " (:s, :n, 'live', '2026-11-26 00:00:00', '2026-11-26 00:00:00')"),
+                         {"s": sha(k), "n": size(k)})
+            conn.execute(text("INSERT INTO copies (sha256, worker_id, state, attempts)"
+                              " VALUES (:s, 'w9', 'verified', 0)"), {"s": sha(k)})
+        conn.commit()
+        command.upgrade(cfg, "head")
+        conn.commit()
+    try:
+        with session_scope(db.db_url, readonly=True) as s:
+            assert dict(s.execute(select(ContentCopy.sha256, ContentCopy.size)).all()) == {sha(1): 10, sha(2): 100}
+            assert held_per_worker(s) == {"w9": (2, 110)}
+    finally:
+        with get_engine(db.db_url).connect() as conn:  # the other tests start from an empty database
+            for table in ("copies", "contents", "storage_workers"):
+                conn.execute(text(f"DELETE FROM {table}"))
+            conn.commit()
 
 
 def test_the_capacity_history_is_every_nth_sample_oldest_first(db):
