@@ -200,18 +200,17 @@ def per_run(session: Session, runs: list[str] | None = None) -> dict[str, dict[s
     reference: ``unique`` (only this run references it) and ``shared`` (other runs do too).
 
     One pass over the kept checkpoints' distinct (run, content) pairs, each content's sent copies
-    counted along its own index entries; whether a content is shared is counted here from the
+    summed along its own index entries; whether a content is shared is counted here from the
     same rows. (Grouping every copy row by content first, then joining, took 60-100 ms at 100k
     checkpoints, most of a page's queries.)"""
     refs = (select(Checkpoint.run.label("run"), Shard.sha256.label("sha"))
             .join(CheckpointFile, CheckpointFile.checkpoint_id == Checkpoint.id)
             .join(Shard, Shard.file_id == CheckpointFile.id)
             .where(Checkpoint.released_at.is_(None)).distinct()).subquery()
-    sent = (select(func.count(ContentCopy.id))
+    sent = (select(func.coalesce(func.sum(ContentCopy.size), 0))  # a copy's size is its content's
             .where(ContentCopy.sha256 == refs.c.sha, ContentCopy.state.in_(sorted(states.SENT)))
             .scalar_subquery())
-    rows = session.execute(select(refs.c.run, refs.c.sha, Content.size * sent)
-                           .join(Content, Content.sha256 == refs.c.sha)).all()
+    rows = session.execute(select(refs.c.run, refs.c.sha, sent)).all()
     runs_of = Counter(sha for _run, sha, _size in rows)  # whether a content is shared: over every run
     wanted = set(runs) if runs is not None else None
     out: dict[str, dict[str, int]] = {}
