@@ -71,7 +71,7 @@ def test_a_worker_with_200k_shards_is_reconciled_page_by_page_and_resumes(worker
         rows = [{"sha256": sha, "size": 14, "state": "live", "created_at": t, "last_referenced_at": t}
                 for sha in expected + absent]
         copies = [{"sha256": sha, "worker_id": node, "state": "verified", "attempts": 0, "stored_at": t,
-                   "verified_at": t} for sha in expected + absent]
+                   "verified_at": t, "size": 14} for sha in expected + absent]
         for i in range(0, len(rows), 20_000):
             db.execute(insert(Content), rows[i:i + 20_000])
             db.execute(insert(ContentCopy), copies[i:i + 20_000])
