@@ -275,4 +275,6 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
                           f"{len(confirmed) - beside} as they were stored, {beside} shared with earlier "
                           f"checkpoints beside the uploads, {rehashed_now} now")
         log.info("job %d verified on %d workers", job_id, len(asks))
-    return [Send("rotate_run", (run,))]
+    # Rotation next, in this thread where this process serves the run's host: ahead of the
+    # uploads and verifications waiting in the queues (pipeline/tasks/inline.py).
+    return [Send("rotate_run", (run,), here=True)]
