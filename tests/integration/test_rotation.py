@@ -90,12 +90,12 @@ def _timeline(cluster, job_id: int) -> list[str]:
 
 def _keys(cluster, job_id: int) -> tuple[str | None, set[str | None]]:
     """The key of the job's last message, and those of the messages that sent its copies."""
+    job = cluster.job(job_id)
+    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == job.checkpoint_id)
+    stored_now = ContentCopy.stored_at >= job.created_at
     with session_scope(cluster.settings.db_url) as s:
-        cid = cluster.job(job_id).checkpoint_id
-        shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == cid)
-        stored_now = ContentCopy.stored_at >= cluster.job(job_id).created_at
         sent = set(s.scalars(select(ContentCopy.sent_key).where(ContentCopy.sha256.in_(shas), stored_now)))
-        return cluster.job(job_id).sent_key, sent
+    return job.sent_key, sent
 
 
 def test_a_checkpoint_of_one_shard_is_stored_and_rotates_the_one_before_in_its_shard_message(make_cluster):
