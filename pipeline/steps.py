@@ -23,7 +23,7 @@ class Send:
     """A message to enqueue after the deciding transaction committed.
 
     ``here``: the step that decided it judged it short (the upload of a checkpoint that fits in
-    one shard, a small checkpoint's verification, the rotation after a verification): a Dramatiq
+    one shard, its verification, a rotation its run's rotation pass decided): a Dramatiq
     worker that consumes its queue runs it next in the same thread instead of sending it
     (pipeline/tasks/inline.py). A hint, not part of the message: equal with or without it."""
 

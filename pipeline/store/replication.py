@@ -271,9 +271,9 @@ def short_contents(session: Session, checkpoint_id: int, rf: int, tier: str = Ti
 
 
 def fits_one_shard(settings: Settings, ckpt: Checkpoint) -> bool:
-    """Whether ``ckpt`` is no larger than one shard: its upload, its verification and the
-    rotation after it are short work, run in the thread of the step that decides each
-    (:class:`pipeline.steps.Send`'s ``here``; docs/design.md, "Continuing in the same thread")."""
+    """Whether ``ckpt`` is no larger than one shard: its upload and its verification are short
+    work, run in the thread of the step that decides each (:class:`pipeline.steps.Send`'s
+    ``here``; docs/design.md, "Continuing in the same thread")."""
     return ckpt.total_bytes <= settings.shard_size
 
 

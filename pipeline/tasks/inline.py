@@ -3,15 +3,16 @@ in the same thread").
 
 A step returns its follow-up messages once its transactions committed (invariant 3). A
 follow-up it marks ``here`` (:class:`pipeline.steps.Send`: short work, such as the upload of a
-checkpoint that fits in one shard, its verification, the rotation after it) runs next in this
-thread when this process consumes the one queue it would be routed to (pipeline/queues.py): the
-same step function its actor calls, the same transactions, transitions and events, without the
-send's two transactions, the delivery's check and the Redis round trips. Everything else is sent
-as always (pipeline/tasks/sending.py), and so is a marked follow-up
+checkpoint that fits in one shard, its verification, the rotations a rotation pass decides)
+runs next in this thread when this process consumes the one queue it would be routed to
+(pipeline/queues.py): the same step function its actor calls, the same transactions,
+transitions and events, without the send's two transactions, the delivery's check and the
+Redis round trips. Everything else is sent as always (pipeline/tasks/sending.py), and so is a
+marked follow-up
 
 - routed to a queue this process does not consume (another host's, or several);
-- of a step already continuing in another thread of this process (rotation's "look again":
-  sent, so a request made while that one runs is not lost);
+- of a step already continuing in another thread of this process (sent: a request made while
+  that one runs is not lost);
 - beyond :data:`MAX_STEPS` continued in one message's thread.
 
 A continuation that raises hands its step to the Dramatiq workers: its failure is recorded on

@@ -41,8 +41,9 @@ def run_faults(cluster: FaultCluster, names: list[str], trials: int, fire, where
 @pytest.mark.parametrize("layers", [2, 0], ids=["several-shards", "one-shard"])
 def test_store_and_rotate(fault_cluster: FaultCluster, trials: int, layers: int):
     """A checkpoint of several shards sends each step as a message; one that fits in one shard
-    continues its upload, its verification and the rotation after it in the thread of its shard
-    message (pipeline/tasks/inline.py): killed at any of their commit points, the job ends well."""
+    continues its upload and its verification in the thread of its shard message, and a rotation
+    pass its rotations (pipeline/tasks/inline.py): killed at any of their commit points, the job
+    ends well."""
     c = fault_cluster
 
     def store() -> None:

@@ -98,11 +98,11 @@ def _keys(cluster, job_id: int) -> tuple[str | None, set[str | None]]:
     return job.sent_key, sent
 
 
-def test_a_checkpoint_of_one_shard_is_stored_and_rotates_the_one_before_in_its_shard_message(make_cluster):
+def test_a_checkpoint_of_one_shard_is_replicated_and_verified_in_its_shard_message(make_cluster):
     """docs/design.md, "Continuing in the same thread": a checkpoint that fits in one shard is
-    replicated, verified, and rotates the save before it in the thread of its shard message
-    (no message sent for its copies, its verification or the rotation), every transition
-    recorded; a larger one sends its steps as messages, as before."""
+    replicated and verified in the thread of its shard message (no message sent for its copies
+    or its verification), every transition recorded, and rotation follows; a larger one sends
+    its steps as messages, as before."""
     cluster = make_cluster(env={"CKPT_KEEP_LAST": "1"}, processes=1)
     run = cluster.runs / "run"
     run.mkdir()
