@@ -3,8 +3,8 @@
 SQLite has one writer at a time, and :func:`pipeline.db.engine.begin_immediate` asks for the
 lock again every 0.1-2 ms while another connection holds it. Between processes that is what
 keeps the wait short; between the threads of one process (a Dramatiq worker's 4-8 threads) it
-was a third of the process's CPU at 1,000 saves (docs/benchmarks.md, "Checkpoints per second"):
-every waiting thread asked again and again while a thread beside it held the lock. So a
+is wasted work: every waiting thread asks again and again while a thread beside it holds the
+lock (how much CPU that was is not known: docs/benchmarks.md, "Issue 31: one thread"). So a
 thread first takes this process's turn for the database, sleeping on a lock (no CPU) while
 another thread of the process writes, and only then asks SQLite, which it now waits for only
 while another process writes.
