@@ -6,8 +6,7 @@ as it can, each renamed into place as a trainer does, with ``CKPT_KEEP_LAST=3``:
 save beyond the newest 3 is rotated (its local copy deleted) while the next ones arrive. The
 rate is saves over the time from the first write until every save is protected (verified, or
 rotated after it was), printed per slice of the saves so a rate that sinks as the catalog grows
-shows; then, as rotation may lag behind, until the run is down to its newest ``keep_last`` saves
-on disk, with the CPU that took after every save was protected.
+shows.
 """
 from __future__ import annotations
 
@@ -40,11 +39,6 @@ def measure_throughput(work: Path, saves: int = 1000, keep_last: int = 3, timeou
                                 .where(Checkpoint.run == str(run), Job.kind == "store",
                                        Job.state.in_(sorted(states.PROTECTED)))) or 0
 
-        def local() -> int:
-            with session_scope(system.settings.db_url, readonly=True) as s:
-                return s.scalar(select(func.count(Checkpoint.id)).where(
-                    Checkpoint.run == str(run), Checkpoint.local_present.is_(True))) or 0
-
         cpu0, own0 = system.cpu_by_role(), _own_cpu()
         t0 = time.perf_counter()
         for i in range(saves):
@@ -61,14 +55,6 @@ def measure_throughput(work: Path, saves: int = 1000, keep_last: int = 3, timeou
             time.sleep(0.2)
         out["seconds"] = time.perf_counter() - t0
         cpu1 = system.cpu_by_role()
-        # Protected is not done: the local policy still has to rotate what it keeps no more.
-        # Measured on (its CPU apart) until the run is down to its newest keep_last on disk.
-        out["on_disk_at_protected"] = on_disk = local()
-        while n == saves and on_disk > keep_last and time.perf_counter() - t0 < timeout:
-            time.sleep(0.2)
-            on_disk = local()
-        out["rotated_down_s"] = time.perf_counter() - t0 if on_disk <= keep_last else None
-        out["cpu_rotating_after_s"] = round(sum(system.cpu_by_role().values()) - sum(cpu1.values()), 2)
         out["cpu_s"] = {role: round(cpu1[role] - cpu0.get(role, 0.0), 2) for role in cpu1}
         out["cpu_s"]["bench (writing)"] = round(_own_cpu() - own0, 2)
         out["load"] = os.getloadavg()
@@ -118,11 +104,6 @@ def table(t: dict) -> str:
             f"keep-last {t['keep_last']} rotation on")
     rate = (f"{t['saves']:,} protected in {t['seconds']:.1f} s = {t['per_s']:.1f} checkpoints/s   target >= 10"
             if t["per_s"] else f"only {t['protected']:,} of {t['saves']:,} protected in {t['seconds']:.0f} s")
-    if t.get("on_disk_at_protected") is not None:
-        down = (f"down to keep-last at {t['rotated_down_s']:.1f} s = {t['saves'] / t['rotated_down_s']:.1f} saves/s "
-                f"protected and rotated ({t['cpu_rotating_after_s']:.1f} CPU s after protected)"
-                if t.get("rotated_down_s") else "not down to keep-last in time")
-        rate += f"\n  {t['on_disk_at_protected']:,} saves on disk when all were protected; {down}"
     lines = [head, f"  {rate}", f"  store jobs by state: {t['by_state']}; saves left on disk: {t['on_disk']}",
              f"  stages (median): {t.get('stages')}; load average {t.get('load')}",
              "  CPU seconds by process: " + ", ".join(f"{k} {v:.1f}" for k, v in

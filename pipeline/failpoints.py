@@ -27,10 +27,6 @@ A commit point can also be armed by its place in the code, whatever its ordinal:
 ``gc@gc.py:212.before`` fires at the first commit made at ``gc.py:212`` by a ``gc``
 message. The ordinal of the commit after a loop depends on how many rounds the loop ran
 (how much work that message found); its place does not.
-
-A step continued in the thread of another's message (pipeline/tasks/inline.py) names its
-commit points after its own actor (:func:`as_message`): ``verify.commit2.before`` is the same
-point whether the verify step came as its own message or ran after its upload.
 """
 from __future__ import annotations
 
@@ -40,8 +36,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import FrameType
 
 ENV = "CKPT_FAILPOINTS"
@@ -70,21 +64,6 @@ def begin_message(actor: str) -> None:
 def end_message() -> None:
     if ENABLED:
         _local.actor = None
-
-
-@contextmanager
-def as_message(actor: str) -> Iterator[None]:
-    """Name the commit points of a step continued in this thread (pipeline/tasks/inline.py)
-    after its own actor, as if its message were being processed; then the message's again."""
-    if not ENABLED:
-        yield
-        return
-    saved = getattr(_local, "actor", None), getattr(_local, "commits", 0)
-    begin_message(actor)
-    try:
-        yield
-    finally:
-        _local.actor, _local.commits = saved
 
 
 def clock_offset() -> float:

@@ -5,7 +5,7 @@ they committed (docs/design.md, invariant 3: commit, then act).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -20,16 +20,10 @@ from pipeline.settings import Settings
 
 @dataclass(frozen=True)
 class Send:
-    """A message to enqueue after the deciding transaction committed.
-
-    ``here``: the step that decided it judged it short (the upload of a checkpoint that fits in
-    one shard, its verification, a rotation its run's rotation pass decided): a Dramatiq
-    worker that consumes its queue runs it next in the same thread instead of sending it
-    (pipeline/tasks/inline.py). A hint, not part of the message: equal with or without it."""
+    """A message to enqueue after the deciding transaction committed."""
 
     actor: str
     args: tuple[Any, ...]
-    here: bool = field(default=False, compare=False)
 
 
 def begin_step(session: Session, settings: Settings, job_id: int, expected: str) -> Job | None:

@@ -21,7 +21,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from pipeline import failpoints
-from pipeline.db.turns import WriteTurn
 from pipeline.errors import MissingRow
 
 T = TypeVar("T")
@@ -35,8 +34,6 @@ _engines: dict[tuple[int, str, bool], Engine] = {}
 
 
 def _sqlite_setup(engine: Engine, *, readonly: bool = False) -> None:
-    turn = WriteTurn()  # this process's writers to this database take turns (pipeline/db/turns.py)
-
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
         # Let SQLAlchemy's BEGIN (below) own transactions instead of the driver.
@@ -57,24 +54,8 @@ def _sqlite_setup(engine: Engine, *, readonly: bool = False) -> None:
             # A deferred transaction: in WAL mode it reads a snapshot and never takes the
             # write lock, so pages and /metrics never hold up the pipeline's writes.
             dbapi_conn.execute("BEGIN")
-        elif dbapi_conn is not None:
-            turn.take(dbapi_conn, BUSY_TIMEOUT_MS / 1000)
-            try:
-                begin_immediate(dbapi_conn)
-            except BaseException:
-                turn.give(dbapi_conn)
-                raise
-            turn.began(dbapi_conn)
         else:
             begin_immediate(dbapi_conn)
-
-    def _on_end(conn: Connection) -> None:
-        if not conn.invalidated and not conn.closed:  # else the next writer takes the turn over
-            turn.give(conn.connection.dbapi_connection)
-
-    if not readonly:
-        event.listen(engine, "commit", _on_end)
-        event.listen(engine, "rollback", _on_end)
 
 
 def begin_immediate(dbapi_conn: Any, timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:

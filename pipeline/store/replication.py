@@ -270,21 +270,13 @@ def short_contents(session: Session, checkpoint_id: int, rf: int, tier: str = Ti
     ) or 0)
 
 
-def fits_one_shard(settings: Settings, ckpt: Checkpoint) -> bool:
-    """Whether ``ckpt`` is no larger than one shard: its upload and its verification are short
-    work, run in the thread of the step that decides each (:class:`pipeline.steps.Send`'s
-    ``here``; docs/design.md, "Continuing in the same thread")."""
-    return ckpt.total_bytes <= settings.shard_size
-
-
 def fan_in_job(s: Session, settings: Settings, job_id: int) -> list[Send]:
     """Move one ``sharded`` store job on when every content of its checkpoint has RF copies
     stored on workers (and, when its run requires them, its copies on object stores)."""
     job = one(s, Job, job_id)
     if job.state != S.SHARDED or job.checkpoint_id is None:
         return []
-    ckpt = one(s, Checkpoint, job.checkpoint_id)
-    need = settings.need_for(ckpt.run)
+    need = settings.need_for(one(s, Checkpoint, job.checkpoint_id).run)
     if short_contents(s, job.checkpoint_id, need.rf):
         return []
     if need.targets and (short := short_contents(s, job.checkpoint_id, need.targets, Tier.OBJECT_STORE)):
@@ -294,7 +286,7 @@ def fan_in_job(s: Session, settings: Settings, job_id: int) -> list[Send]:
                   detail="every content has RF stored copies"
                          + (f" and {need.targets} on object stores" if need.targets else ""),
                   bytes_done=job.bytes_total, blocked_reason=None):
-        return [Send("verify", (job_id,), fits_one_shard(settings, ckpt))]
+        return [Send("verify", (job_id,))]
     return []
 
 

@@ -83,7 +83,7 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
             if job is None:
                 continue
             if job.state in ROTATABLE:
-                sends.append(Send("rotate", (job.id,), here=True))  # next, in this thread where it may
+                sends.append(Send("rotate", (job.id,)))
             elif job.state not in states.TERMINAL[JobKind.STORE]:
                 reason = f"rotation waits: the checkpoint is {job.state}, not yet verified"
                 if job.blocked_reason is None or job.blocked_reason.startswith("rotation waits"):

@@ -36,7 +36,7 @@ from pipeline.objectstore.tier import is_target
 from pipeline.settings import Settings
 from pipeline.states import ContentState, CopyState, JobKind, Tier
 from pipeline.steps import Send, begin_step
-from pipeline.store.replication import fan_in_job, fits_one_shard, on_its_way
+from pipeline.store.replication import fan_in_job, on_its_way
 
 log = logging.getLogger("ckpt.shard")
 S = states.StoreState
@@ -53,7 +53,6 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
             return []
         ckpt = one(s, Checkpoint, job.checkpoint_id)
         ckpt_id, run = ckpt.id, ckpt.run
-        small = fits_one_shard(settings, ckpt)
         # Only this host's files: the parts other hosts hold were hashed there when announced,
         # and each storage worker refuses bytes that do not match what was announced.
         files = [(f.id, f.relpath or ckpt.path, file_path(ckpt, f), f.format, f.size, f.mtime_ns, f.sha256)
@@ -106,12 +105,10 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
         if not moved:
             raise RuntimeError("job left 'detected' while sharding; rolling back this placement")
         skip = set(sent)
-        sends = replicate_sends([cp for cp in pending if cp.id not in skip], mode, here=small)
-        if pending and not small and any(cp.state == CopyState.VERIFIED for c in contents for cp in c.copies):
+        sends = replicate_sends([cp for cp in pending if cp.id not in skip], mode)
+        if pending and any(cp.state == CopyState.VERIFIED for c in contents for cp in c.copies):
             # Copies it shares with earlier checkpoints are re-hashed beside the uploads, not
-            # after them; first, so that a busy queue does not hold it behind them. (A small
-            # checkpoint's upload continues in this thread, its verification right after it:
-            # that re-hashes them, and a recheck beside one upload would only add a message.)
+            # after them; first, so that a busy queue does not hold it behind them.
             sends.insert(0, Send("recheck", (job_id,)))
         if not pending:  # every content already has RF copies (a step that changed nothing)
             sends = fan_in_job(s, settings, job_id)
@@ -134,20 +131,19 @@ def place_on_stores(s: Session, settings: Settings, contents: list[Content], run
             return
 
 
-def replicate_sends(pending: list[ContentCopy], mode: str, *, here: bool = False) -> list[Send]:
+def replicate_sends(pending: list[ContentCopy], mode: str) -> list[Send]:
     """The messages that send ``pending`` copies: one per copy (``fanout``), or one per content
     whose first copy's worker passes the bytes on to the others' (``chain``), the first hops
     spread so that every worker's link works (:func:`pipeline.core.placement.chain_orders`).
     The mode is the checkpoint's root's (``replication`` in its options), else CKPT_REPLICATION.
     A copy on an object store is sent by a message of its own (never a hop of a chain), once a
-    worker holds the content when it is still on its way to them. ``here``: the messages to
-    workers may run in this thread (a checkpoint that fits in one shard)."""
+    worker holds the content when it is still on its way to them."""
     # A content on its way to workers goes to an object store once a worker holds it (the worker
     # puts it there: pipeline.store.replication sends it then); one already on workers goes now.
     alone = [Send("replicate", (cp.id,)) for cp in pending if is_target(cp.worker_id) and not on_its_way(cp.content)]
     pending = [cp for cp in pending if not is_target(cp.worker_id)]
     if mode != "chain":
-        return [Send("replicate", (cp.id,), here) for cp in pending] + alone
+        return [Send("replicate", (cp.id,)) for cp in pending] + alone
     per_content: dict[str, dict[str, ContentCopy]] = {}
     for cp in pending:
         per_content.setdefault(cp.sha256, {})[cp.worker_id] = cp
@@ -156,7 +152,7 @@ def replicate_sends(pending: list[ContentCopy], mode: str, *, here: bool = False
     sends = []
     for g, order in zip(groups, orders, strict=True):
         ids = [g[w].id for w in order]
-        sends.append(Send("replicate", (ids[0], ids[1:]) if len(ids) > 1 else (ids[0],), here))
+        sends.append(Send("replicate", (ids[0], ids[1:]) if len(ids) > 1 else (ids[0],)))
     return sends + alone
 
 

@@ -275,6 +275,4 @@ def verify_checkpoint(settings: Settings, job_id: int) -> list[Send]:
                           f"{len(confirmed) - beside} as they were stored, {beside} shared with earlier "
                           f"checkpoints beside the uploads, {rehashed_now} now")
         log.info("job %d verified on %d workers", job_id, len(asks))
-    # A message, not continued here: one rotation pass for many verified saves costs less than
-    # one per save (docs/benchmarks.md, "Checkpoints per second"; pipeline/tasks/waiting.py).
     return [Send("rotate_run", (run,))]

@@ -1,13 +1,11 @@
 """The Dramatiq actors: thin, idempotent, taking ids (docs/design.md, invariant 3).
 
 Each loads by id, calls its step in ``pipeline``, and sends the follow-up messages the
-step returns only after the step's transactions committed; those the step marks ``here``, for
-a queue this process consumes, run next in the same thread (pipeline/tasks/inline.py).
+step returns only after the step's transactions committed.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import dramatiq
@@ -29,7 +27,6 @@ from pipeline.store.rotation import rotate as rotate_step
 from pipeline.store.rotation import rotate_part as rotate_part_step
 from pipeline.store.sharding import shard_checkpoint
 from pipeline.store.verification import recheck_shared, verify_checkpoint
-from pipeline.tasks.inline import carry_on
 from pipeline.tasks.sending import send_all
 
 log = logging.getLogger("ckpt.tasks")
@@ -47,90 +44,64 @@ _TRANSFER: dict[str, Any] = dict(_common, time_limit=int(_settings.transfer_time
 _CONTROL: dict[str, Any] = dict(_common, time_limit=10 * 60 * _SECOND)
 
 
-def _replicate(copy_id: int, chain: list[int] | None = None, named: dict[str, Any] | None = None) -> list[Send]:
-    return replicate_step(settings_mod.current(), copy_id, chain or (), named, key=deliveries.CURRENT.get())
-
-
-def _verify(job_id: int) -> list[Send]:
-    return verify_checkpoint(settings_mod.current(), job_id)
-
-
-def _rotate_run(run: str) -> list[Send]:
-    return plan_run(settings_mod.current(), run)
-
-
-def _rotate(job_id: int) -> list[Send]:
-    return rotate_step(settings_mod.current(), job_id)
-
-
-#: The steps a Dramatiq worker may run in the thread of the message that decided them, by actor
-#: (pipeline/tasks/inline.py); each is what its actor runs.
-CONTINUES: dict[str, Callable[[Send], list[Send]]] = {
-    "replicate": lambda m: _replicate(*m.args),
-    "verify": lambda m: _verify(*m.args),
-    "rotate_run": lambda m: _rotate_run(*m.args),
-    "rotate": lambda m: _rotate(*m.args),
-}
-
-
 @dramatiq.actor(actor_name="shard", queue_name="ckpt", **_TRANSFER)
 def shard(job_id: int, sent: list[int] | None = None) -> None:
-    carry_on(shard_checkpoint(settings_mod.current(), job_id, sent or ()), CONTINUES)
+    send_all(shard_checkpoint(settings_mod.current(), job_id, sent or ()))
 
 
 @dramatiq.actor(actor_name="replicate", queue_name="ckpt", **_TRANSFER)
 def replicate(copy_id: int, chain: list[int] | None = None, named: dict[str, Any] | None = None) -> None:
-    carry_on(_replicate(copy_id, chain, named), CONTINUES)
+    send_all(replicate_step(settings_mod.current(), copy_id, chain or (), named, key=deliveries.CURRENT.get()))
 
 
 @dramatiq.actor(actor_name="verify", queue_name="ckpt", **_TRANSFER)
 def verify(job_id: int) -> None:
-    carry_on(_verify(job_id), CONTINUES)
+    send_all(verify_checkpoint(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="recheck", queue_name="ckpt", **_TRANSFER)
 def recheck(job_id: int) -> None:
-    carry_on(recheck_shared(settings_mod.current(), job_id), CONTINUES)
+    send_all(recheck_shared(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="rotate_run", queue_name="ckpt", **_CONTROL)
 def rotate_run(run: str) -> None:
-    carry_on(_rotate_run(run), CONTINUES)
+    send_all(plan_run(settings_mod.current(), run))
 
 
 @dramatiq.actor(actor_name="rotate", queue_name="ckpt", **_CONTROL)
 def rotate(job_id: int) -> None:
-    carry_on(_rotate(job_id), CONTINUES)
+    send_all(rotate_step(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="rotate_part", queue_name="ckpt", **_CONTROL)
 def rotate_part(job_id: int, host: str) -> None:
-    carry_on(rotate_part_step(settings_mod.current(), job_id, host), CONTINUES)
+    send_all(rotate_part_step(settings_mod.current(), job_id, host))
 
 
 @dramatiq.actor(actor_name="restore", queue_name="ckpt", **_TRANSFER)
 def restore(job_id: int) -> None:
-    carry_on(restore_step(settings_mod.current(), job_id), CONTINUES)
+    send_all(restore_step(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="scrub", queue_name="ckpt", **_TRANSFER)
 def scrub(job_id: int) -> None:
-    carry_on(scrub_step(settings_mod.current(), job_id), CONTINUES)
+    send_all(scrub_step(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="repair", queue_name="ckpt", **_TRANSFER)
 def repair(job_id: int) -> None:
-    carry_on(repair_step(settings_mod.current(), job_id), CONTINUES)
+    send_all(repair_step(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="reconcile", queue_name="ckpt", **_TRANSFER)
 def reconcile(job_id: int) -> None:
-    carry_on(reconcile_step(settings_mod.current(), job_id), CONTINUES)
+    send_all(reconcile_step(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="gc", queue_name="ckpt", **_TRANSFER)
 def gc(job_id: int) -> None:
-    carry_on(collect(settings_mod.current(), job_id), CONTINUES)
+    send_all(collect(settings_mod.current(), job_id))
 
 
 @dramatiq.actor(actor_name="reconcile_worker", queue_name="ckpt", **_CONTROL)

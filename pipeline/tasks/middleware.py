@@ -42,21 +42,6 @@ class Ready(Middleware):
         mark_ready(settings_mod.current(), "dramatiq")
 
 
-class Continuations(Middleware):
-    """Lets the steps a message's step marks ``here`` run in its thread, for the queues this
-    worker process consumes (pipeline/tasks/inline.py)."""
-
-    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        from pipeline.tasks import inline
-
-        inline.serve(worker)
-
-    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        from pipeline.tasks import inline
-
-        inline.serve(None)
-
-
 class Failpoints(Middleware):
     """Names the commit failpoints of each message after its actor (tests only:
     installed when ``CKPT_FAILPOINTS`` is set, see :mod:`pipeline.failpoints`)."""

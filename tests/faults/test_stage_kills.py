@@ -12,7 +12,6 @@ import re
 import pytest
 
 from tests.faults.harness import FaultCluster, Table, Trace, trial
-from tests.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -38,43 +37,18 @@ def run_faults(cluster: FaultCluster, names: list[str], trials: int, fire, where
     return bad
 
 
-@pytest.mark.parametrize("layers", [2, 0], ids=["several-shards", "one-shard"])
-def test_store_and_rotate(fault_cluster: FaultCluster, trials: int, layers: int):
-    """A checkpoint of several shards sends each step as a message; one that fits in one shard
-    continues its upload and its verification in the thread of its shard message, and a rotation
-    pass its rotations (pipeline/tasks/inline.py): killed at any of their commit points, the job
-    ends well."""
+def test_store_and_rotate(fault_cluster: FaultCluster, trials: int):
     c = fault_cluster
-
-    def store() -> None:
-        c.new_checkpoint(layers)
-
     with c.trace() as t:
-        store()
+        c.new_checkpoint()
         c.quiet()
-        store()  # its verification rotates the first
+        c.new_checkpoint()  # its verification rotates the first
         c.quiet()
     names = ["watch.recorded", *points(t.names, {"shard", "replicate", "verify", "rotate_run", "rotate"})]
     # The trace itself is checked: a failpoint layer that fired nothing would prove nothing.
     assert {"shard.commit2.before", "replicate.commit2.after", "verify.commit2.before",
             "rotate.commit3.before", "rotate.commit3.after"} <= set(names), t.names
-    assert not run_faults(c, names, trials, store, trace=t)
-
-
-def test_a_continued_step_that_fails_is_handed_to_the_workers(fault_cluster: FaultCluster):
-    """The verification of a checkpoint of one shard, continued in its shard message's thread,
-    raises: the failure is on the job's timeline, its message is sent, and the job is verified
-    by that message."""
-    c = fault_cluster
-    c.wait_stable()
-    c.arm("verify.commit1.before", "raise")
-    path = c.new_checkpoint(layers=0)
-    wait_for(lambda: c.fired("verify.commit1.before"), 60, "the verification to fail")
-    c.quiet()
-    job = c.job(c.detected(path))
-    assert job.state in ("verified", "rotated"), (job.state, job.last_error)
-    assert job.sent_key is not None and job.sent_key.startswith("verify."), job.sent_key
-    assert c.notes_containing("verify: FailpointError: failpoint verify.commit1.before"), job.last_error
+    assert not run_faults(c, names, trials, c.new_checkpoint, trace=t)
 
 
 def test_restore(fault_cluster: FaultCluster, trials: int, tmp_path):

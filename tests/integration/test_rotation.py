@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import select, update
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, ContentCopy, JobEvent, Shard
+from pipeline.db.models import CheckpointFile, ContentCopy, Shard
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
@@ -79,54 +79,3 @@ def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
                   .values(state="verified", verified_at=ContentCopy.stored_at))
     cluster.wait_job(old_job, ("rotated",), timeout=60)
     assert not old.exists()
-
-
-def _timeline(cluster, job_id: int) -> list[str]:
-    """The states the job went through, in order."""
-    with session_scope(cluster.settings.db_url) as s:
-        moved = JobEvent.from_state.is_(None) | (JobEvent.from_state != JobEvent.to_state)  # not a note
-        return list(s.scalars(select(JobEvent.to_state).where(JobEvent.job_id == job_id, moved).order_by(JobEvent.id)))
-
-
-def _keys(cluster, job_id: int) -> tuple[str | None, set[str | None]]:
-    """The key of the job's last message, and those of the messages that sent its copies."""
-    job = cluster.job(job_id)
-    shas = select(Shard.sha256).join(CheckpointFile).where(CheckpointFile.checkpoint_id == job.checkpoint_id)
-    stored_now = ContentCopy.stored_at >= job.created_at
-    with session_scope(cluster.settings.db_url) as s:
-        sent = set(s.scalars(select(ContentCopy.sent_key).where(ContentCopy.sha256.in_(shas), stored_now)))
-    return job.sent_key, sent
-
-
-def test_a_checkpoint_of_one_shard_is_replicated_and_verified_in_its_shard_message(make_cluster):
-    """docs/design.md, "Continuing in the same thread": a checkpoint that fits in one shard is
-    replicated and verified in the thread of its shard message (no message sent for its copies
-    or its verification), every transition recorded, and rotation follows; a larger one sends
-    its steps as messages, as before."""
-    cluster = make_cluster(env={"CKPT_KEEP_LAST": "1"}, processes=1)
-    run = cluster.runs / "run"
-    run.mkdir()
-    small = [atomic_save(state_dict(20 + i, layers=0), run / f"step_{i}.safetensors") for i in (1, 2)]
-    assert all(p.stat().st_size < cluster.settings.shard_size for p in small)
-    jobs = []
-    for path in small:
-        jobs.append(checkpoint_job(cluster, path))
-        cluster.wait_job(jobs[-1], ("verified", "rotated"))
-    cluster.wait_job(jobs[0], ("rotated",), timeout=60)
-    assert not small[0].exists() and small[1].exists()
-    assert _timeline(cluster, jobs[0]) == ["detected", "sharded", "replicated", "verified", "rotated"]
-    assert _timeline(cluster, jobs[1]) == ["detected", "sharded", "replicated", "verified"]
-    for job_id in jobs:
-        key, copy_keys = _keys(cluster, job_id)
-        assert key is not None and key.startswith("shard."), key  # no verify message was keyed on it
-        assert copy_keys == {None}, copy_keys  # nor a replicate message on its new copies
-
-    big = atomic_save(state_dict(30, layers=2), run / "step_3.safetensors")
-    assert big.stat().st_size > cluster.settings.shard_size
-    big_job = checkpoint_job(cluster, big)
-    cluster.wait_job(big_job, ("verified",))
-    cluster.wait_job(jobs[1], ("rotated",), timeout=60)  # rotation still follows its verification
-    assert _timeline(cluster, big_job) == ["detected", "sharded", "replicated", "verified"]
-    key, copy_keys = _keys(cluster, big_job)
-    assert key is not None and key.startswith("verify."), key
-    assert copy_keys and all(k is not None and k.startswith("replicate.") for k in copy_keys), copy_keys

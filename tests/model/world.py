@@ -197,11 +197,8 @@ class World:
         from pipeline.tasks import actors
 
         self.actors = actors
-        self._saved_send = actors.send_all, actors.carry_on
-        # Every follow-up is a message of the model's queue: none continues in the step's thread
-        # (as in a process that is not a Dramatiq worker: pipeline/tasks/inline.py).
+        self._saved_send = actors.send_all
         actors.send_all = self._collect
-        actors.carry_on = lambda sends, _steps: self._collect(sends)
         self.watcher = Watcher(self.settings, self._collect, use_events=False)
         self.watcher.reconcile()
         probe_all(self.settings)
@@ -209,7 +206,7 @@ class World:
     # -- plumbing --------------------------------------------------------------------
 
     def close(self) -> None:
-        self.actors.send_all, self.actors.carry_on = self._saved_send
+        self.actors.send_all = self._saved_send
         self._quiesce()
         dispose_all()
         shutil.rmtree(self.base, ignore_errors=True)
