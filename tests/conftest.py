@@ -140,6 +140,15 @@ def db(request, settings: settings_mod.Settings):
     """The control plane at head, built by the migrations: every test that takes it runs
     twice, on SQLite and on a fresh PostgreSQL database."""
     if request.param == "sqlite":
+        import shutil
+
+        from sqlalchemy.engine import make_url
+
+        # A copy of the session's migrated database (the migrations took 0.2 s of CPU per test,
+        # 339 tests): the same file the migrations build, then upgrade() finds it at head.
+        path = Path(make_url(settings.db_url).database or "")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(request.getfixturevalue("sqlite_control_plane"), path)
         upgrade(settings.db_url)
         yield settings
         dispose_all()
@@ -155,6 +164,21 @@ def db(request, settings: settings_mod.Settings):
         if tables:
             s.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
     yield settings_mod.configure(dataclasses.replace(settings, database_url=url))
+
+
+@pytest.fixture(scope="session")
+def sqlite_control_plane(tmp_path_factory) -> Path:
+    """One SQLite control plane for the session, built by the migrations once; each test that
+    takes ``db`` on SQLite starts from a copy of it (its write-ahead log checkpointed in)."""
+    import sqlite3
+
+    path = tmp_path_factory.mktemp("control-plane") / "ckpt.db"
+    upgrade(f"sqlite:///{path}")
+    dispose_all()
+    with contextlib.closing(sqlite3.connect(path)) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        c.execute("PRAGMA journal_mode=DELETE")
+    return path
 
 
 @pytest.fixture(scope="session")
