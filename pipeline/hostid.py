@@ -55,6 +55,12 @@ def in_queue(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:QUEUE_LEN - 14] + ".." + digest
 
 
+def host_queue(host: str) -> str:
+    """The queue of the steps that must run on ``host``: ``ckpt.host.`` and the id as its queue
+    names it (:func:`in_queue`). Where each step goes is pipeline/queues.py's."""
+    return "ckpt.host." + in_queue(host)
+
+
 def _said(host: str, where: str) -> str:
     """``host``; a warning, once per process, when its queue cannot be named by it as it is."""
     if host in _checked:

@@ -24,7 +24,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pipeline import hostid
 from pipeline.db.copies import good_copy
 from pipeline.db.models import (
     Checkpoint,
@@ -34,16 +33,12 @@ from pipeline.db.models import (
     Job,
     StorageWorker,
 )
+from pipeline.hostid import host_queue
 from pipeline.states import Tier
 from pipeline.steps import Send
 from pipeline.store.source import holding_hosts
 
 SHARED = "ckpt"
-
-
-def host_queue(host: str) -> str:
-    """The queue of the steps that must run on ``host``: one per id (pipeline.hostid.in_queue)."""
-    return "ckpt.host." + hostid.in_queue(host)
 
 
 def depths(client: Any, namespace: str = "dramatiq") -> dict[str, int]:

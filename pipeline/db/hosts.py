@@ -19,7 +19,7 @@ from pipeline import consumers
 from pipeline.db.models import QueueConsumer, TrainingHost
 from pipeline.db.transitions import now
 from pipeline.errors import NoConsumer
-from pipeline.queues import host_queue
+from pipeline.hostid import host_queue
 from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.hosts")

@@ -49,6 +49,33 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
 
+class PartialIndex(Index):
+    """An index of only the rows that match ``where``, on SQLite and PostgreSQL alike: what
+    ``Index(..., sqlite_where=text(where), postgresql_where=text(where))`` declares, the same DDL
+    on both (the revisions create these indexes so: migrations/versions/0004, 0014, 0019).
+
+    The difference: each backend's ``where`` is filled in when that backend first reads its
+    options (its DDL compiler, Alembic's comparison), not when the class is declared. SQLAlchemy
+    validates a ``postgresql_*`` keyword at once by importing its PostgreSQL dialect, and every
+    command imports the models: on a SQLite control plane that was 25 ms of CPU of each
+    ``ckpt status`` spent on a dialect it never uses (docs/design.md, "Start-up")."""
+
+    #: The backends whose DDL carries the ``WHERE``.
+    BACKENDS = ("sqlite", "postgresql")
+
+    def __init__(self, name: str, *columns: str, where: str, unique: bool = False) -> None:
+        self.where = where
+        super().__init__(name, *columns, unique=unique)
+
+    def _kw_reg_for_dialect_cls(self, dialect_name: str) -> Any:  # type: ignore[override]
+        # SQLAlchemy builds ``dialect_options[dialect_name]`` (this index's options for one
+        # backend: its defaults, then what was passed) with this on that backend's first read.
+        options = super()._kw_reg_for_dialect_cls(dialect_name)
+        if dialect_name in self.BACKENDS:
+            options["where"] = text(self.where)
+        return options
+
+
 class UtcDateTime(TypeDecorator):
     """A timezone-aware UTC datetime on every backend (SQLite hands back naive values)."""
 
@@ -81,8 +108,7 @@ class Checkpoint(Base):
         Index("ix_checkpoints_run_state", "run", "current", "store_state", "local_present", "total_bytes"),
         # The few checkpoints changed on disk (status, the runs view), per run: a partial index
         # holds only them (migrations/versions/0019).
-        Index("ix_checkpoints_disk_changed", "run", "current",
-              sqlite_where=text("disk_changed_at IS NOT NULL"), postgresql_where=text("disk_changed_at IS NOT NULL")),
+        PartialIndex("ix_checkpoints_disk_changed", "run", "current", where="disk_changed_at IS NOT NULL"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -345,9 +371,8 @@ class Job(Base):
         Index("ix_jobs_kind_state", "kind", "state"),
         # One active repair per content: two repairs of one content would set aside each
         # other's new copy (pipeline.integrity.repair).
-        Index("uq_jobs_active_repair", "sha256", unique=True,
-              sqlite_where=text("kind = 'repair' AND state IN ('queued', 'repairing')"),
-              postgresql_where=text("kind = 'repair' AND state IN ('queued', 'repairing')")),
+        PartialIndex("uq_jobs_active_repair", "sha256", unique=True,
+                     where="kind = 'repair' AND state IN ('queued', 'repairing')"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -508,8 +533,7 @@ class Alert(Base):
     __tablename__ = "alerts"
     __table_args__ = (
         # At most one open occurrence of a condition.
-        Index("uq_alerts_open_key", "key", unique=True,
-              sqlite_where=text("resolved_at IS NULL"), postgresql_where=text("resolved_at IS NULL")),
+        PartialIndex("uq_alerts_open_key", "key", unique=True, where="resolved_at IS NULL"),
         Index("ix_alerts_since", "since"),
     )
 

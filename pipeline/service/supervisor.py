@@ -30,9 +30,10 @@ from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
 from pipeline.durable import open_private_log, write_private
 from pipeline.errors import ConfigError
+from pipeline.hostid import host_queue
 from pipeline.priority import Priority, check, io_effective, lower
 from pipeline.priority import of as priority_of
-from pipeline.queues import SHARED, host_queue
+from pipeline.queues import SHARED
 from pipeline.service import ports
 from pipeline.service.lifetime import die_with_parent
 from pipeline.service.readiness import ready

