@@ -1,6 +1,7 @@
 """Durable writes (docs/design.md, invariant 2): fsync a directory after renaming into it."""
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -69,7 +70,10 @@ def open_private_log(path: Path) -> int:
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
+@functools.cache
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range, looked up on the first file written behind (not at import: every
+    command imports this module, and ctypes with it)."""
     try:
         import ctypes
 
@@ -79,9 +83,6 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return fn
     except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all the work
         return None
-
-
-_SFR = _sync_file_range()
 
 
 class WriteBehind:
@@ -99,14 +100,15 @@ class WriteBehind:
 
     def written(self, upto: int) -> None:
         """The file is complete up to byte ``upto``."""
-        if _SFR is None:
+        sync_file_range = _sync_file_range()
+        if sync_file_range is None:
             return
         while upto - self.started >= self.window:
-            _SFR(self.fd, self.started, self.window, _SYNC_FILE_RANGE_WRITE)
+            sync_file_range(self.fd, self.started, self.window, _SYNC_FILE_RANGE_WRITE)
             if self.started >= self.window:
                 prev = self.started - self.window
-                _SFR(self.fd, prev, self.window,
-                     _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
+                sync_file_range(self.fd, prev, self.window,
+                                _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
                 if self.evict:
                     os.posix_fadvise(self.fd, prev, self.window, os.POSIX_FADV_DONTNEED)
             self.started += self.window

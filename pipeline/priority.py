@@ -10,7 +10,6 @@ for everything it then runs. The I/O class acts only where the disk's I/O schedu
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import sys
@@ -77,6 +76,8 @@ def lower(p: Priority) -> list[str]:
         if number is None:
             problems.append(f"ionice: unknown syscall number on {platform.machine()}")
         else:
+            import ctypes  # here, not at import: every command imports this module (through its settings)
+
             cls, level = p.io
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.syscall(number, _IOPRIO_WHO_PROCESS, 0, (_IOPRIO_CLASS[cls] << _IOPRIO_SHIFT) | level) != 0:
@@ -100,6 +101,8 @@ def of_process(pid: int) -> Priority:
     number = _SYS_IOPRIO.get(platform.machine(), (None, None))[1]
     if number is None:
         return Priority(nice, None)
+    import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     value = libc.syscall(number, _IOPRIO_WHO_PROCESS, pid)
     if value < 0:

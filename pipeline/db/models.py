@@ -7,9 +7,12 @@ references it, so every checkpoint sharing it sees the same truth about its copi
 
 The database is the single source of truth (docs/design.md, invariant 3). Alembic
 owns the schema: every change here needs a new revision under ``migrations/versions``.
-"""
-from __future__ import annotations
 
+The annotations are evaluated as the classes are declared (no ``from __future__ import
+annotations``; a class declared further down is named in quotes): declarative mapping reads
+every ``Mapped[...]``, and a string annotation is compiled and evaluated for that, once per
+column at every start of every command.
+"""
 from datetime import UTC, datetime
 from typing import Any
 
@@ -159,7 +162,7 @@ class Checkpoint(Base):
     disk_changed_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     disk_changed: Mapped[str | None] = mapped_column(Text, nullable=True)
 
-    files: Mapped[list[CheckpointFile]] = relationship(
+    files: Mapped[list["CheckpointFile"]] = relationship(
         back_populates="checkpoint", order_by="CheckpointFile.relpath", cascade="all, delete-orphan"
     )
 
@@ -199,7 +202,7 @@ class CheckpointFile(Base):
     host: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="files")
-    shards: Mapped[list[Shard]] = relationship(
+    shards: Mapped[list["Shard"]] = relationship(
         back_populates="file", order_by="Shard.seq", cascade="all, delete-orphan"
     )
 
@@ -256,7 +259,7 @@ class Shard(Base):
     tensors: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
     file: Mapped[CheckpointFile] = relationship(back_populates="shards")
-    content: Mapped[Content] = relationship()
+    content: Mapped["Content"] = relationship()
 
 
 class Content(Base):
@@ -275,7 +278,7 @@ class Content(Base):
     last_referenced_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     condemned_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
 
-    copies: Mapped[list[ContentCopy]] = relationship(back_populates="content", cascade="all, delete-orphan")
+    copies: Mapped[list["ContentCopy"]] = relationship(back_populates="content", cascade="all, delete-orphan")
 
 
 class StorageWorker(Base):
@@ -405,7 +408,7 @@ class Job(Base):
     waiting_for: Mapped[str | None] = mapped_column(String(255), nullable=True, index=True)
 
     checkpoint: Mapped[Checkpoint | None] = relationship()
-    events: Mapped[list[JobEvent]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
+    events: Mapped[list["JobEvent"]] = relationship(order_by="JobEvent.id", cascade="all, delete-orphan")
 
 
 class JobEvent(Base):
