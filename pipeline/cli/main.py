@@ -34,6 +34,7 @@ from pipeline import states
 from pipeline.cli.common import (
     HOME_HELP,
     add_home_option,
+    collection_paused,
     control_plane,
     explained,
     parse_size,
@@ -148,9 +149,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     # Imported when run: the status queries bring SQLAlchemy and the models, which a storage
     # worker (``ckpt worker``, started by every ``ckpt up``) never needs (docs/design.md,
     # "Start-up").
-    from pipeline.cli.status_view import cmd_status as status
+    with collection_paused():
+        from pipeline.cli.status_view import cmd_status as status
 
-    return status(args)
+        return status(args)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

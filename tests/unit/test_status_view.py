@@ -69,3 +69,28 @@ def test_status_is_one_line_per_run_under_a_line_of_cluster_health(settings, cap
     assert "checkpoint-300" in full and "storage workers:" in full and "used 201.3 MB, free 80.0 GB of 270.6 GB" in full
     # a filter asks for the checkpoints: the full view
     assert "checkpoint-300" in status_text(settings, capsys, "--run", f"{root}alpha", verbose=False)
+
+
+def test_status_runs_without_the_cyclic_collector_and_gives_it_back(settings, capsys):
+    """`ckpt status` ends in a fraction of a second: the collector would only walk, again and
+    again, the modules it imports (pipeline.cli.common.collection_paused). After it, collection
+    is as it was: this process (a test, a caller of ``main``) goes on collecting."""
+    import gc
+
+    upgrade(settings.db_url)
+    _many(settings, runs=("alpha",), per_run=5)
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    parsed = build_parser().parse_args(["--home", str(settings.home), "status", "--verbose"])
+    gc.callbacks.append(count)
+    try:
+        assert parsed.func(parsed) == 0
+    finally:
+        gc.callbacks.remove(count)
+    assert "checkpoint-400" in capsys.readouterr().out
+    assert collections == [], "collected while status ran (or all at once after it)"
+    assert gc.isenabled()
