@@ -182,6 +182,26 @@ def sqlite_control_plane(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sharded_dcp(tmp_path_factory):
+    """``sharded_dcp(out, seed)``: a two-rank FSDP2-style save without collectives, copied to
+    ``out``. Each seed is written once per test process (torch starts two rank processes: seconds
+    of CPU each, on a suite bound by CPU) and copied for every test that wants it."""
+    import shutil
+
+    from tests.writers.write import sharded_dcp_without_collectives
+
+    written: dict[int, Path] = {}
+
+    def copy(out: Path, seed: int) -> None:
+        if seed not in written:
+            written[seed] = tmp_path_factory.mktemp(f"dcp-seed{seed}") / "save"
+            sharded_dcp_without_collectives(written[seed], seed)
+        shutil.copytree(written[seed], out)
+
+    return copy
+
+
+@pytest.fixture(scope="session")
 def postgres_control_plane():
     """One PostgreSQL database for the session, built by the migrations once."""
     with fresh_postgres_database() as (_name, url):

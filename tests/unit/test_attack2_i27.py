@@ -145,7 +145,7 @@ def test_a_checkpoint_restored_to_its_own_path_is_not_the_newest_save(db, tmp_pa
         f"latest() answers {newest and newest.path} (step {newest and newest.step}) after it was restored")
 
 
-def test_a_dcp_resave_without_collectives_with_one_rank_done_is_not_a_new_version(db, tmp_path):
+def test_a_dcp_resave_without_collectives_with_one_rank_done_is_not_a_new_version(db, tmp_path, sharded_dcp):
     """History: two ranks save FSDP2-sharded weights with ``dcp.save(...,
     use_collectives=False)`` into ``step_2/`` (each rank writes ``__<rank>_0.distcp`` then
     ``__<rank>.metadata``); it is recorded and protected (v1). The job restarts from an
@@ -163,13 +163,12 @@ def test_a_dcp_resave_without_collectives_with_one_rank_done_is_not_a_new_versio
     rank's ``__<rank>.metadata`` is new (each rank writes its own last file); until then the
     folder is "changed on disk, not protected" and v1 stays current, kept and restorable."""
     from pipeline.integrity import gc
-    from tests.unit.test_attack_i27 import _sharded_dcp_without_collectives
 
     settings = dataclasses.replace(db, gc_grace_seconds=0)
     written = tmp_path / "written"
     written.mkdir()
     for seed in (1, 2):
-        _sharded_dcp_without_collectives(written / f"seed{seed}", seed=seed)
+        sharded_dcp(written / f"seed{seed}", seed=seed)
     run = tmp_path / "runs" / "r"
     run.mkdir()
     step = run / "step_2"

@@ -306,35 +306,7 @@ def test_content_saved_again_after_its_version_was_forgotten_is_protected_again(
     assert newest is not None and newest.path == str(export)
 
 
-def _dtensor_rank(rank: int, world: int, out: str, port: int, seed: int) -> None:
-    """One rank of an FSDP2-style save: every tensor a DTensor sharded by rows over the ranks,
-    saved without collectives (each rank writes ``__<rank>_0.distcp`` and ``__<rank>.metadata``)."""
-    import os as _os
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    _os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(seed)
-    full = {f"layer{i}.weight": torch.randn(128, 64) for i in range(3)}
-    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=out,
-             use_collectives=False)
-    dist.destroy_process_group()
-
-
-def _sharded_dcp_without_collectives(out: Path, seed: int) -> None:
-    import torch.multiprocessing as mp
-
-    from pipeline.cluster.client import free_port
-
-    mp.spawn(_dtensor_rank, args=(2, str(out), free_port(), seed), nprocs=2)
-
-
-def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_files(db, tmp_path):
+def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_files(db, tmp_path, sharded_dcp):
     """History: two ranks save FSDP2-sharded weights with ``dcp.save(...,
     use_collectives=False)`` (what ``async_save`` without collectives does on a job that avoids
     a barrier). Ranks are not synchronised: rank 0 finishes ``__0_0.distcp`` and renames
@@ -356,7 +328,7 @@ def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_f
     run.mkdir()
     whole = tmp_path / "written" / "step_2"
     whole.parent.mkdir()
-    _sharded_dcp_without_collectives(whole, seed=2)
+    sharded_dcp(whole, seed=2)
     assert sorted(p.name for p in whole.iterdir()) == ["__0.metadata", "__0_0.distcp", "__1.metadata",
                                                         "__1_0.distcp"]
     # What the run's folder holds while rank 1 has not written (yet, or ever).

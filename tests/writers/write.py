@@ -198,6 +198,35 @@ def dcp(run: Path, world: int, *, collectives: bool = True) -> list[str]:
     return [str(out)]
 
 
+def _dtensor_rank(rank: int, world: int, out: str, port: int, seed: int) -> None:
+    """One rank of an FSDP2-style save: every tensor a DTensor sharded by rows over the ranks,
+    saved without collectives (each rank writes ``__<rank>_0.distcp`` and ``__<rank>.metadata``)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    full = {f"layer{i}.weight": torch.randn(128, 64) for i in range(3)}
+    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=out,
+             use_collectives=False)
+    dist.destroy_process_group()
+
+
+def sharded_dcp_without_collectives(out: Path, seed: int) -> None:
+    """Two gloo ranks save FSDP2-style row-sharded weights into ``out`` without collectives
+    (:func:`_dtensor_rank`); the same tensors for the same ``seed``."""
+    import torch.multiprocessing as mp
+
+    from pipeline.cluster.client import free_port
+
+    mp.spawn(_dtensor_rank, args=(2, str(out), free_port(), seed), nprocs=2)
+
+
 def torch_save(run: Path) -> list[str]:
     import torch
 
