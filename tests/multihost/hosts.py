@@ -51,7 +51,7 @@ class TrainingHosts:
             "CKPT_DATABASE_URL": f"postgresql+psycopg://{user}@{SVC_IP}:5432/{self.pg_name}",
             "CKPT_REDIS_URL": f"redis://{SVC_IP}:6390/0", "CKPT_WORKERS": workers, "CKPT_HOST": host,
             "CKPT_ROOTS": str(self.view / "runs" / "*"), "CKPT_KEEP_LAST": "1", "CKPT_RESTORE_ROOTS": str(self.view),
-            "dramatiq_worker_timeout": "100", "CKPT_SCRUB_CRON": "", "CKPT_GC_CRON": "",
+            "dramatiq_worker_timeout": FAST["CKPT_POLL_MS"], "CKPT_SCRUB_CRON": "", "CKPT_GC_CRON": "",
         })
         e.update(self.extra)
         return e

@@ -56,7 +56,7 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
             "CKPT_HOME": str(tmp_path / host), "CKPT_CLUSTER_KEY": KEY, "PYTHONUNBUFFERED": "1",
             "CKPT_DATABASE_URL": f"postgresql+psycopg://{user}@{SVC_IP}:5432/{pg_database}",
             "CKPT_REDIS_URL": f"redis://{SVC_IP}:6390/0", "CKPT_WORKERS": workers,
-            "CKPT_ROOTS": str(runs / "*"), "CKPT_KEEP_LAST": "5", "dramatiq_worker_timeout": "100",
+            "CKPT_ROOTS": str(runs / "*"), "CKPT_KEEP_LAST": "5", "dramatiq_worker_timeout": FAST["CKPT_POLL_MS"],
             "CKPT_HOST": host, "CKPT_RESTORE_ROOTS": str(tmp_path),  # restored next to the runs, not in them
             # Between hosts, compressed whatever the load on this machine's two cores (``auto``
             # backs off while they are busy, as they are while the other lane's cluster runs).
