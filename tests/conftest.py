@@ -121,6 +121,16 @@ def _postgres_available() -> bool:
         return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def writers_fork_server():
+    """Stops this test process's fork server at the session's end, failed or not, if a test
+    started one (tests/writers/forked.py): it SIGKILLs and reaps every writer it forked."""
+    yield
+    from tests.writers import forked
+
+    forked.shutdown()
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> settings_mod.Settings:
     s = settings_mod.load({

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,14 +29,15 @@ from pipeline.detection.catalog import latest_store_job
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
+from tests.writers import forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 
 
 def write(cluster, writer: str, run: Path) -> list[Path]:
-    r = subprocess.run([sys.executable, "-m", "tests.writers.write", writer, str(run)], cwd=REPO,
-                       env={**cluster.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    r = forked.run([sys.executable, "-m", "tests.writers.write", writer, str(run)], cwd=REPO,
+                   env={**cluster.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return [Path(p) for p in json.loads(r.stdout.strip().splitlines()[-1])["saves"]]
 

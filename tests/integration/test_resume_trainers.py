@@ -17,18 +17,19 @@ import pytest
 import torch
 
 from tests.processes import Cluster
+from tests.writers import forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train(c: Cluster, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.writers.train", *args], cwd=REPO,
-                            env={**c.env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def train(c: Cluster, *args: str) -> forked.Process:
+    return forked.popen([sys.executable, "-m", "tests.writers.train", *args], cwd=REPO,
+                        env={**c.env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True)
 
 
-def finish(p: subprocess.Popen, what: str) -> None:
+def finish(p: forked.Process, what: str) -> None:
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, f"{what} failed:\n{err[-4000:]}"
 

@@ -19,19 +19,19 @@ from pathlib import Path
 import pytest
 
 from tests.processes import Cluster, base_env, descendants, wait_for
+from tests.writers import forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = ("hf", "lightning")
 
 
-def train(env: dict[str, str], trainer: str, run: Path, *extra: str, cwd: Path = REPO) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.writers.protected", trainer, str(run), *extra], cwd=cwd,
-                            env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def train(env: dict[str, str], trainer: str, run: Path, *extra: str, cwd: Path = REPO) -> forked.Process:
+    return forked.popen([sys.executable, "-m", "tests.writers.protected", trainer, str(run), *extra], cwd=cwd,
+                        env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finished(p: subprocess.Popen) -> tuple[dict, str]:
+def finished(p: forked.Process) -> tuple[dict, str]:
     """The run's summary line and its stderr, once it exited 0 with all its steps."""
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, f"training died:\n{err[-4000:]}"

@@ -24,6 +24,7 @@ from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.detection.catalog import latest_store_job, version_of
 from tests.checkpoints import files_of
 from tests.processes import Cluster, wait_for
+from tests.writers import forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -52,8 +53,8 @@ def matrix(tmp_path_factory):
     c.start()
     try:
         env = {**c.env, **SLOW, "CKPT_SLOW_ROOT": str(c.runs), "PYTHONPATH": str(REPO)}
-        procs = {w: subprocess.Popen([sys.executable, "-m", "tests.writers.write", w, str(c.runs / w)], cwd=REPO,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs = {w: forked.popen([sys.executable, "-m", "tests.writers.write", w, str(c.runs / w)], cwd=REPO,
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for w in WRITERS}
         saves = {}
         for w, p in procs.items():

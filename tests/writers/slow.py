@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import sys
 import time
 from typing import Any
 
@@ -88,7 +89,7 @@ def install() -> None:
         with open(filename, "wb") as f:
             f.write(data)
 
-    safetensors.torch.save_file = save_file
+    real_save_file, safetensors.torch.save_file = safetensors.torch.save_file, save_file
     real_save = torch.save
 
     def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -101,6 +102,21 @@ def install() -> None:
         real_save(obj, f, *args, **kwargs)
 
     torch.save = torch_save
+    _rebind({id(real_save_file): save_file, id(real_save): torch_save})
+
+
+def _rebind(replacements: dict[int, Any]) -> None:
+    """Point every name another module bound to a replaced function at its replacement. A
+    trainer forked from a preloaded process (tests/writers/forkserver.py) imported transformers
+    and accelerate before this module, and they hold safetensors' ``save_file`` under their own
+    names (``from safetensors.torch import save_file as safe_save_file``); in a fresh process
+    they are imported later and bind the replacement, and this finds nothing to change."""
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in ("torch", "safetensors") or not hasattr(module, "__dict__"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in replacements:
+                setattr(module, attr, replacements[id(value)])
 
 
 install()
