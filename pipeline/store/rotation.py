@@ -63,9 +63,12 @@ def _local(run: str, host: str | None) -> ColumnElement[bool]:
 def rotation_candidates(session: Session, run: str, keep_last: int, host: str | None) -> list[int]:
     """Checkpoint ids of ``run`` on ``host`` that the local retention policy wants gone (each
     host keeps its own newest ``keep_last``)."""
-    local = session.scalars(select(Checkpoint).where(_local(run, host)))
-    return to_rotate([LocalCheckpoint(c.id, c.step, c.mtime, "" if c.is_dir else save_group(c.name)) for c in local],
-                     keep_last)
+    # The five columns the policy reads, not whole rows: every rotation asks this of every local
+    # checkpoint of its run (hundreds while rotation catches up after a burst of saves).
+    local = session.execute(select(Checkpoint.id, Checkpoint.step, Checkpoint.mtime, Checkpoint.is_dir,
+                                   Checkpoint.name).where(_local(run, host)))
+    return to_rotate([LocalCheckpoint(cid, step, mtime, "" if is_dir else save_group(name))
+                      for cid, step, mtime, is_dir, name in local], keep_last)
 
 
 def plan_run(settings: Settings, run: str) -> list[Send]:
