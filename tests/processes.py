@@ -27,10 +27,7 @@ FAST = {  # settings that make a test cluster react in seconds, not minutes
     "CKPT_SCAN_INTERVAL": "1",
     "CKPT_LEASE_SECONDS": "6",
     "CKPT_TICK_SECONDS": "0.5",
-    # An idle Dramatiq process polls each of its queues this often: at 100 ms each took 2.2 % of a
-    # core and Redis 1.1 % per cluster (1.2 % and 0.7 % at 250), on a suite bound by CPU with four
-    # clusters up at once; a step waits at most this long for its message.
-    "CKPT_POLL_MS": "250",
+    "CKPT_POLL_MS": "100",
     "CKPT_WORKER_DOWN_SECONDS": "2",
     "CKPT_MIN_BACKOFF_MS": "200",
     "CKPT_MAX_BACKOFF_MS": "2000",
