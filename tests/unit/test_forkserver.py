@@ -246,3 +246,27 @@ def test_a_writer_forked_after_transformers_writes_through_the_slow_disk(tmp_pat
         assert torch_own_save == "save"  # torch's own names left as a fresh process leaves them
     finally:
         s.stop()
+
+
+def test_what_a_preloaded_library_writes_to_the_environment_at_import_the_child_has(tmp_path):
+    """Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 when imported (so that torch's CUDA check
+    does not poison later forks), torch's inductor its TORCHINDUCTOR_CACHE_DIR: a fresh process
+    that imports them has them in its environment, and so do the processes it starts. A child
+    whose environment is replaced by the request's after the server imported them lost them,
+    its libraries imported all the same."""
+    (tmp_path / "sets_env_at_import.py").write_text(
+        "import os\nos.environ['SET_AT_IMPORT'] = 'yes'\nos.environ.pop('DROPPED_AT_IMPORT', None)\n")
+    path = f"{REPO}{os.pathsep}{tmp_path}"
+    base = {**os.environ, "PYTHONPATH": path, "DROPPED_AT_IMPORT": "1"}
+    s = ForkServer(("sets_env_at_import",), env=base).start()
+    try:
+        fork = s.popen([*CHILD, "show"], env=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        got = json.loads(fork.communicate(timeout=60)[0])["env"]
+    finally:
+        s.stop()
+    code = "import json, os, sets_env_at_import; print(json.dumps(dict(os.environ)))"
+    fresh = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=60,
+                           check=True)
+    want = json.loads(fresh.stdout)
+    assert got.get("SET_AT_IMPORT") == want["SET_AT_IMPORT"] == "yes"
+    assert "DROPPED_AT_IMPORT" not in got and "DROPPED_AT_IMPORT" not in want
