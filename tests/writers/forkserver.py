@@ -48,7 +48,9 @@ from typing import Any, NoReturn, TextIO
 
 _MAX = 1 << 20  # the largest message (an environment is a few kB)
 _PR_SET_PDEATHSIG = 1
-_inherited: list[TextIO] = []  # in a child: the server's sys.stdout and sys.stderr (on fds 1 and 2 too)
+_inherited: list[TextIO] = []
+#: A variable a preloaded library wrote at import: its value before and after (None: unset).
+Written = tuple[str | None, str | None]  # in a child: the server's sys.stdout and sys.stderr (on fds 1 and 2 too)
 
 
 def send(sock: socket.socket, doc: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -86,7 +88,7 @@ class _Child:
 
 
 class _Server:
-    def __init__(self, control: socket.socket, imported: dict[str, str | None]) -> None:
+    def __init__(self, control: socket.socket, imported: dict[str, Written]) -> None:
         # What the interpreter and the preloaded libraries opened: a child keeps those and closes
         # the server's own (the control socket, the selector, the test's handles, the pidfds).
         self.own_fds = _open_fds() - {control.fileno()}
@@ -172,7 +174,7 @@ class _Server:
 
 
 def _child(req: dict[str, Any], stdio: list[int], *, keep: set[int], base_path: list[str],
-           imported: dict[str, str | None]) -> NoReturn:
+           imported: dict[str, Written]) -> NoReturn:
     """Become ``python -m MODULE ARGS`` with the request's environment, directory and stdio."""
     code, interrupted = 1, False
     try:
@@ -189,11 +191,13 @@ def _child(req: dict[str, Any], stdio: list[int], *, keep: set[int], base_path: 
         env = req["env"]
         os.environ.clear()
         os.environ.update(env)
-        for name, value in imported.items():  # what the preloaded libraries set (None: removed) at import
-            if value is None:
+        for name, (was, now) in imported.items():  # what the preloaded libraries wrote at import
+            if env.get(name) != was:  # the request's own value (forked.py forks it only if it is ``now``)
+                continue
+            if now is None:
                 os.environ.pop(name, None)
             else:
-                os.environ[name] = value
+                os.environ[name] = now
         pythonpath = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *pythonpath, *base_path]
         sys.argv = ["-m", *req["args"]]
@@ -294,8 +298,8 @@ def main(argv: list[str]) -> None:
     # PYTORCH_NVML_BASED_CUDA_CHECK=1): each child has it too, as a fresh process importing them
     # would (and the processes it starts). The request's environment matches the server's in
     # every variable they read at import (forked.py), so they would write the same there.
-    imported: dict[str, str | None] = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    imported.update({k: None for k in before if k not in os.environ})
+    imported: dict[str, Written] = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+    imported.update({k: (v, None) for k, v in before.items() if k not in os.environ})
     settings_readers = sorted(m for m in sys.modules if m.split(".")[0] == "pipeline"
                               or (m.startswith("tests.") and m not in ("tests.writers", "tests.writers.forkserver")))
     if settings_readers:
@@ -304,7 +308,7 @@ def main(argv: list[str]) -> None:
     gc.collect()
     gc.freeze()  # the children never traverse what was preloaded (less CPU, fewer pages copied)
     server = _Server(control, imported)
-    send(control, {"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task"))})
+    send(control, {"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task")), "imported": imported})
     server.serve()
 
 
