@@ -203,9 +203,10 @@ def sharded_dcp(tmp_path_factory):
     written: dict[int, Path] = {}
 
     def copy(out: Path, seed: int) -> None:
-        if seed not in written:
-            written[seed] = tmp_path_factory.mktemp(f"dcp-seed{seed}") / "save"
-            sharded_dcp_without_collectives(written[seed], seed)
+        if seed not in written:  # kept once complete: a write that failed is written again
+            save = tmp_path_factory.mktemp(f"dcp-seed{seed}") / "save"
+            sharded_dcp_without_collectives(save, seed)
+            written[seed] = save
         shutil.copytree(written[seed], out)
 
     return copy

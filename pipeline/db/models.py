@@ -78,6 +78,16 @@ class PartialIndex(Index):
             options["where"] = text(self.where)
         return options
 
+    @property
+    def dialect_kwargs(self) -> Any:
+        # The flat ``<backend>_<option>`` view lists only the backends read so far: what copies an
+        # index (``Table.to_metadata``) or renders one (Alembic's autogenerate) reads it, and
+        # without both backends read first the copy or the revision has no WHERE (a full unique
+        # index). Nothing a command runs reads it: they do not import the PostgreSQL dialect.
+        for backend in self.BACKENDS:
+            self.dialect_options[backend]
+        return super().dialect_kwargs
+
 
 class UtcDateTime(TypeDecorator):
     """A timezone-aware UTC datetime on every backend (SQLite hands back naive values)."""

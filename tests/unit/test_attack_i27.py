@@ -306,6 +306,29 @@ def test_content_saved_again_after_its_version_was_forgotten_is_protected_again(
     assert newest is not None and newest.path == str(export)
 
 
+def test_a_sharded_dcp_write_that_failed_is_written_again_not_copied(tmp_path, sharded_dcp, monkeypatch):
+    """The session's written saves (tests/conftest.py ``sharded_dcp``): a write that failed (its
+    port taken between ``free_port`` and the ranks' bind, a rank killed) leaves nothing the next
+    test copies: it is written again, not copied empty or with one rank's files, which would turn
+    one failure into a wrong save under every later test of the process."""
+    import pipeline.cluster.client
+
+    class PortTaken(OSError):
+        pass
+
+    def taken() -> int:
+        raise PortTaken("the port was taken")
+
+    monkeypatch.setattr(pipeline.cluster.client, "free_port", taken)
+    seed = 9_310_417  # no other test's: the session keeps what it wrote per seed
+    for attempt in ("first", "second"):
+        try:
+            sharded_dcp(tmp_path / attempt, seed)
+        except PortTaken:
+            continue
+        raise AssertionError(f"the {attempt} call did not write: it copied {sorted(os.listdir(tmp_path / attempt))}")
+
+
 def test_a_sharded_dcp_save_without_collectives_is_not_complete_with_one_ranks_files(db, tmp_path, sharded_dcp):
     """History: two ranks save FSDP2-sharded weights with ``dcp.save(...,
     use_collectives=False)`` (what ``async_save`` without collectives does on a job that avoids

@@ -246,3 +246,59 @@ def test_a_writer_forked_after_transformers_writes_through_the_slow_disk(tmp_pat
         assert torch_own_save == "save"  # torch's own names left as a fresh process leaves them
     finally:
         s.stop()
+
+
+def env_writer(tmp_path: Path) -> dict[str, str]:
+    """A library that sets one variable and removes another when imported; an environment
+    that finds it (and holds the variable it removes)."""
+    (tmp_path / "sets_env_at_import.py").write_text(
+        "import os\nos.environ['SET_AT_IMPORT'] = 'yes'\nos.environ.pop('DROPPED_AT_IMPORT', None)\n")
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", "DROPPED_AT_IMPORT": "1"}
+
+
+def shown_env(p) -> dict[str, str]:
+    return json.loads(p.communicate(timeout=60)[0])["env"]
+
+
+def test_what_a_preloaded_library_writes_to_the_environment_at_import_the_child_has(tmp_path):
+    """Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 when imported (so that torch's CUDA check
+    does not poison later forks), transformers' Trainer torch inductor's TORCHINDUCTOR_CACHE_DIR:
+    a fresh process that imports them has them in its environment, and so do the processes it
+    starts. A child whose environment is replaced by the request's after the server imported them
+    lost them, its libraries imported all the same."""
+    base = env_writer(tmp_path)
+    s = ForkServer(("sets_env_at_import",), env=base).start()
+    try:
+        got = shown_env(s.popen([*CHILD, "show"], env=base, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                text=True))
+    finally:
+        s.stop()
+    code = "import json, os, sets_env_at_import; print(json.dumps(dict(os.environ)))"
+    fresh = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=60,
+                           check=True)
+    want = json.loads(fresh.stdout)
+    assert got.get("SET_AT_IMPORT") == want["SET_AT_IMPORT"] == "yes"
+    assert "DROPPED_AT_IMPORT" not in got and "DROPPED_AT_IMPORT" not in want
+
+
+def test_a_writer_started_after_the_test_process_imported_the_libraries_is_still_forked(tmp_path, monkeypatch):
+    """The test process imports a preloaded library itself after its server started (with -n 0,
+    tests/integration/test_trainer_metrics.py trains a transformers Trainer in-process between the
+    writer modules): its environment, and every later writer's (tests.processes.base_env copies
+    it), holds what the import wrote, which a fresh import leaves as it is. Those writers are
+    forked as before, not every one a plain subprocess for the rest of the session; a value of
+    the request's own (not the one the import writes) still gets a plain subprocess."""
+    base = env_writer(tmp_path)
+    s = ForkServer(("sets_env_at_import",), env=base).start()
+    monkeypatch.setattr(forked, "_server", s)
+    try:
+        imported_here = {k: v for k, v in base.items() if k != "DROPPED_AT_IMPORT"} | {"SET_AT_IMPORT": "yes"}
+        p = forked.popen([*CHILD, "show"], env=imported_here, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         text=True)
+        assert isinstance(p, forked.Forked)
+        got = shown_env(p)
+        assert got.get("SET_AT_IMPORT") == "yes" and "DROPPED_AT_IMPORT" not in got
+        own = forked.popen([*CHILD, "exit", "0"], env={**base, "SET_AT_IMPORT": "mine"})
+        assert isinstance(own, subprocess.Popen) and own.wait(30) == 0
+    finally:
+        s.stop()

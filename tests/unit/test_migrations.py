@@ -79,6 +79,27 @@ def test_a_partial_index_declares_its_where_on_both_backends(dialect):
         assert ddl.endswith(f" WHERE {ix.where}"), ddl
 
 
+def test_a_partial_index_copied_or_rendered_by_alembic_keeps_its_where_on_both_backends():
+    """Given a PartialIndex no backend has read yet (as the models' are in a fresh process), When
+    SQLAlchemy copies its table (``Table.to_metadata``) or Alembic's autogenerate renders it (both go
+    through ``Index.dialect_kwargs``), Then the copy and the rendered ``op.create_index`` carry the
+    WHERE on SQLite and PostgreSQL: without it the partial unique indexes would come out as full
+    unique ones (one alert per key ever, one repair per content ever)."""
+    from alembic.autogenerate import render_python_code
+    from alembic.operations import ops
+    from sqlalchemy import Integer, String
+
+    ix = PartialIndex("uq_t_k", "k", unique=True, where="gone IS NULL")
+    table = Table("t", MetaData(), Column("k", String(8)), Column("gone", Integer), ix)
+    assert {k: str(v) for k, v in ix.dialect_kwargs.items()} == {"sqlite_where": "gone IS NULL",
+                                                                  "postgresql_where": "gone IS NULL"}
+    [copy] = table.to_metadata(MetaData()).indexes
+    for dialect in (sqlite.dialect(), postgresql.dialect()):
+        assert str(CreateIndex(copy).compile(dialect=dialect)).endswith(" WHERE gone IS NULL")
+    code = render_python_code(ops.UpgradeOps([ops.CreateIndexOp.from_index(ix)]))
+    assert "sqlite_where=sa.text('gone IS NULL')" in code and "postgresql_where=sa.text('gone IS NULL')" in code, code
+
+
 def test_0003_marks_only_the_newest_version_of_each_path_current(db):
     """Existing databases: every older version of a path stops being current, data kept."""
 

@@ -83,3 +83,33 @@ def test_git_ignores_what_a_quick_start_writes():
     for path in ("checkpoints/step_100.safetensors", "runs/a/checkpoint-1", ".ckpt/ckpt.db"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert r.returncode == 0, f"{path} is not ignored"
+
+
+def test_dev_test_runs_where_it_cannot_write_bytecode(tmp_path):
+    """Given a checkout where ./dev's bytecode step cannot write (a read-only tree, a bind mount, a
+    ``__pycache__`` that is not a directory: here the last, which root cannot write through
+    either), When ``./dev test`` runs, Then pytest still runs: bytecode only saves each process
+    compiling our modules (it reads the sources either way), so it never stops the command."""
+    import os
+    import shutil
+    import sys
+
+    tree = tmp_path / "checkout"
+    tree.mkdir()
+    for name in ("dev", "pyproject.toml"):
+        shutil.copy2(ROOT / name, tree / name)
+    for package in ("pipeline", "migrations", "webui", "workers", "tests", "bench"):
+        (tree / package).mkdir()
+        (tree / package / "__init__.py").write_text("")
+    (tree / "pipeline" / "__pycache__").write_text("not a directory")
+    venv = tree / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / ".installed-test").touch()  # installed: ./dev skips pip
+    (venv / "bin" / "chromium").write_text("#!/bin/sh\n")  # found: ./dev installs no browser
+    (venv / "bin" / "chromium").chmod(0o755)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    env.pop("CKPT_VENV", None)
+    r = subprocess.run([str(tree / "dev"), "test", "--version"], cwd=tree, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "pytest" in r.stdout + r.stderr, (r.returncode, r.stdout, r.stderr)

@@ -7,7 +7,8 @@ Every trainer or writer a test starts (``python -m tests.writers.write ...``, ``
 a run. This process imports those libraries once (never ``pipeline`` nor a ``tests.writers``
 module: they read their settings at import, and each child must import them afresh under its own
 environment), then forks one child per request. The child takes the request's argv, environment
-(replaced wholesale), working directory and stdin/stdout/stderr (the test's own descriptors,
+(replaced wholesale, then given what the preloaded libraries wrote to it as they were
+imported), working directory and stdin/stdout/stderr (the test's own descriptors,
 passed over a Unix socket with SCM_RIGHTS), runs the module as ``__main__`` as ``python -m``
 would, and exits with its exit status. The server reports the child's pid, signals it through a
 pidfd (never a reused pid) and reaps it, reporting its wait status. The test side, a
@@ -47,7 +48,9 @@ from typing import Any, NoReturn, TextIO
 
 _MAX = 1 << 20  # the largest message (an environment is a few kB)
 _PR_SET_PDEATHSIG = 1
-_inherited: list[TextIO] = []  # in a child: the server's sys.stdout and sys.stderr (on fds 1 and 2 too)
+_inherited: list[TextIO] = []
+#: A variable a preloaded library wrote at import: its value before and after (None: unset).
+Written = tuple[str | None, str | None]  # in a child: the server's sys.stdout and sys.stderr (on fds 1 and 2 too)
 
 
 def send(sock: socket.socket, doc: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -85,11 +88,12 @@ class _Child:
 
 
 class _Server:
-    def __init__(self, control: socket.socket) -> None:
+    def __init__(self, control: socket.socket, imported: dict[str, Written]) -> None:
         # What the interpreter and the preloaded libraries opened: a child keeps those and closes
         # the server's own (the control socket, the selector, the test's handles, the pidfds).
         self.own_fds = _open_fds() - {control.fileno()}
         self.control = control
+        self.imported = imported
         self.children: dict[int, _Child] = {}  # by pid
         self.sel = selectors.DefaultSelector()
         # What a fresh ``python -m`` has on sys.path after its own first entry and PYTHONPATH's.
@@ -126,7 +130,7 @@ class _Server:
                 stream.flush()
             pid = os.fork()
             if pid == 0:
-                _child(req, stdio, keep=self.own_fds | set(stdio), base_path=self.base_path)
+                _child(req, stdio, keep=self.own_fds | set(stdio), base_path=self.base_path, imported=self.imported)
             child = _Child(pid, os.pidfd_open(pid), conn)
             self.children[pid] = child
             self.sel.register(child.pidfd, selectors.EVENT_READ, ("exit", child))
@@ -169,7 +173,8 @@ class _Server:
         child.conn = None
 
 
-def _child(req: dict[str, Any], stdio: list[int], *, keep: set[int], base_path: list[str]) -> NoReturn:
+def _child(req: dict[str, Any], stdio: list[int], *, keep: set[int], base_path: list[str],
+           imported: dict[str, Written]) -> NoReturn:
     """Become ``python -m MODULE ARGS`` with the request's environment, directory and stdio."""
     code, interrupted = 1, False
     try:
@@ -186,6 +191,13 @@ def _child(req: dict[str, Any], stdio: list[int], *, keep: set[int], base_path: 
         env = req["env"]
         os.environ.clear()
         os.environ.update(env)
+        for name, (was, now) in imported.items():  # what the preloaded libraries wrote at import
+            if env.get(name) != was:  # the request's own value (forked.py forks it only if it is ``now``)
+                continue
+            if now is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = now
         pythonpath = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *pythonpath, *base_path]
         sys.argv = ["-m", *req["args"]]
@@ -279,8 +291,15 @@ def main(argv: list[str]) -> None:
         raise SystemExit("the test process is gone")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the test's to handle; it ends the server
     control = socket.socket(fileno=control_fd)
+    before = dict(os.environ)
     for name in preload:
         importlib.import_module(name)
+    # What the libraries wrote to the environment as they were imported (Lightning's
+    # PYTORCH_NVML_BASED_CUDA_CHECK=1): each child has it too, as a fresh process importing them
+    # would (and the processes it starts). The request's environment matches the server's in
+    # every variable they read at import (forked.py), so they would write the same there.
+    imported: dict[str, Written] = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+    imported.update({k: (v, None) for k, v in before.items() if k not in os.environ})
     settings_readers = sorted(m for m in sys.modules if m.split(".")[0] == "pipeline"
                               or (m.startswith("tests.") and m not in ("tests.writers", "tests.writers.forkserver")))
     if settings_readers:
@@ -288,8 +307,8 @@ def main(argv: list[str]) -> None:
                          " afresh under its own environment")
     gc.collect()
     gc.freeze()  # the children never traverse what was preloaded (less CPU, fewer pages copied)
-    server = _Server(control)
-    send(control, {"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task"))})
+    server = _Server(control, imported)
+    send(control, {"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task")), "imported": imported})
     server.serve()
 
 
