@@ -262,33 +262,61 @@ def decode(frame: bytes | bytearray | memoryview) -> bytearray:
     if len(view) != table.size:
         raise CorruptFrame(f"planes frame is {len(view):,} bytes, its tables say {table.size:,}"
                            + (" (truncated)" if len(view) < table.size else ""))
-    bodies = []
-    crc = zlib.crc32(tables[:-CRC.size])
+    out = bytearray(table.raw)
+    unpack(table, sections(table, tables, view[len(tables):]), memoryview(out))
+    return out
+
+
+def sections(table: Table, tables: bytes, body: memoryview) -> list[memoryview]:
+    """The sections of a frame whose tables are ``tables`` and the rest ``body`` (exactly
+    ``table.size - len(tables)`` bytes), each a view of ``body``, once the CRC-32 checked the
+    tables and every raw section."""
+    if len(body) != table.size - len(tables):
+        raise CorruptFrame(f"planes frame holds {len(body):,} bytes after its tables, they say "
+                           f"{table.size - len(tables):,}")
+    out, pos = [], 0
+    crc = zlib.crc32(memoryview(tables)[:-CRC.size])
     for coding, n, _ in table.sections:
-        bodies.append(read(n))
+        out.append(body[pos:pos + n])
+        pos += n
         if coding == RAW:
-            crc = zlib.crc32(bodies[-1], crc)
+            crc = zlib.crc32(out[-1], crc)
     if crc != CRC.unpack(tables[-CRC.size:])[0]:
         raise CorruptFrame("planes frame is corrupted: its CRC-32 does not match its tables and raw bytes")
-    return _unpack(table, bodies)
+    return out
 
 
-def _unpack(table: Table, bodies: list[memoryview]) -> bytearray:
-    out = bytearray(table.raw)
-    target = memoryview(out)
+def as_is(table: Table, bodies: Sequence[memoryview]) -> memoryview | None:
+    """The raw bytes of a frame that holds them as they are (one raw section of bytes: what a
+    sender with no cores to spare sends), checked by :func:`sections`; None for any other."""
+    if len(table.segments) == 1 and table.segments[0][0] is Layout.BYTES and table.sections[0][0] == RAW:
+        return bodies[0]
+    return None
+
+
+def unpack(table: Table, bodies: Sequence[memoryview], out: memoryview) -> None:
+    """Write the raw bytes of a frame whose sections are ``bodies`` (checked by
+    :func:`sections`) into ``out``, exactly ``table.raw`` bytes. Sections of bytes are copied
+    (or decompressed) into place; only typed segments go through numpy's merge."""
+    if len(out) != table.raw:
+        raise ValueError(f"{len(out):,} bytes to write a frame of {table.raw:,} into")
     dctx = zstandard.ZstdDecompressor()
-    sections = iter(zip(table.sections, bodies, strict=True))
+    entries = iter(zip(table.sections, bodies, strict=True))
     at = 0
     for index, (layout, length) in enumerate(table.segments):
         w = SHAPES[layout].width
-        planes = [_section(dctx, *next(sections), index) for _ in range(w)]
+        if w == 1:
+            (coding, _, raw), body = next(entries)
+            out[at:at + length] = body if coding == RAW else _plain(dctx, (coding, 0, raw), body, index)
+            at += length
+            continue
+        planes = [_section(dctx, *next(entries), index) for _ in range(w)]
         whole = length - length % w
-        merge(planes, layout, target[at:at + whole])
+        merge(planes, layout, out[at:at + whole])
         if whole < length:
-            _, body = next(sections)  # the raw tail: its length was checked against the table
-            target[at + whole:at + length] = body
+            _, body = next(entries)  # the raw tail: its length was checked against the table
+            out[at + whole:at + length] = body
         at += length
-    return out
 
 
 def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body: memoryview,
@@ -296,8 +324,12 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     import numpy as np
 
     coding, _, raw = entry
-    if coding == RAW:
-        return np.frombuffer(body, dtype=np.uint8)
+    return np.frombuffer(body if coding == RAW else _plain(dctx, entry, body, segment), dtype=np.uint8)
+
+
+def _plain(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body: memoryview, segment: int) -> bytes:
+    """The bytes of a zstd section, exactly its table's raw size."""
+    _, _, raw = entry
     try:
         # A zstd frame declares its size, and the decoder allocates what it declares: a frame
         # whose header a flipped bit made claim exabytes raised MemoryError. Refused unless it
@@ -312,7 +344,7 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     if len(plain) != raw:
         raise CorruptFrame(f"planes frame: a zstd section of segment {segment} holds {len(plain):,} bytes, "
                            f"not its {raw:,}")
-    return np.frombuffer(plain, dtype=np.uint8)
+    return plain
 
 
 def encode_blocks(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (), *,

@@ -175,6 +175,77 @@ def test_a_section_that_declares_another_size_is_refused_before_it_is_allocated(
                 pass
 
 
+class Trickle:
+    """A stream with ``read`` only, that answers at most ``most`` bytes a call (a socket)."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self.data, self.at, self.most = data, 0, most
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.most if n < 0 else min(n, self.most)
+        part = self.data[self.at:self.at + n]
+        self.at += len(part)
+        return part
+
+
+def stream_of(parts, kinds) -> tuple[bytes, bytes]:
+    """The raw bytes of ``parts`` and a stream of their frames: each compressed by its
+    segments, raw, or raw behind an empty frame, by ``kinds``."""
+    out = []
+    for (data, segs), kind in zip(parts, kinds + [0] * len(parts), strict=False):
+        if kind == 2:
+            out.append(encode(b"", compress=False))
+        out.append(encode(data, segs) if kind == 0 else encode(data, compress=False))
+    return b"".join(d for d, _ in parts), b"".join(out)
+
+
+def read_all(reader, length: int, sizes) -> bytes:
+    got, sizes = bytearray(), iter(sizes)
+    while len(got) < length:
+        buf = bytearray(min(next(sizes, 65536), length - len(got)))
+        n = reader.readinto(buf)
+        assert n, "the reader gave nothing before the declared length"
+        got += buf[:n]
+    reader.finish()
+    return bytes(got)
+
+
+@SLOW
+@given(st.lists(framed(), min_size=1, max_size=4), st.lists(st.integers(0, 2), max_size=4),
+       st.lists(st.integers(1, 25_000), max_size=20), st.integers(1, 70_000), st.booleans())
+def test_a_stream_of_frames_reads_back_as_its_bytes_in_reads_of_any_size(parts, kinds, sizes, most, socket_like):
+    """Given frames of every kind one after the other (compressed, raw, empty, of any length:
+    a reader keeps its buffers from one frame to the next), read through a socket that answers
+    in pieces or a file, in reads of any size, then the reader gives back exactly the bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+
+    raw, stream = stream_of(parts, kinds)
+    body = Trickle(stream, most) if socket_like else io.BytesIO(stream)
+    reader = PlanesDecompressing(body, len(raw))
+    assert read_all(reader, len(raw), sizes) == raw
+    assert reader.wire == len(stream)
+
+
+@SLOW
+@given(st.data())
+def test_a_corrupted_stream_of_frames_is_refused(data):
+    """Given a stream of a compressed frame, a raw one and an empty one, when any byte of it is
+    changed, then the reader refuses it (or gives the same bytes, where no decoder reads the
+    byte): never other bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+    from pipeline.errors import MalformedStream
+
+    head = b"{header}" * 50 + weights(3000) + b"\x01"
+    raw, stream = stream_of([(head, [Segment(400, 6000, "BF16")]), (weights(2000, seed=1), []),
+                             (b"tail" * 100, [])], [0, 1, 2])
+    bad = bytearray(stream)
+    bad[data.draw(st.integers(0, len(bad) - 1))] ^= data.draw(st.integers(1, 255))
+    try:
+        assert read_all(PlanesDecompressing(io.BytesIO(bytes(bad)), len(raw)), len(raw), [4096]) == raw
+    except MalformedStream:
+        pass
+
+
 @SLOW
 @given(st.data())
 def test_a_truncated_frame_is_refused(data):
