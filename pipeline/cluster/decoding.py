@@ -122,27 +122,24 @@ class PlanesDecompressing(Decompressing):
         return filled
 
     def _next_frame(self, left: int) -> memoryview:
-        """The raw bytes of the next non-empty frame, ``left`` raw bytes being still to come
-        (a view of this reader's buffers: good until the next frame is read)."""
-        while True:  # an empty frame (a raw frame of nothing) is allowed, and skipped
-            try:
-                table, tables = planes.read_table(self.stream.read)
-            except EOFError:
-                raise MalformedStream(f"compressed stream ended {left:,} bytes short of {self.length:,}") from None
-            if table.raw > left:  # a bomb is cut before it is decoded
-                raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {left:,} "
-                                   "were left to read")
-            body = self._read_body(table.size - len(tables))
-            bodies = planes.sections(table, tables, body)
-            if not table.raw:
-                continue
-            raw = planes.as_is(table, bodies)
-            if raw is None:
-                if len(self._raw) < table.raw:
-                    self._raw = bytearray(table.raw)
-                raw = memoryview(self._raw)[:table.raw]
-                planes.unpack(table, bodies, raw)
-            return raw
+        """The raw bytes of the next frame (none for an empty frame: allowed, and skipped),
+        ``left`` raw bytes being still to come; a view of this reader's buffers, good until the
+        next frame is read."""
+        try:
+            table, tables = planes.read_table(self.stream.read)
+        except EOFError:
+            raise MalformedStream(f"compressed stream ended {left:,} bytes short of {self.length:,}") from None
+        if table.raw > left:  # a bomb is cut before it is decoded
+            raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {left:,} "
+                               "were left to read")
+        bodies = planes.sections(table, tables, self._read_body(table.size - len(tables)))
+        raw = planes.as_is(table, bodies)
+        if raw is None:
+            if len(self._raw) < table.raw:
+                self._raw = bytearray(table.raw)
+            raw = memoryview(self._raw)[:table.raw]
+            planes.unpack(table, bodies, raw)
+        return raw
 
     def _read_body(self, n: int) -> memoryview:
         if len(self._body) < n:
