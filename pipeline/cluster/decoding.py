@@ -132,6 +132,10 @@ class PlanesDecompressing(Decompressing):
         if table.raw > left:  # a bomb is cut before it is decoded
             raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {left:,} "
                                "were left to read")
+        return self._decode(table, tables)
+
+    def _decode(self, table: planes.Table, tables: bytes) -> memoryview:
+        """The raw bytes of the frame whose tables were just read, its body read and checked."""
         bodies = planes.sections(table, tables, self._read_body(table.size - len(tables)))
         raw = planes.as_is(table, bodies)
         if raw is None:
@@ -156,14 +160,14 @@ class PlanesDecompressing(Decompressing):
     def _more(self) -> bool:
         if len(self._decoded):
             return True
-        while True:  # empty frames are allowed anywhere, the last ones too
+        while True:  # empty frames are allowed anywhere, the last ones too, checked as any other
             try:
                 table, tables = planes.read_table(self.stream.read)
             except EOFError:
                 return False
             if table.raw:
                 return True  # refused at its tables: nothing of it is read on
-            planes.sections(table, tables, self._read_body(table.size - len(tables)))
+            self._decode(table, tables)
 
 
 class ZstdDecompressing(Decompressing):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import save, save_file
 
 from pipeline.codec import frames
 from pipeline.codec.frames import RAW, ZSTD, decode, encode, encode_blocks, read_frame, read_table
+from pipeline.codec.planes import Layout
 from pipeline.codec.segments import Segment, segments, shard_spans
 from pipeline.core.header import DTYPE_BITS, parse_header
 from pipeline.errors import CorruptFrame
@@ -244,6 +246,41 @@ def test_a_corrupted_stream_of_frames_is_refused(data):
         assert read_all(PlanesDecompressing(io.BytesIO(bytes(bad)), len(raw)), len(raw), [4096]) == raw
     except MalformedStream:
         pass
+
+
+def crafted(segments, sections) -> bytes:
+    """A frame of ``segments`` ((layout, raw bytes)) and ``sections`` ((coding, bytes)) as a
+    sender that lies would make it: tables and CRC consistent, the rest whatever it says."""
+    raw = sum(n for _, n in segments)
+    tables = frames.HEAD.pack(frames.MAGIC, frames.VERSION, 0, len(segments), raw)
+    tables += b"".join(frames.ENTRY.pack(layout, n) for layout, n in segments)
+    tables += b"".join(frames.ENTRY.pack(coding, len(body)) for coding, body in sections)
+    crc = zlib.crc32(tables)
+    for coding, body in sections:
+        if coding == RAW:
+            crc = zlib.crc32(body, crc)
+    return tables + frames.CRC.pack(crc) + b"".join(body for _, body in sections)
+
+
+def test_an_empty_frame_after_the_last_bytes_is_checked_as_one_before_them():
+    """Given a frame of no bytes whose zstd section is garbage (the CRC covers raw sections
+    only), then a stream is refused with it after its last bytes as it is with it in the
+    middle: the reader after the last frame decoded the tables and CRC of what followed, not
+    its zstd sections, and took it. A well-formed empty frame is taken in either place."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+    from pipeline.errors import MalformedStream
+
+    data = b"{header}" * 100 + weights(2000)
+    bad = crafted([(Layout.BYTES, 0)], [(ZSTD, b"\0" * 50)])
+    for stream in (encode(data[:500]) + bad + encode(data[500:]), encode(data) + bad):
+        reader = PlanesDecompressing(io.BytesIO(stream), len(data))
+        with pytest.raises(MalformedStream):
+            reader.read()
+            reader.finish()
+    for stream in (encode(data[:500]) + encode(b"") + encode(data[500:]), encode(data) + encode(b"")):
+        reader = PlanesDecompressing(io.BytesIO(stream), len(data))
+        assert reader.read() == data
+        reader.finish()
 
 
 @SLOW
