@@ -13,7 +13,8 @@ zstd-compressed when that shrinks it and raw otherwise. Layout, all integers lit
 
 A segment of ``n`` bytes in a layout of ``w``-byte elements has ``w`` sections of ``n // w``
 bytes (its planes), then one raw section of its last ``n % w`` bytes if any. A zstd section
-is one zstd frame carrying its content size and XXH64 checksum. So every byte of a frame is
+is one zstd frame carrying its content size and XXH64 checksum, smaller than its plane (so a
+frame's body is at most its raw bytes); a tail is raw. So every byte of a frame is
 checked before anything is handed back: the tables and raw bytes by the CRC, compressed
 planes by zstd's checksum, sizes against the tables; a frame that is truncated, corrupted or
 claims more than :data:`MAX_RAW` bytes raises :class:`~pipeline.errors.CorruptFrame`.
@@ -181,23 +182,30 @@ def _segment_table(buf: bytes | memoryview, nseg: int, raw: int) -> list[tuple[L
     return segs
 
 
-def _section_sizes(segs: Sequence[tuple[Layout, int]]) -> list[int]:
-    """Raw bytes of each section of ``segs``, in order."""
+def _section_sizes(segs: Sequence[tuple[Layout, int]]) -> list[tuple[int, bool]]:
+    """Raw bytes of each section of ``segs``, in order, and whether it is a plane (a tail is
+    raw: nothing but the CRC checks its bytes)."""
     out = []
     for layout, length in segs:
         w = SHAPES[layout].width
-        out += [length // w] * w + ([length % w] if length % w else [])
+        out += [(length // w, True)] * w + ([(length % w, False)] if length % w else [])
     return out
 
 
-def _section_table(buf: bytes | memoryview, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+def _section_table(buf: bytes | memoryview, sizes: Sequence[tuple[int, bool]]) -> list[tuple[int, int, int]]:
     out = []
-    for i, raw in enumerate(sizes):
+    for i, (raw, plane) in enumerate(sizes):
         coding, n = ENTRY.unpack_from(buf, i * ENTRY.size)
         if coding == RAW and n != raw:
             raise CorruptFrame(f"planes frame: raw section {i} holds {n:,} bytes, not its {raw:,}")
-        if coding == ZSTD and n > raw + raw // 128 + 1024:  # zstd's bound for incompressible input
-            raise CorruptFrame(f"planes frame: section {i} is {n:,} bytes for {raw:,} raw bytes")
+        if coding == ZSTD and not plane:
+            raise CorruptFrame(f"planes frame: section {i} is a segment's tail, and is not raw")
+        # A zstd section shrinks its plane (the encoder keeps it raw otherwise), so a frame's
+        # body is at most its raw bytes: a frame of nothing in 65,535 empty segments of four
+        # sections of zstd's bound (1 KiB each) was 256 MiB of body, read before it was refused.
+        if coding == ZSTD and n >= raw:
+            raise CorruptFrame(f"planes frame: zstd section {i} is {n:,} bytes for {raw:,} raw bytes "
+                               "(a zstd section shrinks its plane)")
         if coding not in (RAW, ZSTD):
             raise CorruptFrame(f"planes frame: section {i} has coding {coding}, which this reader does not know")
         out.append((coding, n, raw))

@@ -283,6 +283,36 @@ def test_an_empty_frame_after_the_last_bytes_is_checked_as_one_before_them():
         reader.finish()
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_compressed_tail_is_refused_at_its_tables(n):
+    """Given a frame whose F32 segment of 7 bytes says its 3-byte raw tail is zstd (the format
+    has it raw: nothing checks its bytes otherwise), then it is refused at its tables: not a
+    ValueError from copying 2 bytes into 3 (a 500 on a worker), not 3 unchecked bytes decoded."""
+    frame = crafted([(Layout.F32, 7)], [(RAW, b"a"), (RAW, b"b"), (RAW, b"c"), (RAW, b"d"), (ZSTD, b"t" * n)])
+    with pytest.raises(CorruptFrame, match="tail"):
+        read_table(io.BytesIO(frame).read)
+    with pytest.raises(CorruptFrame):
+        decode(frame)
+
+
+def test_a_frame_of_no_bytes_carries_no_body():
+    """Given a frame that claims no bytes in zero-length F32 segments, each with four zstd
+    sections of 1 KiB (zstd's bound for nothing: 65,535 of them are 256 MiB of body for a frame
+    of nothing, read into a buffer the reader keeps), then it is refused at its tables, before
+    its body is read: a zstd section shrinks its plane (the encoder keeps it raw otherwise), so
+    a frame's body is at most its raw bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+
+    frame = crafted([(Layout.F32, 0)] * 100, [(ZSTD, b"\0" * 1024)] * 400)
+    body = io.BytesIO(encode(b"abc") + frame)
+    with pytest.raises(CorruptFrame, match="shrinks"):
+        PlanesDecompressing(body, 1000).read()
+    assert body.tell() < 4000 < len(frame)
+    for data, segs in [(weights(5000), [Segment(0, 10_000, "BF16")]), (bytes(9000), []), (os.urandom(900), [])]:
+        table, tables = read_table(io.BytesIO(encode(data, segs)).read)
+        assert table.size - len(tables) <= table.raw
+
+
 @SLOW
 @given(st.data())
 def test_a_truncated_frame_is_refused(data):
