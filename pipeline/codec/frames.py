@@ -116,7 +116,9 @@ def encode(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (
         layout = layout_of(s.dtype)
         chunk = view[s.offset:s.end]
         whole = len(chunk) - len(chunk) % SHAPES[layout].width
-        sections = [plane.data.cast("B") for plane in split(chunk[:whole], layout)]
+        # Bytes are their own one plane: no numpy (a raw frame, all bytes, never loads it).
+        sections = ([chunk] if layout is Layout.BYTES
+                    else [plane.data.cast("B") for plane in split(chunk[:whole], layout)])
         if whole < len(chunk):
             sections.append(chunk[whole:])
         cctx = _compressor(BYTES_LEVEL if layout is Layout.BYTES else level) if compress else None
