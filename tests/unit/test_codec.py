@@ -394,3 +394,22 @@ def test_a_shard_of_tensors_is_split_by_its_own_header():
     blob = save({"a": torch.zeros(3000, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.int64)})
     (run,) = shard_spans(blob[:100 + int.from_bytes(blob[:8], "little")], len(blob))
     assert (run.dtype, run.length) == ("BF16", 6000)
+
+
+def test_a_raw_frame_is_made_and_read_back_without_numpy():
+    """A sender short of CPU sends raw frames (all bytes): making one and reading it back never
+    loads numpy, which a fresh process's first frame would otherwise import (~0.1 s of CPU, on
+    a host whose cores are full)."""
+    import subprocess
+    import sys
+
+    code = ("import io, sys\n"
+            "from pipeline.cluster.wire import raw_frame\n"
+            "from pipeline.cluster.decoding import decoding\n"
+            "data = bytes(range(256)) * 20_000\n"
+            "reader = decoding('planes', io.BytesIO(raw_frame(data) + raw_frame(data)), 2 * len(data))\n"
+            "assert reader.read() == data * 2\n"
+            "reader.finish()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'numpy'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
