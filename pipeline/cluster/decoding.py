@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, cast
 import zstandard
 
 from pipeline.codec import frames as planes
-from pipeline.errors import MalformedStream
+from pipeline.errors import CorruptFrame, MalformedStream
 
 #: The codecs of frames on the wire, by the name of their query parameter (``?planes=<raw
 #: length>``, ``?zstd=<raw length>``) and in a worker's status (``"decodes"``).
@@ -34,6 +34,16 @@ class Counted:
         data = self._stream.read(size)
         self.count += len(data)
         return data
+
+    def readinto(self, view: memoryview) -> int:
+        if hasattr(self._stream, "readinto"):
+            n = self._stream.readinto(view) or 0
+        else:
+            data = self._stream.read(len(view))
+            n = len(data)
+            view[:n] = data
+        self.count += n
+        return n
 
 
 class Decompressing:
@@ -89,37 +99,75 @@ class Decompressing:
 
 class PlanesDecompressing(Decompressing):
     """Planes frames (pipeline/codec/frames.py): a frame claiming more than is left is refused
-    at its tables, before its body is read."""
+    at its tables, before its body is read. Each frame's body is read into one buffer, kept
+    for the next, and handed out from there: a frame of raw bytes (what a sender short of
+    CPU sends) as it is, any other decoded into a second buffer, also kept."""
 
     codec = PLANES
 
     def __init__(self, stream: Any, length: int) -> None:
         super().__init__(stream, length)
         self._decoded = memoryview(b"")
+        self._body, self._raw = bytearray(), bytearray()
 
     def _fill(self, view: memoryview) -> int:
         filled = 0
         while filled < len(view):
             if not len(self._decoded):
-                self._decoded = memoryview(self._next_frame(self.left - filled))
+                self._decoded = self._next_frame(self.left - filled)
             n = min(len(view) - filled, len(self._decoded))
             view[filled:filled + n] = self._decoded[:n]
             self._decoded = self._decoded[n:]
             filled += n
         return filled
 
-    def _next_frame(self, left: int) -> bytearray:
-        """The next non-empty frame's bytes, ``left`` raw bytes being still to come."""
-        raw = bytearray()
-        while not raw:  # an empty frame (a raw frame of nothing) is allowed, and skipped
-            frame = planes.read_frame(self.stream.read, most=left)  # a bomb is cut before it is decoded
-            if frame is None:
-                raise MalformedStream(f"compressed stream ended {left:,} bytes short of {self.length:,}")
-            raw = planes.decode(frame)
+    def _next_frame(self, left: int) -> memoryview:
+        """The raw bytes of the next frame (none for an empty frame: allowed, and skipped),
+        ``left`` raw bytes being still to come; a view of this reader's buffers, good until the
+        next frame is read."""
+        try:
+            table, tables = planes.read_table(self.stream.read)
+        except EOFError:
+            raise MalformedStream(f"compressed stream ended {left:,} bytes short of {self.length:,}") from None
+        if table.raw > left:  # a bomb is cut before it is decoded
+            raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {left:,} "
+                               "were left to read")
+        return self._decode(table, tables)
+
+    def _decode(self, table: planes.Table, tables: bytes) -> memoryview:
+        """The raw bytes of the frame whose tables were just read, its body read and checked."""
+        bodies = planes.sections(table, tables, self._read_body(table.size - len(tables)))
+        raw = planes.as_is(table, bodies)
+        if raw is None:
+            if len(self._raw) < table.raw:
+                self._raw = bytearray(table.raw)
+            raw = memoryview(self._raw)[:table.raw]
+            planes.unpack(table, bodies, raw)
         return raw
 
+    def _read_body(self, n: int) -> memoryview:
+        if len(self._body) < n:
+            self._body = bytearray(n)
+        view = memoryview(self._body)[:n]
+        got = 0
+        while got < n:
+            part = self.stream.readinto(view[got:])
+            if not part:
+                raise CorruptFrame(f"planes frame is truncated {n - got:,} bytes before its end")
+            got += part
+        return view
+
     def _more(self) -> bool:
-        return bool(len(self._decoded)) or planes.read_frame(self.stream.read) is not None
+        if len(self._decoded):
+            return True
+        while True:  # empty frames are allowed anywhere, the last ones too, checked as any other
+            try:
+                table, tables = planes.read_table(self.stream.read)
+            except EOFError:
+                return False
+            if table.raw:
+                return True  # refused at its tables: nothing of it is read on
+            self._decode(table, tables)
 
 
 class ZstdDecompressing(Decompressing):

@@ -13,7 +13,8 @@ zstd-compressed when that shrinks it and raw otherwise. Layout, all integers lit
 
 A segment of ``n`` bytes in a layout of ``w``-byte elements has ``w`` sections of ``n // w``
 bytes (its planes), then one raw section of its last ``n % w`` bytes if any. A zstd section
-is one zstd frame carrying its content size and XXH64 checksum. So every byte of a frame is
+is one zstd frame carrying its content size and XXH64 checksum, smaller than its plane (so a
+frame's body is at most its raw bytes); a tail is raw. So every byte of a frame is
 checked before anything is handed back: the tables and raw bytes by the CRC, compressed
 planes by zstd's checksum, sizes against the tables; a frame that is truncated, corrupted or
 claims more than :data:`MAX_RAW` bytes raises :class:`~pipeline.errors.CorruptFrame`.
@@ -115,7 +116,9 @@ def encode(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (
         layout = layout_of(s.dtype)
         chunk = view[s.offset:s.end]
         whole = len(chunk) - len(chunk) % SHAPES[layout].width
-        sections = [plane.data.cast("B") for plane in split(chunk[:whole], layout)]
+        # Bytes are their own one plane: no numpy (a raw frame, all bytes, never loads it).
+        sections = ([chunk] if layout is Layout.BYTES
+                    else [plane.data.cast("B") for plane in split(chunk[:whole], layout)])
         if whole < len(chunk):
             sections.append(chunk[whole:])
         cctx = _compressor(BYTES_LEVEL if layout is Layout.BYTES else level) if compress else None
@@ -181,23 +184,30 @@ def _segment_table(buf: bytes | memoryview, nseg: int, raw: int) -> list[tuple[L
     return segs
 
 
-def _section_sizes(segs: Sequence[tuple[Layout, int]]) -> list[int]:
-    """Raw bytes of each section of ``segs``, in order."""
+def _section_sizes(segs: Sequence[tuple[Layout, int]]) -> list[tuple[int, bool]]:
+    """Raw bytes of each section of ``segs``, in order, and whether it is a plane (a tail is
+    raw: nothing but the CRC checks its bytes)."""
     out = []
     for layout, length in segs:
         w = SHAPES[layout].width
-        out += [length // w] * w + ([length % w] if length % w else [])
+        out += [(length // w, True)] * w + ([(length % w, False)] if length % w else [])
     return out
 
 
-def _section_table(buf: bytes | memoryview, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+def _section_table(buf: bytes | memoryview, sizes: Sequence[tuple[int, bool]]) -> list[tuple[int, int, int]]:
     out = []
-    for i, raw in enumerate(sizes):
+    for i, (raw, plane) in enumerate(sizes):
         coding, n = ENTRY.unpack_from(buf, i * ENTRY.size)
         if coding == RAW and n != raw:
             raise CorruptFrame(f"planes frame: raw section {i} holds {n:,} bytes, not its {raw:,}")
-        if coding == ZSTD and n > raw + raw // 128 + 1024:  # zstd's bound for incompressible input
-            raise CorruptFrame(f"planes frame: section {i} is {n:,} bytes for {raw:,} raw bytes")
+        if coding == ZSTD and not plane:
+            raise CorruptFrame(f"planes frame: section {i} is a segment's tail, and is not raw")
+        # A zstd section shrinks its plane (the encoder keeps it raw otherwise), so a frame's
+        # body is at most its raw bytes: a frame of nothing in 65,535 empty segments of four
+        # sections of zstd's bound (1 KiB each) was 256 MiB of body, read before it was refused.
+        if coding == ZSTD and n >= raw:
+            raise CorruptFrame(f"planes frame: zstd section {i} is {n:,} bytes for {raw:,} raw bytes "
+                               "(a zstd section shrinks its plane)")
         if coding not in (RAW, ZSTD):
             raise CorruptFrame(f"planes frame: section {i} has coding {coding}, which this reader does not know")
         out.append((coding, n, raw))
@@ -262,33 +272,61 @@ def decode(frame: bytes | bytearray | memoryview) -> bytearray:
     if len(view) != table.size:
         raise CorruptFrame(f"planes frame is {len(view):,} bytes, its tables say {table.size:,}"
                            + (" (truncated)" if len(view) < table.size else ""))
-    bodies = []
-    crc = zlib.crc32(tables[:-CRC.size])
+    out = bytearray(table.raw)
+    unpack(table, sections(table, tables, view[len(tables):]), memoryview(out))
+    return out
+
+
+def sections(table: Table, tables: bytes, body: memoryview) -> list[memoryview]:
+    """The sections of a frame whose tables are ``tables`` and the rest ``body`` (exactly
+    ``table.size - len(tables)`` bytes), each a view of ``body``, once the CRC-32 checked the
+    tables and every raw section."""
+    if len(body) != table.size - len(tables):
+        raise CorruptFrame(f"planes frame holds {len(body):,} bytes after its tables, they say "
+                           f"{table.size - len(tables):,}")
+    out, pos = [], 0
+    crc = zlib.crc32(memoryview(tables)[:-CRC.size])
     for coding, n, _ in table.sections:
-        bodies.append(read(n))
+        out.append(body[pos:pos + n])
+        pos += n
         if coding == RAW:
-            crc = zlib.crc32(bodies[-1], crc)
+            crc = zlib.crc32(out[-1], crc)
     if crc != CRC.unpack(tables[-CRC.size:])[0]:
         raise CorruptFrame("planes frame is corrupted: its CRC-32 does not match its tables and raw bytes")
-    return _unpack(table, bodies)
+    return out
 
 
-def _unpack(table: Table, bodies: list[memoryview]) -> bytearray:
-    out = bytearray(table.raw)
-    target = memoryview(out)
+def as_is(table: Table, bodies: Sequence[memoryview]) -> memoryview | None:
+    """The raw bytes of a frame that holds them as they are (one raw section of bytes: what a
+    sender with no cores to spare sends), checked by :func:`sections`; None for any other."""
+    if len(table.segments) == 1 and table.segments[0][0] is Layout.BYTES and table.sections[0][0] == RAW:
+        return bodies[0]
+    return None
+
+
+def unpack(table: Table, bodies: Sequence[memoryview], out: memoryview) -> None:
+    """Write the raw bytes of a frame whose sections are ``bodies`` (checked by
+    :func:`sections`) into ``out``, exactly ``table.raw`` bytes. Sections of bytes are copied
+    (or decompressed) into place; only typed segments go through numpy's merge."""
+    if len(out) != table.raw:
+        raise ValueError(f"{len(out):,} bytes to write a frame of {table.raw:,} into")
     dctx = zstandard.ZstdDecompressor()
-    sections = iter(zip(table.sections, bodies, strict=True))
+    entries = iter(zip(table.sections, bodies, strict=True))
     at = 0
     for index, (layout, length) in enumerate(table.segments):
         w = SHAPES[layout].width
-        planes = [_section(dctx, *next(sections), index) for _ in range(w)]
+        if w == 1:
+            (coding, _, raw), body = next(entries)
+            out[at:at + length] = body if coding == RAW else _plain(dctx, (coding, 0, raw), body, index)
+            at += length
+            continue
+        planes = [_section(dctx, *next(entries), index) for _ in range(w)]
         whole = length - length % w
-        merge(planes, layout, target[at:at + whole])
+        merge(planes, layout, out[at:at + whole])
         if whole < length:
-            _, body = next(sections)  # the raw tail: its length was checked against the table
-            target[at + whole:at + length] = body
+            _, body = next(entries)  # the raw tail: its length was checked against the table
+            out[at + whole:at + length] = body
         at += length
-    return out
 
 
 def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body: memoryview,
@@ -296,8 +334,12 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     import numpy as np
 
     coding, _, raw = entry
-    if coding == RAW:
-        return np.frombuffer(body, dtype=np.uint8)
+    return np.frombuffer(body if coding == RAW else _plain(dctx, entry, body, segment), dtype=np.uint8)
+
+
+def _plain(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body: memoryview, segment: int) -> bytes:
+    """The bytes of a zstd section, exactly its table's raw size."""
+    _, _, raw = entry
     try:
         # A zstd frame declares its size, and the decoder allocates what it declares: a frame
         # whose header a flipped bit made claim exabytes raised MemoryError. Refused unless it
@@ -312,7 +354,7 @@ def _section(dctx: zstandard.ZstdDecompressor, entry: tuple[int, int, int], body
     if len(plain) != raw:
         raise CorruptFrame(f"planes frame: a zstd section of segment {segment} holds {len(plain):,} bytes, "
                            f"not its {raw:,}")
-    return np.frombuffer(plain, dtype=np.uint8)
+    return plain
 
 
 def encode_blocks(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (), *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import save, save_file
 
 from pipeline.codec import frames
 from pipeline.codec.frames import RAW, ZSTD, decode, encode, encode_blocks, read_frame, read_table
+from pipeline.codec.planes import Layout
 from pipeline.codec.segments import Segment, segments, shard_spans
 from pipeline.core.header import DTYPE_BITS, parse_header
 from pipeline.errors import CorruptFrame
@@ -175,6 +177,142 @@ def test_a_section_that_declares_another_size_is_refused_before_it_is_allocated(
                 pass
 
 
+class Trickle:
+    """A stream with ``read`` only, that answers at most ``most`` bytes a call (a socket)."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self.data, self.at, self.most = data, 0, most
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.most if n < 0 else min(n, self.most)
+        part = self.data[self.at:self.at + n]
+        self.at += len(part)
+        return part
+
+
+def stream_of(parts, kinds) -> tuple[bytes, bytes]:
+    """The raw bytes of ``parts`` and a stream of their frames: each compressed by its
+    segments, raw, or raw behind an empty frame, by ``kinds``."""
+    out = []
+    for (data, segs), kind in zip(parts, kinds + [0] * len(parts), strict=False):
+        if kind == 2:
+            out.append(encode(b"", compress=False))
+        out.append(encode(data, segs) if kind == 0 else encode(data, compress=False))
+    return b"".join(d for d, _ in parts), b"".join(out)
+
+
+def read_all(reader, length: int, sizes) -> bytes:
+    got, sizes = bytearray(), iter(sizes)
+    while len(got) < length:
+        buf = bytearray(min(next(sizes, 65536), length - len(got)))
+        n = reader.readinto(buf)
+        assert n, "the reader gave nothing before the declared length"
+        got += buf[:n]
+    reader.finish()
+    return bytes(got)
+
+
+@SLOW
+@given(st.lists(framed(), min_size=1, max_size=4), st.lists(st.integers(0, 2), max_size=4),
+       st.lists(st.integers(1, 25_000), max_size=20), st.integers(1, 70_000), st.booleans())
+def test_a_stream_of_frames_reads_back_as_its_bytes_in_reads_of_any_size(parts, kinds, sizes, most, socket_like):
+    """Given frames of every kind one after the other (compressed, raw, empty, of any length:
+    a reader keeps its buffers from one frame to the next), read through a socket that answers
+    in pieces or a file, in reads of any size, then the reader gives back exactly the bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+
+    raw, stream = stream_of(parts, kinds)
+    body = Trickle(stream, most) if socket_like else io.BytesIO(stream)
+    reader = PlanesDecompressing(body, len(raw))
+    assert read_all(reader, len(raw), sizes) == raw
+    assert reader.wire == len(stream)
+
+
+@SLOW
+@given(st.data())
+def test_a_corrupted_stream_of_frames_is_refused(data):
+    """Given a stream of a compressed frame, a raw one and an empty one, when any byte of it is
+    changed, then the reader refuses it (or gives the same bytes, where no decoder reads the
+    byte): never other bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+    from pipeline.errors import MalformedStream
+
+    head = b"{header}" * 50 + weights(3000) + b"\x01"
+    raw, stream = stream_of([(head, [Segment(400, 6000, "BF16")]), (weights(2000, seed=1), []),
+                             (b"tail" * 100, [])], [0, 1, 2])
+    bad = bytearray(stream)
+    bad[data.draw(st.integers(0, len(bad) - 1))] ^= data.draw(st.integers(1, 255))
+    try:
+        assert read_all(PlanesDecompressing(io.BytesIO(bytes(bad)), len(raw)), len(raw), [4096]) == raw
+    except MalformedStream:
+        pass
+
+
+def crafted(segments, sections) -> bytes:
+    """A frame of ``segments`` ((layout, raw bytes)) and ``sections`` ((coding, bytes)) as a
+    sender that lies would make it: tables and CRC consistent, the rest whatever it says."""
+    raw = sum(n for _, n in segments)
+    tables = frames.HEAD.pack(frames.MAGIC, frames.VERSION, 0, len(segments), raw)
+    tables += b"".join(frames.ENTRY.pack(layout, n) for layout, n in segments)
+    tables += b"".join(frames.ENTRY.pack(coding, len(body)) for coding, body in sections)
+    crc = zlib.crc32(tables)
+    for coding, body in sections:
+        if coding == RAW:
+            crc = zlib.crc32(body, crc)
+    return tables + frames.CRC.pack(crc) + b"".join(body for _, body in sections)
+
+
+def test_an_empty_frame_after_the_last_bytes_is_checked_as_one_before_them():
+    """Given a frame of no bytes whose zstd section is garbage (the CRC covers raw sections
+    only), then a stream is refused with it after its last bytes as it is with it in the
+    middle: the reader after the last frame decoded the tables and CRC of what followed, not
+    its zstd sections, and took it. A well-formed empty frame is taken in either place."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+    from pipeline.errors import MalformedStream
+
+    data = b"{header}" * 100 + weights(2000)
+    bad = crafted([(Layout.BYTES, 0)], [(ZSTD, b"\0" * 50)])
+    for stream in (encode(data[:500]) + bad + encode(data[500:]), encode(data) + bad):
+        reader = PlanesDecompressing(io.BytesIO(stream), len(data))
+        with pytest.raises(MalformedStream):
+            reader.read()
+            reader.finish()
+    for stream in (encode(data[:500]) + encode(b"") + encode(data[500:]), encode(data) + encode(b"")):
+        reader = PlanesDecompressing(io.BytesIO(stream), len(data))
+        assert reader.read() == data
+        reader.finish()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_compressed_tail_is_refused_at_its_tables(n):
+    """Given a frame whose F32 segment of 7 bytes says its 3-byte raw tail is zstd (the format
+    has it raw: nothing checks its bytes otherwise), then it is refused at its tables: not a
+    ValueError from copying 2 bytes into 3 (a 500 on a worker), not 3 unchecked bytes decoded."""
+    frame = crafted([(Layout.F32, 7)], [(RAW, b"a"), (RAW, b"b"), (RAW, b"c"), (RAW, b"d"), (ZSTD, b"t" * n)])
+    with pytest.raises(CorruptFrame, match="tail"):
+        read_table(io.BytesIO(frame).read)
+    with pytest.raises(CorruptFrame):
+        decode(frame)
+
+
+def test_a_frame_of_no_bytes_carries_no_body():
+    """Given a frame that claims no bytes in zero-length F32 segments, each with four zstd
+    sections of 1 KiB (zstd's bound for nothing: 65,535 of them are 256 MiB of body for a frame
+    of nothing, read into a buffer the reader keeps), then it is refused at its tables, before
+    its body is read: a zstd section shrinks its plane (the encoder keeps it raw otherwise), so
+    a frame's body is at most its raw bytes."""
+    from pipeline.cluster.decoding import PlanesDecompressing
+
+    frame = crafted([(Layout.F32, 0)] * 100, [(ZSTD, b"\0" * 1024)] * 400)
+    body = io.BytesIO(encode(b"abc") + frame)
+    with pytest.raises(CorruptFrame, match="shrinks"):
+        PlanesDecompressing(body, 1000).read()
+    assert body.tell() < 4000 < len(frame)
+    for data, segs in [(weights(5000), [Segment(0, 10_000, "BF16")]), (bytes(9000), []), (os.urandom(900), [])]:
+        table, tables = read_table(io.BytesIO(encode(data, segs)).read)
+        assert table.size - len(tables) <= table.raw
+
+
 @SLOW
 @given(st.data())
 def test_a_truncated_frame_is_refused(data):
@@ -256,3 +394,22 @@ def test_a_shard_of_tensors_is_split_by_its_own_header():
     blob = save({"a": torch.zeros(3000, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.int64)})
     (run,) = shard_spans(blob[:100 + int.from_bytes(blob[:8], "little")], len(blob))
     assert (run.dtype, run.length) == ("BF16", 6000)
+
+
+def test_a_raw_frame_is_made_and_read_back_without_numpy():
+    """A sender short of CPU sends raw frames (all bytes): making one and reading it back never
+    loads numpy, which a fresh process's first frame would otherwise import (~0.1 s of CPU, on
+    a host whose cores are full)."""
+    import subprocess
+    import sys
+
+    code = ("import io, sys\n"
+            "from pipeline.cluster.wire import raw_frame\n"
+            "from pipeline.cluster.decoding import decoding\n"
+            "data = bytes(range(256)) * 20_000\n"
+            "reader = decoding('planes', io.BytesIO(raw_frame(data) + raw_frame(data)), 2 * len(data))\n"
+            "assert reader.read() == data * 2\n"
+            "reader.finish()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'numpy'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
