@@ -413,3 +413,23 @@ def test_a_raw_frame_is_made_and_read_back_without_numpy():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'numpy'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_frame_is_read_from_its_transport_in_steps():
+    """Given a stream of 4 MiB frames behind a transport with ``read`` only (a server's request
+    body, which gathers each read in a buffer of its own and copies it over), then the reader
+    asks it for at most READ_STEP bytes at a time: a frame read at once cost a storage worker
+    6-9 ms of CPU per 4 MiB through gunicorn's body, in steps ~2 ms."""
+    from pipeline.cluster import decoding
+
+    class Recording(Trickle):
+        def read(self, n: int = -1) -> bytes:
+            self.asked.append(n)
+            return super().read(n)
+
+    data = weights(2 << 20) + os.urandom(4 << 20)
+    raw, stream = stream_of([(data[:4 << 20], [Segment(0, 4 << 20, "BF16")]), (data[4 << 20:], [])], [0, 1])
+    body = Recording(stream, 1 << 30)
+    body.asked = []
+    assert read_all(decoding.PlanesDecompressing(body, len(raw)), len(raw), [1 << 20]) == raw
+    assert max(body.asked) <= decoding.READ_STEP < 1 << 20
