@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zstandard
+
+try:  # zlib's CRC-32, the same function, with SIMD: 0.07 ms per 4 MiB here, zlib's own 0.97
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # a platform zlib-ng has no wheel for: the same checksums, slower
+    from zlib import crc32
 
 from pipeline.codec.planes import SHAPES, Layout, layout_of, merge, split
 from pipeline.codec.segments import Segment, clip
@@ -133,9 +137,9 @@ def encode(data: bytes | bytearray | memoryview, segments: Sequence[Segment] = (
             bodies.append(body)
             if coding == RAW:
                 raw_parts.append(body)
-    crc = zlib.crc32(b"".join(table))
+    crc = crc32(b"".join(table))
     for part in raw_parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return b"".join([*table, CRC.pack(crc), *bodies])
 
 
@@ -285,12 +289,12 @@ def sections(table: Table, tables: bytes, body: memoryview) -> list[memoryview]:
         raise CorruptFrame(f"planes frame holds {len(body):,} bytes after its tables, they say "
                            f"{table.size - len(tables):,}")
     out, pos = [], 0
-    crc = zlib.crc32(memoryview(tables)[:-CRC.size])
+    crc = crc32(memoryview(tables)[:-CRC.size])
     for coding, n, _ in table.sections:
         out.append(body[pos:pos + n])
         pos += n
         if coding == RAW:
-            crc = zlib.crc32(out[-1], crc)
+            crc = crc32(out[-1], crc)
     if crc != CRC.unpack(tables[-CRC.size:])[0]:
         raise CorruptFrame("planes frame is corrupted: its CRC-32 does not match its tables and raw bytes")
     return out

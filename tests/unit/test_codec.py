@@ -433,3 +433,14 @@ def test_a_frame_is_read_from_its_transport_in_steps():
     body.asked = []
     assert read_all(decoding.PlanesDecompressing(body, len(raw)), len(raw), [1 << 20]) == raw
     assert max(body.asked) <= decoding.READ_STEP < 1 << 20
+
+
+@SLOW
+@given(st.binary(max_size=70_000), st.integers(0, 2**32 - 1))
+def test_the_frames_checksum_is_zlibs_crc32(data, start):
+    """The frames' CRC-32 (zlib-ng's, where it is installed) is zlib's function: a frame made
+    where zlib-ng is missing reads where it is installed, and the other way round."""
+    import zlib
+
+    assert frames.crc32(data, start) == zlib.crc32(data, start)
+    assert frames.crc32(memoryview(data)) == zlib.crc32(data)
