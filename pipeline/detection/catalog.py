@@ -244,7 +244,7 @@ def reference(session: Session, sizes: dict[str, int]) -> None:
     the content first, and the shard step then revives it: docs/design.md, section 5)."""
     t = now()
     existing = {c.sha256: c for c in session.scalars(
-        select(Content).where(Content.sha256.in_(sorted(sizes))).with_for_update())}
+        select(Content).where(Content.sha256.in_(sorted(sizes))).order_by(Content.sha256).with_for_update())}
     for sha, size in sizes.items():
         c = existing.get(sha)
         if c is None:

@@ -104,7 +104,8 @@ def condemn(session: Session, settings: Settings) -> tuple[int, int, int]:
     if not candidates:
         return 0, 0, 0
     cutoff = t - timedelta(seconds=settings.gc_grace_seconds)
-    locked = session.scalars(select(Content).where(Content.sha256.in_(candidates)).with_for_update())
+    locked = session.scalars(select(Content).where(Content.sha256.in_(candidates)).order_by(Content.sha256)
+                            .with_for_update())
     for content in locked:
         # Again, under the lock: a store may have referenced it since the query above.
         still = session.scalar(select(~kept_reference()).where(Content.sha256 == content.sha256))

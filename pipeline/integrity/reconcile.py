@@ -117,7 +117,7 @@ def reconcile(settings: Settings, job_id: int) -> list[Send]:
                 # of condemned content goes; of live content only a retired row (not one placement
                 # reused for a new upload meanwhile).
                 now_state = dict(s.execute(select(Content.sha256, Content.state).where(Content.sha256.in_(garbage))
-                                           .with_for_update()).all())
+                                           .order_by(Content.sha256).with_for_update()).all())
                 garbage = [sha for sha in garbage
                            if move(s, on(worker_id, sha), CopyState.DELETING,
                                    from_=None if now_state.get(sha) == ContentState.CONDEMNED

@@ -94,7 +94,7 @@ def shard_checkpoint(settings: Settings, job_id: int, sent: Sequence[int] = ()) 
         # (and fans it in) or was seen stored here (PostgreSQL; SQLite writes one at a time).
         placed = [cp.id for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         if placed:
-            s.scalars(select(ContentCopy).where(ContentCopy.id.in_(placed)).with_for_update()
+            s.scalars(select(ContentCopy).where(ContentCopy.id.in_(placed)).order_by(ContentCopy.id).with_for_update()
                       .execution_options(populate_existing=True)).all()
         pending = [cp for c in contents for cp in c.copies if cp.state == CopyState.PENDING]
         moved = transition(s, job_id, JobKind.STORE, S.DETECTED, S.SHARDED, lease_seconds=settings.lease_seconds,
@@ -167,7 +167,7 @@ def revive(s: Session, contents: list[Content]) -> list[Content]:
     stale = [c.sha256 for c in contents if c.state != ContentState.LIVE]
     if not stale:
         return contents
-    for c in s.scalars(select(Content).where(Content.sha256.in_(stale)).with_for_update()
+    for c in s.scalars(select(Content).where(Content.sha256.in_(stale)).order_by(Content.sha256).with_for_update()
                        .execution_options(populate_existing=True)):
         if c.state != ContentState.LIVE:
             log.info("content %s was %s; referenced again, it is live and uploaded anew where needed",

@@ -111,8 +111,8 @@ def test_a_dcp_step_saved_on_two_hosts_is_one_checkpoint(tmp_path, pg_database):
             got = {k: torch.zeros_like(v) for k, v in want.items()}
             dcp.load(got, checkpoint_id=str(restored))
             assert all(torch.equal(got[k], want[k]) for k in want)
-        except AssertionError:
-            raise AssertionError(t.log_tail()) from None
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{t.log_tail()}") from None
     finally:
         t.down()
 

@@ -142,7 +142,7 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
             lan.link("h3", "up")
             wait_for(lambda: workers_up().get(h3) == "up", 60, "h3 back up")
-        except AssertionError:
-            raise AssertionError(log_tail()) from None
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log_tail()}") from None
     finally:
         lan.down()

@@ -68,7 +68,7 @@ def test_each_host_protects_rotates_and_restores_its_own_checkpoints(tmp_path, p
             assert {k: v for k, v in checkpoints().items() if k[0] == "h1"} == before
             kept = disks["h1"] / "runs" / "run" / "step_2.safetensors"
             assert kept.read_bytes() == saved[("h1", "step_2.safetensors")]
-        except AssertionError:
-            raise AssertionError(t.log_tail()) from None
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{t.log_tail()}") from None
     finally:
         t.down()
