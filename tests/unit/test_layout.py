@@ -175,3 +175,25 @@ def test_status_on_a_sqlite_home_imports_its_queries_and_nothing_else(tmp_path: 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.split("\n") == ["0 True True", "[]", "[]", "[]", ""], out.stdout + out.stderr
+
+
+def multi_row_locks_without_order(source: str, path: str) -> list[str]:
+    """Each ``... .where(<column>.in_(...)) ... .with_for_update()`` statement of ``source`` that
+    does not order its rows (``.order_by(``), by line."""
+    out = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "with_for_update":
+            statement = ast.get_source_segment(source, node.func.value) or ""
+            if ".in_(" in statement and ".order_by(" not in statement:
+                out.append(f"{path}:{node.lineno}")
+    return out
+
+
+def test_rows_locked_several_at_a_time_are_locked_in_key_order():
+    """A ``SELECT ... FOR UPDATE`` of a set of rows orders by their key, so PostgreSQL takes the
+    locks in that order whatever plan it picks: two shard steps locking a shared content's copies
+    in heap order (which updates change) deadlocked in the multi-host test (docs/design.md)."""
+    found = [where for path in sorted(PACKAGE.rglob("*.py"))
+             for where in multi_row_locks_without_order(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
+    assert not found, f"multi-row row locks without ORDER BY: {found}"
+    assert multi_row_locks_without_order("s.scalars(select(C).where(C.id.in_(ids)).with_for_update())", "x") == ["x:1"]
