@@ -123,11 +123,12 @@ def claimed(session: Session, path: str, host: str) -> CheckpointPart | None:
 
 
 def held(session: Session, host: str, *, path: str | None = None) -> list[CheckpointPart]:
-    """``host``'s parts that it still holds (locked on PostgreSQL: a rotation deciding commits first)."""
+    """``host``'s parts that it still holds (locked on PostgreSQL, in key order as every multi-row
+    lock: a rotation deciding commits first)."""
     q = select(CheckpointPart).where(CheckpointPart.host == host, CheckpointPart.local_present.is_(True))
     if path is not None:
         q = q.where(CheckpointPart.path == path)
-    return list(session.scalars(q.with_for_update()))
+    return list(session.scalars(q.order_by(CheckpointPart.id).with_for_update()))
 
 
 def vanished(session: Session, part: CheckpointPart) -> None:

@@ -300,7 +300,7 @@ class Watcher:
                 for ckpt in s.scalars(select(Checkpoint).where(Checkpoint.path == path,
                                                                Checkpoint.local_present.is_(True),
                                                                catalog.on_host(self.settings.host_id))
-                                      .with_for_update()):
+                                      .order_by(Checkpoint.id).with_for_update()):
                     if trash.put_back(path, catalog.file_sig(ckpt)):  # a rotation crashed before it committed
                         log.warning("%s was in the trash of a rotation that did not commit; put back", path)
                         continue

@@ -177,15 +177,44 @@ def test_status_on_a_sqlite_home_imports_its_queries_and_nothing_else(tmp_path: 
     assert out.stdout.split("\n") == ["0 True True", "[]", "[]", "[]", ""], out.stdout + out.stderr
 
 
+#: What reads one row of a statement's result: a lock taken through it is a single row's.
+ONE_ROW = {"scalar", "one", "one_or_none", "first", "scalar_one", "scalar_one_or_none"}
+
+
 def multi_row_locks_without_order(source: str, path: str) -> list[str]:
-    """Each ``... .where(<column>.in_(...)) ... .with_for_update()`` statement of ``source`` that
-    does not order its rows (``.order_by(``), by line."""
+    """Each ``... .with_for_update()`` statement of ``source`` that may lock several rows (it
+    selects by ``.in_(``, or its rows are not read through a one-row accessor such as
+    ``.one()`` or ``session.scalar``) and does not order them (``.order_by(``), by line. A
+    statement built in a variable first (``q = select(...)``, ``q = q.where(...)``) is read
+    with its assignments in the same function."""
+    tree = ast.parse(source, path)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     out = []
-    for node in ast.walk(ast.parse(source, path)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "with_for_update":
-            statement = ast.get_source_segment(source, node.func.value) or ""
-            if ".in_(" in statement and ".order_by(" not in statement:
-                out.append(f"{path}:{node.lineno}")
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "with_for_update"):
+            continue
+        statement = ast.get_source_segment(source, node.func.value) or ""
+        base = node.func.value
+        while isinstance(base, ast.Call | ast.Attribute):
+            base = base.func if isinstance(base, ast.Call) else base.value
+        scope: ast.AST = node
+        while scope in parents and not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+            scope = parents[scope]
+        if isinstance(base, ast.Name):
+            statement += "".join(ast.get_source_segment(source, a) or "" for a in ast.walk(scope)
+                                 if isinstance(a, ast.Assign)
+                                 and any(isinstance(t, ast.Name) and t.id == base.id for t in a.targets))
+        one_row, up = False, node
+        while up in parents and not isinstance(up, ast.stmt):
+            up, child = parents[up], up
+            if (isinstance(up, ast.Attribute) and up.attr in ONE_ROW and up.value is child
+                    or isinstance(up, ast.Call) and isinstance(up.func, ast.Attribute) and up.func.attr == "scalar"
+                    and child in up.args):
+                one_row = True
+                break
+        if ".order_by(" not in statement and (".in_(" in statement or not one_row):
+            out.append(f"{path}:{node.lineno}")
     return out
 
 
@@ -196,4 +225,14 @@ def test_rows_locked_several_at_a_time_are_locked_in_key_order():
     found = [where for path in sorted(PACKAGE.rglob("*.py"))
              for where in multi_row_locks_without_order(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
     assert not found, f"multi-row row locks without ORDER BY: {found}"
-    assert multi_row_locks_without_order("s.scalars(select(C).where(C.id.in_(ids)).with_for_update())", "x") == ["x:1"]
+    check = multi_row_locks_without_order
+    assert check("s.scalars(select(C).where(C.id.in_(ids)).with_for_update())", "x") == ["x:1"]
+    # not by IN, or built in a variable first: still several rows
+    assert check("for c in s.scalars(select(C).where(C.host == h).with_for_update()): pass", "x") == ["x:1"]
+    assert check("def f(s):\n    q = select(C).where(C.host == h)\n    q = q.where(C.path == p)\n"
+                 "    return list(s.scalars(q.with_for_update()))", "x") == ["x:4"]
+    assert check("def f(s):\n    q = select(C).where(C.host == h).order_by(C.id)\n"
+                 "    return list(s.scalars(q.with_for_update()))", "x") == []
+    # one row, read as one
+    assert check("s.scalar(select(C).where(C.id == i).with_for_update())", "x") == []
+    assert check("s.scalars(select(C).where(C.id == i).with_for_update()).one_or_none()", "x") == []
