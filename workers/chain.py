@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs
 
 from pipeline.cluster.client import STALL_SECONDS, Upload, WorkerClient
-from pipeline.cluster.decoding import decoding
+from pipeline.cluster.decoding import decoding, read_into
 from pipeline.errors import ShardRefused, WorkerError
 from workers.shardstore import PutResult, ShardStore
 
@@ -69,12 +69,7 @@ class Tee:
         self.body, self.down = body, down
 
     def readinto(self, view: memoryview) -> int:
-        if hasattr(self.body, "readinto"):
-            n = self.body.readinto(view) or 0
-        else:
-            chunk = self.body.read(len(view))
-            n = len(chunk)
-            view[:n] = chunk
+        n = read_into(self.body, view)
         if n and self.down is not None:
             self.down.send(view[:n])
         return n

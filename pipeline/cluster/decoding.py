@@ -41,14 +41,19 @@ class Counted:
         return data
 
     def readinto(self, view: memoryview) -> int:
-        if hasattr(self._stream, "readinto"):
-            n = self._stream.readinto(view) or 0
-        else:
-            data = self._stream.read(len(view))
-            n = len(data)
-            view[:n] = data
+        n = read_into(self._stream, view)
         self.count += n
         return n
+
+
+def read_into(stream: Any, view: memoryview) -> int:
+    """Read from ``stream`` into ``view``: its ``readinto`` where it has one (a socket's
+    response), else a ``read`` copied over (gunicorn's request body has none); bytes given."""
+    if hasattr(stream, "readinto"):
+        return int(stream.readinto(view) or 0)
+    data = stream.read(len(view))
+    view[:len(data)] = data
+    return len(data)
 
 
 class Decompressing:

@@ -244,19 +244,6 @@ def _exactly(read: Callable[[int], bytes | memoryview], n: int, before: int) -> 
     return b"".join(parts)
 
 
-def read_frame(read: Callable[[int], bytes | memoryview], most: int = MAX_RAW) -> bytes | None:
-    """The bytes of the next frame of a stream (``read(n)`` answers up to ``n`` bytes, fewer only
-    at its end), ``None`` at the end of the stream; a frame cut short, or whose tables claim
-    more than ``most`` raw bytes (checked before its body is read), raises CorruptFrame."""
-    try:
-        table, tables = read_table(read)
-    except EOFError:
-        return None
-    if table.raw > most:
-        raise CorruptFrame(f"planes frame holds {table.raw:,} raw bytes where at most {most:,} were left to read")
-    return tables + _exactly(read, table.size - len(tables), len(tables))
-
-
 def decode(frame: bytes | bytearray | memoryview) -> bytearray:
     """The raw bytes of one whole frame; raises :class:`~pipeline.errors.CorruptFrame` unless
     every byte of it checks out."""
@@ -320,8 +307,8 @@ def unpack(table: Table, bodies: Sequence[memoryview], out: memoryview) -> None:
     for index, (layout, length) in enumerate(table.segments):
         w = SHAPES[layout].width
         if w == 1:
-            (coding, _, raw), body = next(entries)
-            out[at:at + length] = body if coding == RAW else _plain(dctx, (coding, 0, raw), body, index)
+            entry, body = next(entries)
+            out[at:at + length] = body if entry[0] == RAW else _plain(dctx, entry, body, index)
             at += length
             continue
         planes = [_section(dctx, *next(entries), index) for _ in range(w)]
@@ -370,8 +357,3 @@ def encode_blocks(data: bytes | bytearray | memoryview, segments: Sequence[Segme
     for at in range(0, len(view), block):
         end = min(len(view), at + block)
         yield encode(view[at:end], clip(typed, at, end - at), level=level)
-
-
-def decode_frames(frames: Iterator[bytes] | Sequence[bytes]) -> bytes:
-    """The raw bytes of a sequence of frames, in order."""
-    return b"".join(decode(f) for f in frames)
