@@ -348,6 +348,13 @@ class FaultCluster(Cluster):
                             .where(Checkpoint.path == str(path.resolve()), Job.kind == "store")
                             .order_by(Job.id.desc()).limit(1))
 
+    def recorded(self, path: Path, sha256: str) -> bool:
+        """Whether a version of the checkpoint at ``path`` holds a file of these bytes."""
+        with session_scope(self.settings.db_url) as s:
+            return s.scalar(select(CheckpointFile.id).join(Checkpoint, CheckpointFile.checkpoint_id == Checkpoint.id)
+                            .where(Checkpoint.path == str(path.resolve()), CheckpointFile.sha256 == sha256)
+                            .limit(1)) is not None
+
     def notes_containing(self, text: str) -> list[str]:
         """Timeline entries (job events) whose detail contains ``text``."""
         with session_scope(self.settings.db_url) as s:

@@ -1,6 +1,7 @@
 """Storage workers crashed, hung or full; the local disk full; the source changed under the pipeline."""
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -83,9 +84,11 @@ def test_local_disk_full_during_restore(fault_cluster: FaultCluster, tmp_path):
 
 
 def rewrite_in_place(path) -> None:
-    """The trainer writes new bytes into the same file (same size, new mtime)."""
+    """The trainer writes new bytes into the same file (same size, new mtime). New bytes each
+    time: a second rewrite that wrote the same bytes again would only touch the file, which
+    rotation may then rightly delete (its content is stored)."""
     data = bytearray(path.read_bytes())
-    data[-1000:] = bytes(1000)
+    data[-1000:] = os.urandom(1000)
     with open(path, "r+b") as f:
         f.write(data)
     os.utime(path, ns=(time.time_ns(), time.time_ns()))
@@ -110,12 +113,14 @@ def test_source_rewritten_before_replication_and_before_rotation(fault_cluster: 
         # next one is stored with `ckpt store`: only rotation can notice the rewrite.
         older = c.run / f"step_{c.step}.safetensors"
         refusals = len(c.notes_containing("changed after it was stored"))
+        rewritten: list[bytes] = []
 
         def rewrite_then_store_next() -> None:
             watcher = c.up_info()["children"]["watcher"]
             os.kill(watcher, signal.SIGSTOP)
             try:
                 rewrite_in_place(older)
+                rewritten.append(older.read_bytes())
                 r = c.cli("store", str(c.new_checkpoint()), "--wait", timeout=60)
                 assert r.returncode == 0, r.stderr
                 wait_for(lambda: len(c.notes_containing("changed after it was stored")) > refusals, 30,
@@ -124,5 +129,11 @@ def test_source_rewritten_before_replication_and_before_rotation(fault_cluster: 
                 os.kill(watcher, signal.SIGCONT)
 
         trial(c, late, rewrite_then_store_next, None)
-        assert older.exists()
+        # The watcher, continued, records the rewritten bytes as the path's new version: recorded
+        # after the next step, it is the newest save by detection order, which rotation never
+        # takes (pipeline.core.retention.newest_ids); the bytes stay on disk.
+        wait_for(lambda: c.recorded(older, hashlib.sha256(rewritten[0]).hexdigest()), 30,
+                 "the watcher to record the rewritten bytes")
+        c.quiet()
+        assert older.read_bytes() == rewritten[0]
     check_rows(early, late)
