@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import ColumnElement, and_, select
 from sqlalchemy.orm import Session
@@ -105,17 +106,28 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
 
 def _empty_trash(session: Session, run: str) -> None:
     """Delete what rotations that committed left in the run's trash (a crash came before
-    their delete); an entry whose rotation did not commit is left for it to put back."""
+    their delete); an entry whose rotation did not commit is left for it to put back. Only an
+    entry that still is a rotated version is deleted: one that holds anything else (a save
+    that landed on the path as a rotation crashed, bytes written through a file held open
+    after it) goes back (:func:`pipeline.store.trash.restore`), for the watcher to store."""
     for entry, was in trash.entries(run):
         rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
         held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
         undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
         undecided = undecided and not os.path.lexists(was)
-        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
-                      in (S.ROTATED, S.FORGOTTEN) for c in rows)
-        if rotated and not undecided:
+        rotated = [c for c in rows if not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
+                   in (S.ROTATED, S.FORGOTTEN)]
+        if not rotated or undecided:
+            continue
+        versions = [(c.is_dir, [_Kept.of(f) for f in own_files(c)]) for c in rotated]
+        versions += [(True, [_Kept.of_part(f) for f in p.files]) for p in held if not p.local_present]
+        if any(changed_since_detection(entry, is_dir, files) is None for is_dir, files in versions):
             trash.remove(entry)
             log.info("removed %s, left by a rotation that committed", entry)
+        else:
+            back = trash.restore(entry, was)
+            log.warning("%s holds files no rotated version of %s has (a save that landed there as its rotation "
+                        "was interrupted); not deleted: put back at %s", entry, was, back)
 
 
 def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_id: int) -> str | None:
@@ -306,6 +318,11 @@ class _Kept:
     def of(cls, f: CheckpointFile) -> _Kept:
         return cls(f.relpath, f.size, f.mtime_ns, f.sha256)
 
+    @classmethod
+    def of_part(cls, f: dict[str, Any]) -> _Kept:
+        """A file of a part as its host announced it (pipeline.detection.parts)."""
+        return cls(str(f["relpath"]), int(f["size"]), int(f["mtime_ns"]), str(f.get("sha256") or ""))
+
 
 def _trash_if_unchanged(path: str, base: Path, is_dir: bool,
                         files: list[_Kept]) -> tuple[str | None, Path | None]:
@@ -316,9 +333,14 @@ def _trash_if_unchanged(path: str, base: Path, is_dir: bool,
     stored: put back at ``path``, or beside it if another save took the path meanwhile."""
     if not os.path.lexists(path):
         return None, None
-    failpoints.hit("rotate.trash")
+    failpoints.hit(f"rotate.trash.{Path(path).name}")
     trashed = move_to_trash(Path(path), inside=base)
-    if changed_since_detection(Path(trashed), is_dir, files) is None:
+    try:
+        changed = changed_since_detection(Path(trashed), is_dir, files)
+    except BaseException:
+        trash.restore(trashed, path)
+        raise
+    if changed is None:
         return trashed, None
     return None, trash.restore(trashed, path)
 
@@ -332,9 +354,8 @@ def _remove_if_unchanged(job_id: int, trashed: str, path: str, base: Path, is_di
     """Delete a committed rotation's trash entry, unless it changed since it was checked (a
     writer that held a file of it open wrote to it): then it goes back, never deleted, and the
     watcher finds it as a new save."""
-    failpoints.hit("rotate.remove")
-    changed = changed_since_detection(Path(trashed), is_dir, files)
-    if changed is None:
+    failpoints.hit(f"rotate.remove.{Path(path).name}")
+    if changed_since_detection(Path(trashed), is_dir, files) is None:
         trash.remove(Path(trashed), inside=base)
         return
     back = trash.restore(trashed, path)

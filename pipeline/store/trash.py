@@ -122,13 +122,11 @@ def _rename_noreplace(src: Path, dst: Path) -> bool:
             os.link(src, dst, follow_symlinks=False)
         except FileExistsError:
             return False
-        except OSError as exc:  # a filesystem without hard links: the rename, if nothing is there
+        except OSError as exc:  # a filesystem without hard links: a name of its own (a rename
+            # checked first could still replace a save made in between)
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
-            if os.path.lexists(dst):
-                return False
-            os.rename(src, dst)
-            return True
+            return False
         os.unlink(src)
         return True
     if os.path.lexists(dst):

@@ -151,9 +151,10 @@ def test_a_save_that_lands_on_a_checkpoint_as_rotation_deletes_it_is_never_delet
     if c.step == 0:
         c.new_checkpoint()
     for _ in range(trials):
-        for row, point in ((over, "rotate.trash"), (held, "rotate.remove")):
+        for row, where in ((over, "rotate.trash"), (held, "rotate.remove")):
             c.quiet()
             older = c.run / f"step_{c.step}.safetensors"  # the newest: kept until the next step
+            point = f"{where}.{older.name}"  # this checkpoint's rotation, not another one's
             new_bytes: list[bytes] = []
             c.arm(point, "sleep 3")
             f = open(older, "r+b")
@@ -161,8 +162,8 @@ def test_a_save_that_lands_on_a_checkpoint_as_rotation_deletes_it_is_never_delet
                 def save_next_then_resave_older() -> None:
                     c.new_checkpoint()  # stored, it makes the older one rotation's to delete
                     wait_for(lambda: c.fired(point), 60, f"rotation to reach {point}")
-                    data = bytearray(older.read_bytes() if point == "rotate.trash" else b"")
-                    if point == "rotate.trash":  # a trainer's save: a new file renamed over the path
+                    data = bytearray(older.read_bytes() if where == "rotate.trash" else b"")
+                    if where == "rotate.trash":  # a trainer's save: a new file renamed over the path
                         data[-1000:] = os.urandom(1000)
                         tmp = older.with_name(f".{older.name}.tmp")
                         tmp.write_bytes(data)
