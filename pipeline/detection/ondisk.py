@@ -13,13 +13,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.orm import Session
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile
+from pipeline.db.models import Checkpoint
 from pipeline.db.transitions import now
 
 log = logging.getLogger("ckpt.detect")
@@ -27,7 +29,21 @@ log = logging.getLogger("ckpt.detect")
 Signature = tuple[tuple[str, int, int], ...]
 
 
-def differs(root: Path, is_dir: bool, files: list[CheckpointFile], *, by_content: bool = False) -> str | None:
+class Recorded(Protocol):
+    """A recorded file, as :func:`differs` reads it (a ``CheckpointFile``, or a copy of one
+    kept past its session)."""
+
+    @property
+    def relpath(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def mtime_ns(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+
+
+def differs(root: Path, is_dir: bool, files: Sequence[Recorded], *, by_content: bool = False) -> str | None:
     """What of the files at ``root`` differs from the recorded ``files`` (relative path,
     size, modification time): a file rewritten in place or added since holds bytes no
     replica has. A file gone is not counted (nothing of it is left to lose). None if nothing.
@@ -47,6 +63,8 @@ def differs(root: Path, is_dir: bool, files: list[CheckpointFile], *, by_content
             st = os.stat(path)
         except FileNotFoundError:
             continue  # gone already: nothing of it left to lose
+        except OSError as exc:  # a folder replaced by a file, a link loop: not what was stored
+            return f"{path} is not what was stored ({exc.strerror or exc})"
         if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
             if by_content and st.st_size == f.size and _sha256(path) == f.sha256:
                 continue

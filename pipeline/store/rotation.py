@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import ColumnElement, and_, select
 from sqlalchemy.orm import Session
 
-from pipeline import states
+from pipeline import failpoints, states
 from pipeline.core import copies
 from pipeline.core.layouts import save_group
 from pipeline.core.retention import LocalCheckpoint, to_rotate
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
-from pipeline.db.models import Checkpoint, CheckpointPart, Job, StorageWorker
+from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, StorageWorker
 from pipeline.db.transitions import latest_store_ids, note, transition
 from pipeline.detection import parts, roots
 from pipeline.detection.catalog import file_sig, latest_store_job, on_host, own_files, owner_elsewhere
@@ -104,17 +106,28 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
 
 def _empty_trash(session: Session, run: str) -> None:
     """Delete what rotations that committed left in the run's trash (a crash came before
-    their delete); an entry whose rotation did not commit is left for it to put back."""
+    their delete); an entry whose rotation did not commit is left for it to put back. Only an
+    entry that still is a rotated version is deleted: one that holds anything else (a save
+    that landed on the path as a rotation crashed, bytes written through a file held open
+    after it) goes back (:func:`pipeline.store.trash.restore`), for the watcher to store."""
     for entry, was in trash.entries(run):
         rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
         held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
         undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
         undecided = undecided and not os.path.lexists(was)
-        rotated = any(not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
-                      in (S.ROTATED, S.FORGOTTEN) for c in rows)
-        if rotated and not undecided:
+        rotated = [c for c in rows if not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
+                   in (S.ROTATED, S.FORGOTTEN)]
+        if not rotated or undecided:
+            continue
+        versions = [(c.is_dir, [_Kept.of(f) for f in own_files(c)]) for c in rotated]
+        versions += [(True, [_Kept.of_part(f) for f in p.files]) for p in held if not p.local_present]
+        if any(changed_since_detection(entry, is_dir, files) is None for is_dir, files in versions):
             trash.remove(entry)
             log.info("removed %s, left by a rotation that committed", entry)
+        else:
+            back = trash.restore(entry, was)
+            log.warning("%s holds files no rotated version of %s has (a save that landed there as its rotation "
+                        "was interrupted); not deleted: put back at %s", entry, was, back)
 
 
 def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_id: int) -> str | None:
@@ -186,12 +199,16 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
             ckpt = s.scalars(select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()).one()
             if job.state not in ROTATABLE or not ckpt.local_present:
                 return []
-            state = job.state
+            state, ckpt_is_dir = job.state, ckpt.is_dir
             if put_back(path, file_sig(ckpt)):  # a rotation crashed after its rename, before its commit
                 log.warning("job %d: %s was in the trash of a rotation that did not commit; put back", job_id, path)
             reason = unsafe_reason(s, settings, checkpoint_id, job_id)
             if reason is None:
-                trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
+                files = [_Kept.of(f) for f in own_files(ckpt)]
+                trashed, back = _trash_if_unchanged(path, base, ckpt.is_dir, files)
+                if back is not None:
+                    reason = _replaced(path, back)
+            if reason is None:
                 ckpt.local_present, ckpt.local_gone = False, "rotated"
                 if state != S.VERIFIED:  # forgotten, or rotated before: it stays as it is
                     job.blocked_reason = None
@@ -207,13 +224,13 @@ def rotate(settings: Settings, job_id: int) -> list[Send]:
         return []
     except BaseException:
         if trashed is not None:
-            os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
+            trash.restore(trashed, path)  # undo: the transaction that allowed it did not commit
         raise
     if reason:
         _block(settings, job_id, reason)
         return []
     if trashed is not None:
-        trash.remove(Path(trashed), inside=base)
+        _remove_if_unchanged(job_id, trashed, path, base, ckpt_is_dir, files)
     log.info("rotated %s (job %d)", path, job_id)
     with session_scope(settings.db_url) as s:  # and the parts other hosts hold of it, there
         return [Send("rotate_part", (job_id, h)) for h in s.scalars(
@@ -263,7 +280,11 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
                 fresh_after=fresh_after(settings.freshness_seconds),
                 active_job=None, changed=changed_since_detection(Path(path), True, mine))
             if reason is None:
-                trashed = move_to_trash(Path(path), inside=base) if os.path.lexists(path) else None
+                files = [_Kept.of(f) for f in mine]
+                trashed, back = _trash_if_unchanged(path, base, True, files)
+                if back is not None:
+                    reason = _replaced(path, back)
+            if reason is None:
                 part.local_present = False
                 job.blocked_reason = None
                 note(s, job_id, f"{host}'s part removed from {path}")
@@ -273,15 +294,73 @@ def rotate_part(settings: Settings, job_id: int, host: str) -> list[Send]:
         return []
     except BaseException:
         if trashed is not None:
-            os.rename(trashed, path)  # undo: the transaction that allowed it did not commit
+            trash.restore(trashed, path)  # undo: the transaction that allowed it did not commit
         raise
     if reason:
         _block(settings, job_id, f"{host}'s part: {reason}")
         return []
     if trashed is not None:
-        trash.remove(Path(trashed), inside=base)
+        _remove_if_unchanged(job_id, trashed, path, base, True, files)
     log.info("removed this host's part of %s (job %d)", path, job_id)
     return []
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A recorded file as rotation checked it, kept past the deciding transaction."""
+
+    relpath: str
+    size: int
+    mtime_ns: int
+    sha256: str
+
+    @classmethod
+    def of(cls, f: CheckpointFile) -> _Kept:
+        return cls(f.relpath, f.size, f.mtime_ns, f.sha256)
+
+    @classmethod
+    def of_part(cls, f: dict[str, Any]) -> _Kept:
+        """A file of a part as its host announced it (pipeline.detection.parts)."""
+        return cls(str(f["relpath"]), int(f["size"]), int(f["mtime_ns"]), str(f.get("sha256") or ""))
+
+
+def _trash_if_unchanged(path: str, base: Path, is_dir: bool,
+                        files: list[_Kept]) -> tuple[str | None, Path | None]:
+    """Rename the checkpoint at ``path`` into the trash and check that what moved is what was
+    stored: the check before it looked at the path, and a save that landed there in between (a
+    trainer renaming a new save over it) would otherwise be deleted. ``(trash entry, None)``;
+    ``(None, None)`` if nothing was there; ``(None, where)`` when what moved is not what was
+    stored: put back at ``path``, or beside it if another save took the path meanwhile."""
+    if not os.path.lexists(path):
+        return None, None
+    failpoints.hit(f"rotate.trash.{Path(path).name}")
+    trashed = move_to_trash(Path(path), inside=base)
+    try:
+        changed = changed_since_detection(Path(trashed), is_dir, files)
+    except BaseException:
+        trash.restore(trashed, path)
+        raise
+    if changed is None:
+        return trashed, None
+    return None, trash.restore(trashed, path)
+
+
+def _replaced(path: str, back: Path) -> str:
+    where = "put back" if str(back) == path else f"kept as {back} (another save took its path)"
+    return f"{path} changed while it was being rotated (a new save over it); not deleted: {where}"
+
+
+def _remove_if_unchanged(job_id: int, trashed: str, path: str, base: Path, is_dir: bool, files: list[_Kept]) -> None:
+    """Delete a committed rotation's trash entry, unless it changed since it was checked (a
+    writer that held a file of it open wrote to it): then it goes back, never deleted, and the
+    watcher finds it as a new save."""
+    failpoints.hit(f"rotate.remove.{Path(path).name}")
+    if changed_since_detection(Path(trashed), is_dir, files) is None:
+        trash.remove(Path(trashed), inside=base)
+        return
+    back = trash.restore(trashed, path)
+    log.warning("job %d: %s was written to after its rotation was decided; not deleted, put back at %s",
+                job_id, path, back)
 
 
 def _block(settings: Settings, job_id: int, reason: str) -> None:

@@ -5,9 +5,15 @@ transaction, and deletes it only after that transaction committed. A crash in be
 leaves a trash entry whose deletion was never decided: :func:`put_back` renames it back
 before anyone concludes that the checkpoint vanished. A crash after the commit leaves one
 whose deletion was decided: the next rotation of the run removes it.
+
+What the rename moved is checked again before it is deleted (pipeline.store.rotation): a save
+that took the path between rotation's check and its rename (a trainer renaming a new save over
+it), or that was written through a file it held open, is not what was stored, and goes back
+with :func:`restore`, never over anything at the path since.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -92,6 +98,46 @@ def _files(entry: Path) -> list[tuple[str, int, int]]:
             if stat.S_ISREG(fst.st_mode):
                 out.append((os.path.relpath(full, entry), fst.st_size, fst.st_mtime_ns))
     return sorted(out)
+
+
+def restore(entry: str | Path, path: str | Path) -> Path:
+    """Rename a trash entry back to ``path``, never over what is there now: a save that took the
+    path since keeps it, and the entry goes to a name of its own beside it instead
+    (``step_7.kept-1a2b3c4d.safetensors``), where the watcher finds it. Where it went."""
+    entry, path = Path(entry), Path(path)
+    if not _rename_noreplace(entry, path):
+        stem, dot, suffix = path.name.partition(".") if not os.path.isdir(entry) else (path.name, "", "")
+        path = path.with_name(f"{stem}.kept-{uuid.uuid4().hex[:8]}{dot}{suffix}")
+        os.rename(entry, path)  # a name of its own: nothing there to replace
+    fsync_dir(path.parent)
+    return path
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst`` unless something is at ``dst`` (then False, nothing moved).
+    A file or link is linked then unlinked (the kernel refuses a link over anything); a
+    directory is renamed, which the kernel refuses over a file or a directory with anything in it."""
+    if not os.path.isdir(src) or os.path.islink(src):
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as exc:  # a filesystem without hard links: a name of its own (a rename
+            # checked first could still replace a save made in between)
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            return False
+        os.unlink(src)
+        return True
+    if os.path.lexists(dst):
+        return False
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            return False
+        raise
+    return True
 
 
 def put_back(path: str | Path, files: Iterable[tuple[str, int, int]]) -> bool:

@@ -137,3 +137,53 @@ def test_source_rewritten_before_replication_and_before_rotation(fault_cluster: 
         c.quiet()
         assert older.read_bytes() == rewritten[0]
     check_rows(early, late)
+
+
+def test_a_save_that_lands_on_a_checkpoint_as_rotation_deletes_it_is_never_deleted(fault_cluster: FaultCluster,
+                                                                                  trials: int):
+    """Rotation checks a checkpoint's files, then renames it into the trash, then deletes it once
+    its decision committed. A new save renamed over the path between the check and the rename,
+    or bytes written through a file held open after the decision, are not what was stored: they
+    go back to the path, never deleted, and the watcher stores them."""
+    c = fault_cluster
+    over = Table.row("new save renamed over a checkpoint as rotation trashes it")
+    held = Table.row("checkpoint written through an open file as rotation deletes it")
+    if c.step == 0:
+        c.new_checkpoint()
+    for _ in range(trials):
+        for row, where in ((over, "rotate.trash"), (held, "rotate.remove")):
+            c.quiet()
+            older = c.run / f"step_{c.step}.safetensors"  # the newest: kept until the next step
+            point = f"{where}.{older.name}"  # this checkpoint's rotation, not another one's
+            new_bytes: list[bytes] = []
+            c.arm(point, "sleep 3")
+            f = open(older, "r+b")
+            try:
+                def save_next_then_resave_older() -> None:
+                    c.new_checkpoint()  # stored, it makes the older one rotation's to delete
+                    wait_for(lambda: c.fired(point), 60, f"rotation to reach {point}")
+                    data = bytearray(older.read_bytes() if where == "rotate.trash" else b"")
+                    if where == "rotate.trash":  # a trainer's save: a new file renamed over the path
+                        data[-1000:] = os.urandom(1000)
+                        tmp = older.with_name(f".{older.name}.tmp")
+                        tmp.write_bytes(data)
+                        os.rename(tmp, older)
+                        new_bytes.append(bytes(data))
+                    else:  # a writer that held the file open writes to it (now in the trash)
+                        f.seek(-1000, os.SEEK_END)
+                        f.write(os.urandom(1000))
+                        f.flush()
+                        f.seek(0)
+                        new_bytes.append(f.read())
+
+                trial(c, row, save_next_then_resave_older, point)
+            finally:
+                f.close()
+                c.disarm(point)
+            # Not deleted: back at its path, and recorded by the watcher as the path's new save.
+            wait_for(lambda: c.recorded(older, hashlib.sha256(new_bytes[0]).hexdigest()), 30,
+                     "the watcher to record the bytes saved over the rotated checkpoint")
+            c.quiet()
+            assert older.read_bytes() == new_bytes[0]
+    assert c.notes_containing("changed while it was being rotated")
+    check_rows(over, held)
