@@ -63,8 +63,8 @@ def differs(root: Path, is_dir: bool, files: Sequence[Recorded], *, by_content: 
             st = os.stat(path)
         except FileNotFoundError:
             continue  # gone already: nothing of it left to lose
-        except OSError as exc:  # a folder replaced by a file, a link loop: not what was stored
-            return f"{path} is not what was stored ({exc.strerror or exc})"
+        except OSError as exc:  # a folder replaced by a file, a link loop, no permission to look
+            return f"{path} cannot be read as it was stored ({exc.strerror or exc})"
         if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
             if by_content and st.st_size == f.size and _sha256(path) == f.sha256:
                 continue

@@ -105,29 +105,44 @@ def plan_run(settings: Settings, run: str) -> list[Send]:
 
 
 def _empty_trash(session: Session, run: str) -> None:
-    """Delete what rotations that committed left in the run's trash (a crash came before
-    their delete); an entry whose rotation did not commit is left for it to put back. Only an
-    entry that still is a rotated version is deleted: one that holds anything else (a save
-    that landed on the path as a rotation crashed, bytes written through a file held open
-    after it) goes back (:func:`pipeline.store.trash.restore`), for the watcher to store."""
+    """Settle what rotations left in the run's trash (:func:`_settle`); one entry that cannot
+    be deleted (a folder the trainer made read-only) is said and left, never stopping the run's
+    other rotations."""
     for entry, was in trash.entries(run):
-        rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
-        held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
-        undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
-        undecided = undecided and not os.path.lexists(was)
-        rotated = [c for c in rows if not c.local_present and getattr(latest_store_job(session, c.id), "state", None)
-                   in (S.ROTATED, S.FORGOTTEN)]
-        if not rotated or undecided:
-            continue
-        versions = [(c.is_dir, [_Kept.of(f) for f in own_files(c)]) for c in rotated]
-        versions += [(True, [_Kept.of_part(f) for f in p.files]) for p in held if not p.local_present]
-        if any(changed_since_detection(entry, is_dir, files) is None for is_dir, files in versions):
-            trash.remove(entry)
-            log.info("removed %s, left by a rotation that committed", entry)
-        else:
-            back = trash.restore(entry, was)
-            log.warning("%s holds files no rotated version of %s has (a save that landed there as its rotation "
-                        "was interrupted); not deleted: put back at %s", entry, was, back)
+        try:
+            _settle(session, entry, was)
+        except OSError as exc:
+            log.warning("could not settle %s, left by a rotation of %s (%s); it stays where it is",
+                        entry, was, exc)
+
+
+def _settle(session: Session, entry: Path, was: Path) -> None:
+    """Delete a trash entry that a committed rotation left (a crash came before its delete),
+    if it still is the rotated version's files; put anything else back (a save that landed on
+    the path as a rotation was interrupted, bytes written through a file held open after it),
+    for the watcher to store. An entry whose rotation did not commit is left for it (or the
+    watcher) to put back."""
+    rows = session.scalars(select(Checkpoint).where(Checkpoint.path == str(was))).all()
+    held = session.scalars(select(CheckpointPart).where(CheckpointPart.path == str(was))).all()
+    undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
+    if undecided and not os.path.lexists(was):
+        return
+    versions: list[tuple[bool, list[_Kept]]] = []
+    for c in rows:
+        if not c.local_present and (c.local_gone == "rotated" or getattr(
+                latest_store_job(session, c.id), "state", None) in (S.ROTATED, S.FORGOTTEN)):
+            by_host: dict[str | None, list[_Kept]] = {}  # its own files, and each host's part of it
+            for f in c.files:
+                by_host.setdefault(f.host, []).append(_Kept.of(f))
+            versions += [(c.is_dir if h is None else True, files) for h, files in by_host.items()]
+    versions += [(True, [_Kept.of_part(f) for f in p.files]) for p in held if not p.local_present]
+    if any(changed_since_detection(entry, is_dir, files) is None for is_dir, files in versions):
+        trash.remove(entry)
+        log.info("removed %s, left by a rotation that committed", entry)
+        return
+    back = trash.restore(entry, was)
+    log.warning("%s holds files no rotated version of %s has (a save that landed there as its rotation was "
+                "interrupted); not deleted: put back at %s", entry, was, back)
 
 
 def unsafe_reason(session: Session, settings: Settings, checkpoint_id: int, job_id: int) -> str | None:

@@ -14,12 +14,13 @@ import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint
+from pipeline.db.models import Checkpoint, CheckpointPart
 from pipeline.db.transitions import transition
 from pipeline.detection import catalog
 from pipeline.detection.watcher import Watcher
 from pipeline.store import rotation, trash
-from tests.checkpoints import atomic_save, hf_folder, state_dict
+from tests.checkpoints import atomic_save, dcp_folder, hf_folder, state_dict
+from tests.unit.test_parts import _announce_b, _split_step, _watcher
 
 
 def _protect(settings, path: Path) -> int:
@@ -31,12 +32,12 @@ def _protect(settings, path: Path) -> int:
         return job.id
 
 
-@pytest.mark.parametrize("how", ["crash right after the rename", "a folder checkpoint replaced by a file"])
-def test_a_new_save_moved_by_the_rename_is_never_deleted(db, tmp_path, monkeypatch, how):
+def _rotatable(db, tmp_path, monkeypatch, folder: bool = False):
+    """One checkpoint recorded and verified, which rotation may delete (its copies confirmed):
+    ``(settings, run, path, job_id)``."""
     settings = dataclasses.replace(db, quiet_seconds=0.0)
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
-    folder = how.startswith("a folder")
     path = run / ("checkpoint-1" if folder else "step_1.safetensors")
     hf_folder(path, seed=1) if folder else atomic_save(state_dict(1), path)
     Watcher(settings, [].extend, use_events=False).scan()
@@ -46,6 +47,13 @@ def test_a_new_save_moved_by_the_rename_is_never_deleted(db, tmp_path, monkeypat
     cid = _ckpt_id(settings, path)
     monkeypatch.setattr(rotation, "rotation_candidates", lambda *a: [cid])
     time.sleep(0.02)
+    return settings, run, path, job_id
+
+
+@pytest.mark.parametrize("how", ["crash right after the rename", "a folder checkpoint replaced by a file"])
+def test_a_new_save_moved_by_the_rename_is_never_deleted(db, tmp_path, monkeypatch, how):
+    folder = how.startswith("a folder")
+    settings, run, path, job_id = _rotatable(db, tmp_path, monkeypatch, folder)
     new = tmp_path / "new.tmp"
     atomic_save(state_dict(99), new)
     new_bytes = new.read_bytes()
@@ -81,17 +89,7 @@ def _ckpt_id(settings, path):
 def test_a_trash_entry_written_to_after_a_crash_past_the_commit_is_never_deleted(db, tmp_path, monkeypatch):
     """The process dies after the commit, before the re-check that comes before the delete: the
     next pass that empties the trash checks the entry itself and puts it back."""
-    settings = dataclasses.replace(db, quiet_seconds=0.0)
-    run = tmp_path / "runs" / "r"
-    run.mkdir(parents=True)
-    path = run / "step_1.safetensors"
-    atomic_save(state_dict(1), path)
-    Watcher(settings, [].extend, use_events=False).scan()
-    job_id = _protect(settings, path)
-    cid = _ckpt_id(settings, path)
-    monkeypatch.setattr(rotation, "confirm_with_workers", lambda *a: None)
-    monkeypatch.setattr(rotation, "unsafe_reason", lambda *a: None)
-    monkeypatch.setattr(rotation, "rotation_candidates", lambda *a: [cid])
+    settings, run, path, job_id = _rotatable(db, tmp_path, monkeypatch)
     f = open(path, "r+b")  # a writer holding the file open
 
     def crash(*a):
@@ -146,3 +144,82 @@ def test_a_committed_rotations_entry_written_to_before_its_delete_goes_back(tmp_
     rotation._remove_if_unchanged(1, entry, str(path), tmp_path, False,
                                   [rotation._Kept("", st.st_size, st.st_mtime_ns, "")])
     assert not path.exists() and not trash.entries(tmp_path)
+
+
+def test_a_new_save_a_crash_left_in_the_trash_comes_back_when_the_watcher_saw_the_gap_first(db, tmp_path,
+                                                                                           monkeypatch):
+    settings, run, path, job_id = _rotatable(db, tmp_path, monkeypatch)
+    new = tmp_path / "new.tmp"
+    atomic_save(state_dict(99), new)
+    new_bytes = new.read_bytes()
+    real = rotation.move_to_trash
+
+    def race(p, inside=None):
+        os.rename(new, p)
+        real(p, inside=inside)
+        raise SystemExit("killed right after the rename")
+
+    monkeypatch.setattr(rotation, "move_to_trash", race)
+    with pytest.raises(SystemExit):
+        rotation.rotate(settings, job_id)
+    monkeypatch.setattr(rotation, "move_to_trash", real)
+    w = Watcher(settings, [].extend, use_events=False)   # the watcher restarts / scans first
+    w.reconcile()
+    w.scan()
+    rotation.rotate(settings, job_id)        # the message redelivered
+    for _ in range(3):
+        rotation.plan_run(settings, str(run))
+        w.scan()
+    visible = [p for p in run.iterdir() if not p.name.startswith(".") and p.is_file() and p.read_bytes() == new_bytes]
+    assert visible, f"new save never stored, hidden in the trash: {sorted(os.listdir(run))}"
+    assert not trash.entries(run)
+
+
+# A multi-host part (tests/unit/test_parts.py): node-b holds its rank's files of step_1.
+def _rotated_on_a(db, tmp_path):
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    step, b_dir = _split_step(db, tmp_path)
+    _announce_b(db, step, b_dir)
+    assert _watcher(db, "node-a").consider(step.parent, step) is None
+    shutil.rmtree(step)
+    shutil.copytree(b_dir, step, copy_function=shutil.copy2)
+    with session_scope(db.db_url) as s:
+        ckpt = s.scalar(select(Checkpoint))
+        job = catalog.latest_store_job(s, ckpt.id)
+        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified"),
+                     ("verified", "rotated")]:
+            transition(s, job.id, "store", a, b)
+        ckpt.local_present = False
+    return step, b_dir
+
+
+def test_a_rotated_parts_leftover_is_removed_though_the_host_saved_the_step_again(db, tmp_path):
+    step, b_dir = _rotated_on_a(db, tmp_path)
+    # node-b's rotate_part committed (part gone), then the process died before its delete
+    entry = trash.move_to_trash(step)
+    with session_scope(db.db_url) as s:
+        s.scalar(select(CheckpointPart)).local_present = False
+    # the job restarts and saves step_1 again: node-b's new part announced at the path
+    new = dcp_folder(tmp_path / "save-2" / "step_1", seed=9)
+    step.mkdir()
+    for d in (step, b_dir):
+        shutil.copy2(new / "__0_0.distcp", d / "__0_0.distcp")
+    _announce_b(db, step, b_dir)
+    b = dataclasses.replace(db, host="node-b")
+    rotation.plan_run(b, str(step.parent))
+    left = sorted(os.listdir(step.parent))
+    assert not any(".kept-" in n for n in left), f"stored, rotated leftover put back: {left}"
+    assert not os.path.lexists(entry), left
+
+
+def test_one_undeletable_entry_never_stops_the_rotations_of_its_run(db, tmp_path, monkeypatch):
+    step, b_dir = _rotated_on_a(db, tmp_path)
+    trash.move_to_trash(step)
+    with session_scope(db.db_url) as s:
+        s.scalar(select(CheckpointPart)).local_present = False
+
+    def ro(entry, inside=None):  # rmtree of a folder the trainer made read-only (non-root service)
+        raise PermissionError(13, "Permission denied", str(entry))
+    monkeypatch.setattr(trash, "remove", ro)
+    rotation.plan_run(dataclasses.replace(db, host="node-b"), str(step.parent))  # says it, goes on
+    assert trash.entries(step.parent)  # and the entry stays
