@@ -119,6 +119,7 @@ def test_without_hard_links_an_entry_goes_beside_the_path_never_over_it(tmp_path
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(trash, "_renameat2", lambda: None)  # and no no-replace rename either
     back = trash.restore(entry, path)  # nothing at the path, yet no check-then-rename race either
     assert back.name.startswith("step_7.kept-") and back.read_bytes() == b"old" and not trash.entries(tmp_path)
 
@@ -223,3 +224,17 @@ def test_one_undeletable_entry_never_stops_the_rotations_of_its_run(db, tmp_path
     monkeypatch.setattr(trash, "remove", ro)
     rotation.plan_run(dataclasses.replace(db, host="node-b"), str(step.parent))  # says it, goes on
     assert trash.entries(step.parent)  # and the entry stays
+
+
+def test_a_file_the_service_may_not_link_goes_back_to_its_path_by_the_no_replace_rename(tmp_path, monkeypatch):
+    """fs.protected_hardlinks refuses a link to another user's file: the kernel's no-replace
+    rename puts it back where it was all the same."""
+    path = tmp_path / "step_7.safetensors"
+    path.write_bytes(b"old")
+    entry = trash.move_to_trash(path)
+
+    def no_links(*a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert trash.restore(entry, path) == path and path.read_bytes() == b"old" and not trash.entries(tmp_path)
