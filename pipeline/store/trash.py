@@ -14,11 +14,12 @@ with :func:`restore`, never over anything at the path since.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pipeline.durable import fsync_dir
@@ -113,17 +114,47 @@ def restore(entry: str | Path, path: str | Path) -> Path:
     return path
 
 
+#: renameat2(2)'s flag: fail with EEXIST rather than replace what is at the new name.
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """libc's renameat2, or None where there is none (loaded once, when first needed)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda src, dst: 0 if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+                                    _RENAME_NOREPLACE) == 0 else ctypes.get_errno()
+
+
 def _rename_noreplace(src: Path, dst: Path) -> bool:
     """Rename ``src`` to ``dst`` unless something is at ``dst`` (then False, nothing moved).
-    A file or link is linked then unlinked (the kernel refuses a link over anything); a
-    directory is renamed, which the kernel refuses over a file or a directory with anything in it."""
+    The kernel's no-replace rename where the filesystem has it; else a file or link is linked
+    then unlinked (the kernel refuses a link over anything), and a directory renamed, which the
+    kernel refuses over a file or a directory with anything in it."""
+    rename2 = _renameat2()
+    if rename2 is not None:
+        err = rename2(src, dst)
+        if err == 0:
+            return True
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # not on this filesystem
+            raise OSError(err, os.strerror(err), str(src))
     if not os.path.isdir(src) or os.path.islink(src):
         try:
             os.link(src, dst, follow_symlinks=False)
         except FileExistsError:
             return False
-        except OSError as exc:  # a filesystem without hard links: a name of its own (a rename
-            # checked first could still replace a save made in between)
+        except OSError as exc:  # no hard links here (or not to another's file): a name of its own
+            # (a rename checked first could still replace a save made in between)
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
             return False

@@ -110,7 +110,12 @@ def test_a_trash_entry_written_to_after_a_crash_past_the_commit_is_never_deleted
     assert kept, f"the written-to entry was deleted; left in {run}: {sorted(os.listdir(run))}"
 
 
-def test_without_hard_links_an_entry_goes_beside_the_path_never_over_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_a_file_the_service_may_not_link_goes_back_by_rename_or_beside_never_over_the_path(tmp_path, monkeypatch,
+                                                                                          renameat2):
+    """Hard links refused (fs.protected_hardlinks, another user's file; or none on the
+    filesystem): the kernel's no-replace rename puts the entry back at its path; without it, the
+    entry goes beside the path, never renamed onto it after a check."""
     path = tmp_path / "step_7.safetensors"
     path.write_bytes(b"old")
     entry = trash.move_to_trash(path)
@@ -119,8 +124,11 @@ def test_without_hard_links_an_entry_goes_beside_the_path_never_over_it(tmp_path
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    back = trash.restore(entry, path)  # nothing at the path, yet no check-then-rename race either
-    assert back.name.startswith("step_7.kept-") and back.read_bytes() == b"old" and not trash.entries(tmp_path)
+    if not renameat2:
+        monkeypatch.setattr(trash, "_renameat2", lambda: None)
+    back = trash.restore(entry, path)
+    assert back.read_bytes() == b"old" and not trash.entries(tmp_path)
+    assert back == path if renameat2 else back.name.startswith("step_7.kept-")
 
 
 def test_a_committed_rotations_entry_written_to_before_its_delete_goes_back(tmp_path):

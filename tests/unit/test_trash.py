@@ -8,6 +8,16 @@ import pytest
 from pipeline.store import trash
 
 
+@pytest.fixture(autouse=True, params=["renameat2", "link"])
+def noreplace(request, monkeypatch):
+    """Each test with the kernel's no-replace rename, and as on a system without it."""
+    if request.param == "link":
+        monkeypatch.setattr(trash, "_renameat2", lambda: None)
+    else:
+        assert trash._renameat2() is not None  # glibc >= 2.28 has it
+    return request.param
+
+
 def _entry(run, name: str, *, directory: bool = False):
     path = run / name
     if directory:
