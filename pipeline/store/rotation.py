@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, 
 from pipeline.db.transitions import latest_store_ids, note, transition
 from pipeline.detection import parts, roots
 from pipeline.detection.catalog import file_sig, latest_store_job, on_host, own_files, owner_elsewhere
+from pipeline.detection.ondisk import Recorded
 from pipeline.detection.ondisk import differs as changed_since_detection
 from pipeline.errors import ObjectStoreError, OutsideRoots, WorkerError
 from pipeline.objectstore.tier import client_for
@@ -127,13 +129,13 @@ def _settle(session: Session, entry: Path, was: Path) -> None:
     undecided = any(c.local_present for c in rows) or any(p.local_present for p in held)
     if undecided and not os.path.lexists(was):
         return
-    versions: list[tuple[bool, list[_Kept]]] = []
+    versions: list[tuple[bool, Sequence[Recorded]]] = []
     for c in rows:
         if not c.local_present and (c.local_gone == "rotated" or getattr(
                 latest_store_job(session, c.id), "state", None) in (S.ROTATED, S.FORGOTTEN)):
-            by_host: dict[str | None, list[_Kept]] = {}  # its own files, and each host's part of it
+            by_host: dict[str | None, list[CheckpointFile]] = {}  # its own files, and each host's part of it
             for f in c.files:
-                by_host.setdefault(f.host, []).append(_Kept.of(f))
+                by_host.setdefault(f.host, []).append(f)
             versions += [(c.is_dir if h is None else True, files) for h, files in by_host.items()]
     versions += [(True, [_Kept.of_part(f) for f in p.files]) for p in held if not p.local_present]
     if any(changed_since_detection(entry, is_dir, files) is None for is_dir, files in versions):

@@ -186,6 +186,7 @@ def put_back(path: str | Path, files: Iterable[tuple[str, int, int]]) -> bool:
     mine = [entry for entry, was in entries(path.parent) if was == path]
     if len(mine) != 1 or _files(mine[0]) != sorted(files):
         return False
-    os.rename(mine[0], path)
+    if not _rename_noreplace(mine[0], path):  # a save took the path since the check above
+        return False
     fsync_dir(path.parent)
     return True

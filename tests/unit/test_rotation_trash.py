@@ -20,16 +20,13 @@ from pipeline.detection import catalog
 from pipeline.detection.watcher import Watcher
 from pipeline.store import rotation, trash
 from tests.checkpoints import atomic_save, dcp_folder, hf_folder, state_dict
+from tests.unit.test_attack_i27 import _protect
 from tests.unit.test_parts import _announce_b, _split_step, _watcher
 
 
-def _protect(settings, path: Path) -> int:
+def _store_job(settings, checkpoint_id: int) -> int:
     with session_scope(settings.db_url) as s:
-        ckpt = s.scalar(select(Checkpoint).where(Checkpoint.path == str(path), Checkpoint.current.is_(True)))
-        job = catalog.latest_store_job(s, ckpt.id)
-        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")]:
-            transition(s, job.id, "store", a, b)
-        return job.id
+        return catalog.latest_store_job(s, checkpoint_id).id
 
 
 def _rotatable(db, tmp_path, monkeypatch, folder: bool = False):
@@ -41,10 +38,10 @@ def _rotatable(db, tmp_path, monkeypatch, folder: bool = False):
     path = run / ("checkpoint-1" if folder else "step_1.safetensors")
     hf_folder(path, seed=1) if folder else atomic_save(state_dict(1), path)
     Watcher(settings, [].extend, use_events=False).scan()
-    job_id = _protect(settings, path)
+    cid = _protect(settings, path)  # its store job verified
+    job_id = _store_job(settings, cid)
     monkeypatch.setattr(rotation, "confirm_with_workers", lambda *a: None)   # copies confirmed
     monkeypatch.setattr(rotation, "unsafe_reason", lambda *a: None)          # invariant 1 holds
-    cid = _ckpt_id(settings, path)
     monkeypatch.setattr(rotation, "rotation_candidates", lambda *a: [cid])
     time.sleep(0.02)
     return settings, run, path, job_id
@@ -79,11 +76,6 @@ def test_a_new_save_moved_by_the_rename_is_never_deleted(db, tmp_path, monkeypat
     rotation.plan_run(settings, str(run))  # empties the trash of rotations that committed
     kept = [p for p in run.iterdir() if p.is_file() and p.read_bytes() == new_bytes]
     assert kept, f"the new save was deleted; left in {run}: {sorted(os.listdir(run))}"
-
-
-def _ckpt_id(settings, path):
-    with session_scope(settings.db_url) as s:
-        return s.scalar(select(Checkpoint.id).where(Checkpoint.path == str(path)))
 
 
 def test_a_trash_entry_written_to_after_a_crash_past_the_commit_is_never_deleted(db, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,17 @@ def test_a_symlinked_checkpoint_goes_back_as_the_link(tmp_path):
     entry = trash.move_to_trash(link)
     assert trash.restore(entry, link) == link
     assert link.is_symlink() and os.readlink(link) == str(target) and target.read_bytes() == b"old"
+
+
+def test_put_back_never_replaces_a_save_that_took_the_path_while_it_checked(tmp_path, monkeypatch):
+    path, entry = _entry(tmp_path, "step_7.safetensors")
+    files = trash._files(Path(entry))
+    real = trash._files
+
+    def save_lands(e):  # the trainer's save lands between put_back's checks and its rename
+        path.write_bytes(b"newer save")
+        return real(e)
+
+    monkeypatch.setattr(trash, "_files", save_lands)
+    assert not trash.put_back(path, files)
+    assert path.read_bytes() == b"newer save" and (Path(entry)).read_bytes() == b"old"
