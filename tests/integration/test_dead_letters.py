@@ -41,7 +41,9 @@ def test_a_step_that_keeps_failing_is_dead_lettered_then_requeue_completes(make_
 
 
 def test_a_store_the_cluster_cannot_place_waits_and_goes_on_when_a_worker_joins(make_cluster):
-    cluster = make_cluster(workers=3, spare_workers=1, env={"CKPT_RF": "4", "CKPT_LEASE_SECONDS": "5"})
+    # A waiting store is retried when its lease ends (waiting -> detected -> waiting): a lease of
+    # 30 s holds it waiting while the test reads its status (5 s let a loaded machine catch a retry).
+    cluster = make_cluster(workers=3, spare_workers=1, env={"CKPT_RF": "4", "CKPT_LEASE_SECONDS": "30"})
     run = cluster.runs / "run"
     run.mkdir()
     path = atomic_save(state_dict(12), run / "step_1.safetensors")

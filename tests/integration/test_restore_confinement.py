@@ -84,6 +84,9 @@ def test_overwrite_refusals_through_the_cli_touch_nothing(shared_cluster, tmp_pa
         dest, said = run / "checkpoint-23", "not a protected checkpoint's content"
         dest.mkdir()
         (dest / "model.safetensors").write_bytes(os.urandom(4096))  # a save under way: its only copy
+        settled = time.time() - 60  # this refusal, not the one of a file written a moment ago
+        for p in (dest / "model.safetensors", dest):
+            os.utime(p, (settled, settled))
         keep.append(dest / "model.safetensors")
     else:  # a home-like directory above the watched root: outside the default restore roots
         dest, said = tmp_path_factory.mktemp("home-like"), "outside the restore roots"
