@@ -51,6 +51,18 @@ def _watcher(db, host):
     return Watcher(dataclasses.replace(db, host=host), lambda sends: None, use_events=False)
 
 
+def rotated(s):
+    """The session's one checkpoint, its store job taken to rotated and its local copy gone (as
+    node-a's rotation leaves it)."""
+    ckpt = s.scalar(select(Checkpoint))
+    job = catalog.latest_store_job(s, ckpt.id)
+    for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified"),
+                 ("verified", "rotated")]:
+        transition(s, job.id, "store", a, b)
+    ckpt.local_present = False
+    return ckpt
+
+
 def test_a_step_is_recorded_once_every_host_announced_its_part(db, tmp_path):
     (tmp_path / "runs" / "r").mkdir(parents=True)
     step, b_dir = _split_step(db, tmp_path)
@@ -111,12 +123,7 @@ def _rotated(db, tmp_path, workers):
     shutil.rmtree(step)  # node-a's rotation removed its files
     shutil.copytree(b_dir, step, copy_function=shutil.copy2)  # node-b's view of the path
     with session_scope(db.db_url) as s:
-        ckpt = s.scalar(select(Checkpoint))
-        job = catalog.latest_store_job(s, ckpt.id)
-        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified"),
-                     ("verified", "rotated")]:
-            transition(s, job.id, "store", a, b)
-        ckpt.local_present = False
+        ckpt = rotated(s)
         for w in workers:
             s.add(StorageWorker(id=w.node_id, url=w.url, source="static", state="up", last_seen=now()))
         s.flush()
@@ -124,7 +131,7 @@ def _rotated(db, tmp_path, workers):
             for w in (w.node_id for w in workers):
                 s.add(ContentCopy(sha256=sha, worker_id=w, state="verified", attempts=1, verified_at=now(),
                                   checked_at=now(), stored_at=now() - timedelta(seconds=5)))
-        return step, job.id
+        return step, catalog.latest_store_job(s, ckpt.id).id
 
 
 def test_each_host_removes_its_own_part_once_the_checkpoint_is_rotated(db, tmp_path, workers):

@@ -14,14 +14,13 @@ import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointPart
-from pipeline.db.transitions import transition
+from pipeline.db.models import CheckpointPart
 from pipeline.detection import catalog
 from pipeline.detection.watcher import Watcher
 from pipeline.store import rotation, trash
 from tests.checkpoints import atomic_save, dcp_folder, hf_folder, state_dict
 from tests.unit.test_attack_i27 import _protect
-from tests.unit.test_parts import _announce_b, _split_step, _watcher
+from tests.unit.test_parts import _announce_b, _split_step, _watcher, rotated
 
 
 def _store_job(settings, checkpoint_id: int) -> int:
@@ -184,12 +183,7 @@ def _rotated_on_a(db, tmp_path):
     shutil.rmtree(step)
     shutil.copytree(b_dir, step, copy_function=shutil.copy2)
     with session_scope(db.db_url) as s:
-        ckpt = s.scalar(select(Checkpoint))
-        job = catalog.latest_store_job(s, ckpt.id)
-        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified"),
-                     ("verified", "rotated")]:
-            transition(s, job.id, "store", a, b)
-        ckpt.local_present = False
+        rotated(s)
     return step, b_dir
 
 
