@@ -92,7 +92,12 @@ def store_up(cluster) -> bool:
 def test_a_throttling_store_holds_a_required_rotation_and_loses_nothing(make_cluster, server, bucket):  # noqa: F811
     front = FlakyFront(server.ports["s3.port"], 503, "SlowDown", failures=0)
     try:
-        cluster = make_cluster(env=targets_env(front.endpoint, bucket, CKPT_TARGET_MODE="required"))
+        # The store stays up while it throttles, so that the copies are placed on it and sent (and
+        # throttled) whenever the checkpoint is sharded: with the suite's 2 s, a probe could mark
+        # it down first on a slow machine, and a job then waits on a store that is down (its
+        # reason says so) with no copy ever sent.
+        cluster = make_cluster(env=targets_env(front.endpoint, bucket, CKPT_TARGET_MODE="required",
+                                               CKPT_WORKER_DOWN_SECONDS="300"))
         wait_for(lambda: store_up(cluster), 60, "the object store to be admitted")
         front.failures = 10**6  # from now on it throttles every request
         run = cluster.runs / "run"
@@ -116,6 +121,43 @@ def test_a_throttling_store_holds_a_required_rotation_and_loses_nothing(make_clu
         cluster.wait_job(new_job, ("verified",), timeout=60)
         assert contents(cluster, old_job) <= set(in_bucket(server, bucket))
         assert not old.exists() and new.exists()
+    finally:
+        front.close()
+
+
+def test_a_store_down_before_the_checkpoint_is_sharded_holds_it_and_takes_its_copies_when_back(
+        make_cluster, server, bucket):  # noqa: F811
+    """The other order of the throttling above: the store is marked down (throttled past the
+    suite's 2 s) before the checkpoint is sharded, so no copy is placed on it then. The job says
+    which store it waits for and why; the copies are placed and sent once the store answers."""
+    front = FlakyFront(server.ports["s3.port"], 503, "SlowDown", failures=0)
+    try:
+        cluster = make_cluster(env=targets_env(front.endpoint, bucket, CKPT_TARGET_MODE="required"))
+        wait_for(lambda: store_up(cluster), 60, "the object store to be admitted")
+        front.failures = 10**6
+
+        def store_state() -> str | None:
+            with session_scope(cluster.settings.db_url) as s:
+                row = s.get(StorageWorker, "target:store")
+                return row.state if row is not None else None
+        wait_for(lambda: store_state() == "down", 60, "the throttling store to be marked down")
+        run = cluster.runs / "run"
+        run.mkdir()
+        old = atomic_save(state_dict(9), run / "step_1.safetensors")
+        old_job = checkpoint_job(cluster, old)
+        new_job = checkpoint_job(cluster, atomic_save(state_dict(10), run / "step_2.safetensors"))
+
+        reason = wait_for(lambda: (r := cluster.job(old_job).blocked_reason) and "object-store copies" in r and r, 90,
+                          "the store job to say why it waits")
+        assert "target:store is down" in reason and "throttled (503)" in reason, reason
+        assert cluster.job(old_job).state == "sharded" and old.exists()
+        assert store_copies(cluster, old_job) == []  # nothing placed on a store that is down
+
+        front.failures = 0
+        cluster.wait_job(old_job, ("rotated",), timeout=120)
+        cluster.wait_job(new_job, ("verified",), timeout=60)
+        assert contents(cluster, old_job) <= set(in_bucket(server, bucket))
+        assert not old.exists()
     finally:
         front.close()
 
