@@ -96,3 +96,92 @@ def test_a_sharded_final_model_in_the_run_saved_again_and_killed_after_one_shard
     assert not lost, (f"the newest complete save's {shards[0]} is garbage ({len(lost)} contents) while the save "
                       f"over it stopped after one shard")
     assert released is None, "the newest complete save's first shard was released for half a save"
+
+
+def test_a_save_pretrained_folder_saved_again_and_killed_after_its_config_keeps_the_first_save(db, tmp_path):
+    """History: ``model.save_pretrained("runs/r/final")`` (the hf-pretrained layout: config.json,
+    generation_config.json, model.safetensors) is recorded and protected (v1), the run's newest
+    save. The script then saves the final model again into the same folder in half precision
+    (``model.half().save_pretrained(...)``, the usual last step before publishing); it writes
+    config.json first (now ``"dtype": "float16"``), then generation_config.json, and is killed
+    before ``model.safetensors``. Every file in the folder is complete by its own structure
+    (JSON parses, the old safetensors file is whole), and the hf-pretrained row has no last
+    file in ``layouts.resave_in_progress`` (only the quiet rule has the "some files did not
+    change" guard of issue 27): the mix (new config, old float32 weights) is recorded at once
+    as the folder's new version, v1 is superseded and released, and v1's config.json is garbage
+    after the grace. The newest complete save exists nowhere whole (its config is overwritten
+    on disk and collected remotely), and a restore of the "newest" gives a config that does not
+    describe its weights.
+
+    Safe: over a recorded version, a save_pretrained folder whose config changed while its
+    weights file did not (save_pretrained writes the weights after the config) is a save in
+    progress (flagged "changed on disk, not protected"), and v1 stays current and protected; in
+    no case is v1's content garbage while nothing complete replaced it."""
+    import torch
+
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    final = run / "final"
+    tiny_qwen(1).save_pretrained(final)
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, final)
+    v1_content = _content(settings, v1)
+
+    half = tmp_path / "half"
+    tiny_qwen(1).to(torch.float16).save_pretrained(half)
+    assert (half / "config.json").read_bytes() != (final / "config.json").read_bytes()
+    time.sleep(0.05)
+    shutil.copyfile(half / "config.json", final / "config.json")  # killed before model.safetensors
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.02)
+    now = _current(settings, final)
+    with session_scope(settings.db_url) as s:
+        lost = (v1_content - _content(settings, now.id)) & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+    assert not lost, f"the newest complete save's config.json is garbage ({len(lost)} contents)"
+    assert released is None, "the protected save was released for a save stopped after its config"
+    assert now.id == v1, "a save_pretrained killed after its config was recorded as a new version"
+
+
+def test_a_final_model_saved_by_trainer_save_model_into_its_own_folder_is_protected(db, tmp_path):
+    """History: the end of most HF training scripts, ``trainer.save_model(f"{output_dir}/final")``
+    (or ``"best"``, ``"epoch-1"``): ``Trainer._save`` writes ``save_pretrained`` (config.json,
+    generation_config.json, model.safetensors) and then, "good practice", ``training_args.bin``
+    into that folder; never ``trainer_state.json`` (``save_model`` is not ``_save_checkpoint``).
+    The layout table recognises the hf-trainer row by ``training_args.bin`` alone and requires
+    ``trainer_state.json``, "which the Trainer writes last": the finished final model is judged
+    incomplete forever, is reported "stuck" after the quiet period and is never recorded, never
+    copied anywhere. The run's newest save (docs/design.md names exactly ``trainer.save_model()``
+    after ``checkpoint-300/`` as the run's newest) is protected by nothing; the ProtectCallback
+    does not declare it either (it declares ``checkpoint-N`` in ``on_save`` only).
+
+    Safe: a folder that holds a complete ``save_pretrained`` and ``training_args.bin`` and has no
+    ``checkpoint-N`` name is the Trainer's ``save_model`` output, complete as the save_pretrained
+    it is (the Trainer's ``checkpoint-N/`` keeps its trainer_state.json rule)."""
+    from transformers import Trainer
+
+    from tests.writers.write import Tokens, tiny_qwen, trainer_args
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    trainer = Trainer(model=tiny_qwen(2), args=trainer_args(run, max_steps=2, save_steps=2), train_dataset=Tokens())
+    trainer.train()
+    trainer.save_model(str(run / "final"))
+    assert (run / "final" / "training_args.bin").exists() and (run / "final" / "model.safetensors").exists()
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.05)
+    with session_scope(settings.db_url) as s:
+        names = sorted(s.scalars(select(Checkpoint.name).where(Checkpoint.current.is_(True))))
+        from pipeline.db.models import DetectionProblem
+        problems = [p.reason for p in s.scalars(select(DetectionProblem))]
+    assert "final" in names, f"trainer.save_model(run/final) never recorded: recorded {names}; problems {problems}"
