@@ -185,3 +185,51 @@ def test_a_final_model_saved_by_trainer_save_model_into_its_own_folder_is_protec
         from pipeline.db.models import DetectionProblem
         problems = [p.reason for p in s.scalars(select(DetectionProblem))]
     assert "final" in names, f"trainer.save_model(run/final) never recorded: recorded {names}; problems {problems}"
+
+
+def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_version(db, tmp_path):
+    """History: a run saves ``last.pt`` with the legacy serialization (``torch.save(...,
+    _use_new_zipfile_serialization=False)``, as older training code and some frameworks still do;
+    a pickle stream with no end marker: the quiet rule). It is recorded and protected (v1). At
+    the next save the trainer opens ``last.pt`` for writing again (``torch.save`` truncates it)
+    and is killed (preempted) half way through. Nothing changes any more; once the quiet period
+    passes the half file is taken for a complete save, recorded as the path's new version, and
+    v1 is superseded, released and garbage after the grace. The newest complete save (v1) is
+    then nowhere: its local file is half overwritten, its remote content collected, and what is
+    "protected" is half a pickle that no loader reads.
+
+    This is issue 27's folder case (a re-save judged only by the quiet rule does not release the
+    protected version it replaces) for a single file: ``layouts.resave_in_progress`` returns None
+    for every file that is not a folder. Safe: over a protected version, content of a format with
+    no end marker that is complete only because it went quiet does not release the protected
+    version (flag it "changed on disk, not protected", or keep v1's content until the new one
+    is proved whole); in no case is v1's content garbage."""
+    import torch
+
+    from tests.checkpoints import state_dict
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    path = run / "last.pt"
+    torch.save(state_dict(seed=1, layers=2, width=32), path, _use_new_zipfile_serialization=False)
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, path)
+    v1_content = _content(settings, v1)
+
+    other = tmp_path / "other.pt"
+    torch.save(state_dict(seed=2, layers=2, width=32), other, _use_new_zipfile_serialization=False)
+    data = other.read_bytes()
+    time.sleep(0.05)
+    with open(path, "wb") as f:  # the next torch.save, killed half way
+        f.write(data[: len(data) // 2])
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.02)
+    with session_scope(settings.db_url) as s:
+        lost = v1_content & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+    assert not lost, f"the protected save's content is garbage ({len(lost)} contents) after a save killed half way"
+    assert released is None, "the protected save was released for half a file"
