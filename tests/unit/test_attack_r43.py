@@ -233,3 +233,53 @@ def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_v
         released = s.get(Checkpoint, v1).released_at
     assert not lost, f"the protected save's content is garbage ({len(lost)} contents) after a save killed half way"
     assert released is None, "the protected save was released for half a file"
+
+
+def test_wait_before_delete_waits_for_every_checkpoint_the_trainer_rotates_with_a_best_model_kept(tmp_path,
+                                                                                                 monkeypatch):
+    """History: an HF Trainer with ``ProtectCallback(wait_before_delete=True)``,
+    ``save_total_limit=2`` and ``load_best_model_at_end=True`` (the usual pairing: keep the best
+    and the latest). The Trainer's rotation (``transformers.trainer_utils.rotate_checkpoints``,
+    run inside ``_save_checkpoint``, before ``on_save``) always keeps the most recent checkpoint
+    and the best one, and deletes the others oldest first. Here the best (by eval loss) is
+    checkpoint-4: the save of checkpoint-8 deletes checkpoint-6 at once (2 went earlier). The
+    callback's ``at_risk`` assumes the Trainer deletes by step alone ("all but the newest
+    ``limit - 1``"): at checkpoint-6's ``on_save`` it waited for checkpoint-4 only, and at
+    checkpoint-8's (after the deletion) for checkpoint-4 again. checkpoint-6, declared moments
+    before and possibly not yet hashed, recorded or copied, was never waited for: the Trainer deletes a checkpoint that may exist nowhere else, which is
+    what ``wait_before_delete`` promises never happens.
+
+    Safe: ``at_risk`` counts what the Trainer's next rotation can delete with its own rule (the
+    best checkpoint kept beside the newest), or simply waits for every checkpoint but the
+    newest; every checkpoint the Trainer deletes was waited for before."""
+    from transformers import Trainer
+
+    from pipeline.integrations import transformers as integration
+    from pipeline.integrations.protection import TrainerProtection
+    from tests.writers.write import Tokens, tiny_qwen, trainer_args
+
+    waited: list[str] = []
+    monkeypatch.setattr(TrainerProtection, "saved", lambda self, path: None)
+    monkeypatch.setattr(TrainerProtection, "start", lambda self, run: None)
+    monkeypatch.setattr(TrainerProtection, "before_delete", lambda self, path, timeout: waited.append(
+        (path, sorted(p.name for p in Path(path).parent.iterdir() if p.name.startswith("checkpoint-")))))
+    deleted: list[tuple[str, list[str]]] = []
+    import shutil as shutil_mod
+    real_rmtree = shutil_mod.rmtree
+
+    def rmtree(path, *a, **kw):
+        deleted.append(str(path))
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr("transformers.trainer_utils.shutil.rmtree", rmtree)
+    run = tmp_path / "runs" / "r"
+    args = trainer_args(run, max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2, save_total_limit=2,
+                        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
+    trainer = Trainer(model=tiny_qwen(2), args=args, train_dataset=Tokens(), eval_dataset=Tokens(n=16, seed=1),
+                      callbacks=[integration.ProtectCallback(wait_before_delete=True)])
+    trainer.train()
+    assert not trainer.state.best_model_checkpoint.endswith("checkpoint-8"), "the best is the newest: no case"
+    assert deleted, "the Trainer deleted nothing: the setup is not the one described"
+    never = [p for p in deleted if p not in {w for w, _ in waited}]
+    assert not never, (f"the Trainer deleted {[Path(p).name for p in never]} that the callback never waited for; "
+                       f"it waited for {[(Path(w).name, seen) for w, seen in waited]}")
