@@ -44,7 +44,7 @@ def _content(settings, ckpt_id: int) -> set[str]:
 
 def test_a_sharded_final_model_in_the_run_saved_again_and_killed_after_one_shard_keeps_the_first_save(db, tmp_path):
     """History: ``trainer.save_model()`` (``save_pretrained`` into the output directory, the run
-    itself, with ``max_shard_size``) writes ``model-00001-of-0000N.safetensors`` ... 
+    itself, with ``max_shard_size``) writes ``model-00001-of-0000N.safetensors`` ...
     ``model-0000N-of-0000N.safetensors`` and ``model.safetensors.index.json`` beside the run's
     checkpoints: each file is recorded as a checkpoint of its own, and they are one save
     (``layouts.save_group``); all protected. The script runs again (a resumed job, a second
@@ -89,7 +89,8 @@ def test_a_sharded_final_model_in_the_run_saved_again_and_killed_after_one_shard
     for _ in range(3):
         w.scan()
         time.sleep(0.02)
-    assert _content(settings, _current(settings, run / shards[1]).id) != _content(settings, _current(settings, first).id)
+    second = _current(settings, run / shards[1]).id
+    assert _content(settings, second) != _content(settings, _current(settings, first).id)
     with session_scope(settings.db_url) as s:
         lost = (v1_content - _content(settings, _current(settings, first).id)) & set(gc.garbage(s, settings))
         released = s.get(Checkpoint, v1).released_at
@@ -246,8 +247,9 @@ def test_wait_before_delete_waits_for_every_checkpoint_the_trainer_rotates_with_
     callback's ``at_risk`` assumes the Trainer deletes by step alone ("all but the newest
     ``limit - 1``"): at checkpoint-6's ``on_save`` it waited for checkpoint-4 only, and at
     checkpoint-8's (after the deletion) for checkpoint-4 again. checkpoint-6, declared moments
-    before and possibly not yet hashed, recorded or copied, was never waited for: the Trainer deletes a checkpoint that may exist nowhere else, which is
-    what ``wait_before_delete`` promises never happens.
+    before and possibly not yet hashed, recorded or copied, was never waited for: the Trainer
+    deletes a checkpoint that may exist nowhere else, which is what ``wait_before_delete``
+    promises never happens.
 
     Safe: ``at_risk`` counts what the Trainer's next rotation can delete with its own rule (the
     best checkpoint kept beside the newest), or simply waits for every checkpoint but the
