@@ -11,7 +11,10 @@ commit-marker       a per-root marker name is configured          the marker fil
 torch-dcp           ``.metadata`` or ``*.distcp``                 ``.metadata`` names files that
                                                                   are all present, long enough
 hf-trainer          a ``checkpoint-N/`` name, ``trainer_state.json``  ``trainer_state.json`` (the
-                    or ``training_args.bin``                      Trainer writes it last)
+                    or ``training_args.bin``                      Trainer writes it last); in a
+                                                                  folder of another name without
+                                                                  it, ``training_args.bin``
+                                                                  (``save_model`` writes it last)
 accelerate          ``random_states_*.pkl``, ``optimizer*.bin``,  ``random_states_0.pkl`` (
                     ``scheduler*.bin``, ``sampler*.bin``          ``save_state`` writes it last)
 hf-sharded          ``*.index.json`` or ``*-0000K-of-0000N.*``     the index and every file it
@@ -24,10 +27,11 @@ any other folder    -                                             quiet: no chan
 
 and for every file, its own format: a safetensors file is exactly as long as its header says;
 a ``torch.save`` zip (``.pt``, ``.bin``, Lightning ``.ckpt``...) ends with a consistent
-end-of-central-directory record; a ``.json`` file parses. A legacy pickle or a file of unknown
-format has no end marker: it counts as complete only after the root's quiet period (no change
-for ``quiet_seconds``), unless the layout's own completion marker already proves the writer
-finished. Run-level files that are not checkpoints (DeepSpeed's ``latest``, Megatron's
+end-of-central-directory record; a legacy ``torch.save`` (``_use_new_zipfile_serialization=False``)
+is exactly as long as its pickles and the storages they name; a ``.json`` file parses. Another
+pickle or a file of unknown format has no end marker: it counts as complete only after the
+root's quiet period (no change for ``quiet_seconds``), unless the layout's own completion marker
+already proves the writer finished. Run-level files that are not checkpoints (DeepSpeed's ``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``, a run's own ``config.json``, log directories) are never
 checkpoints, so never rotated.
 """
@@ -43,14 +47,16 @@ from enum import StrEnum
 class FileFormat(StrEnum):
     SAFETENSORS = "safetensors"  # header parsed: complete when exactly as long as it says
     TORCH_ZIP = "torch-zip"      # torch.save, Lightning .ckpt: complete with a consistent end record
-    PICKLE = "pickle"            # legacy torch.save: no end marker
+    TORCH_LEGACY = "torch-legacy"  # legacy torch.save read through: complete when as long as its storages say
+    PICKLE = "pickle"            # another pickle (or a legacy torch.save not read through): no end marker
     JSON = "json"                # complete when it parses
     DCP_METADATA = "dcp-metadata"  # torch DCP .metadata: renamed into place whole, read by a restricted unpickler
     OTHER = "other"              # no structure to check
 
 
 #: Formats whose own structure says when a file is complete.
-SELF_CHECKING = frozenset({FileFormat.SAFETENSORS, FileFormat.TORCH_ZIP, FileFormat.JSON, FileFormat.DCP_METADATA})
+SELF_CHECKING = frozenset({FileFormat.SAFETENSORS, FileFormat.TORCH_ZIP, FileFormat.TORCH_LEGACY, FileFormat.JSON,
+                           FileFormat.DCP_METADATA})
 
 
 @dataclass(frozen=True)
@@ -269,10 +275,32 @@ def _dcp_ranks(entry: Entry, sizes: dict[str, int]) -> str | None:
     return None
 
 
+_CHECKPOINT_N = re.compile(r"^checkpoint-\d+$")
+
+
+def _saved_model(entry: Entry) -> bool:
+    """``Trainer.save_model(dir)``'s folder: ``save_pretrained``, then ``training_args.bin``
+    last, and never ``trainer_state.json`` (that is ``_save_checkpoint``'s, in ``checkpoint-N/``)."""
+    return (_CHECKPOINT_N.match(entry.name) is None and "trainer_state.json" not in entry.relpaths
+            and "training_args.bin" in entry.relpaths)
+
+
 def _trainer(entry: Entry) -> str | None:
-    if "trainer_state.json" not in entry.relpaths:
+    if "trainer_state.json" not in entry.relpaths and not _saved_model(entry):
         return "HF Trainer checkpoint without trainer_state.json (the Trainer writes it last)"
     return None
+
+
+def _trainer_last(entry: Entry) -> list[str]:
+    if "trainer_state.json" in entry.relpaths:
+        return ["trainer_state.json"]
+    return ["training_args.bin"] if _saved_model(entry) else []
+
+
+def _weights(entry: Entry) -> list[str]:
+    """The weights files of a ``save_pretrained`` folder, which it writes after its config."""
+    return sorted(r for r in entry.relpaths if _WEIGHTS.search(r)
+                  and r.rsplit("/", 1)[-1] not in HF_SIDE_FILES | {"training_args.bin"})
 
 
 def _accelerate(entry: Entry) -> str | None:
@@ -340,7 +368,7 @@ def _index_behind(entry: Entry) -> str | None:
 
 
 def _pretrained(entry: Entry) -> str | None:
-    if not any(_WEIGHTS.search(rel) and rel.rsplit("/", 1)[-1] not in HF_SIDE_FILES for rel in entry.relpaths):
+    if not _weights(entry):
         return "only configuration and tokenizer files so far: no weights yet"
     return None
 
@@ -379,7 +407,7 @@ LAYOUTS: tuple[Layout, ...] = (
     # By name alone: the Trainer writes config.json and a complete model.safetensors into
     # checkpoint-N/ seconds before training_args.bin, and that alone looks like a save_pretrained.
     Layout("hf-trainer", "transformers Trainer (checkpoint-N/)",
-           lambda e: re.match(r"^checkpoint-\d+$", e.name) is not None
+           lambda e: _CHECKPOINT_N.match(e.name) is not None
            or _has("trainer_state.json", "training_args.bin")(e),
            _trainer, order_only=True),
     Layout("accelerate", "accelerate Accelerator.save_state",
@@ -469,9 +497,11 @@ def _complete_indexes(entry: Entry) -> list[str]:
 _LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
     "commit-marker": lambda e: [e.commit_marker] if e.commit_marker in e.relpaths else [],
     "torch-dcp": lambda e: sorted(r for r in e.relpaths if r.rsplit("/", 1)[-1].endswith(".metadata")),
-    "hf-trainer": lambda e: ["trainer_state.json"] if "trainer_state.json" in e.relpaths else [],
+    "hf-trainer": _trainer_last,
     "accelerate": lambda e: ["random_states_0.pkl"] if "random_states_0.pkl" in e.relpaths else [],
     "hf-sharded": _complete_indexes,
+    # save_pretrained writes config.json (and generation_config.json) first, the weights after.
+    "hf-pretrained": _weights,
 }
 
 

@@ -52,7 +52,9 @@ def file_facts(relpath: str, abspath: str, size: int, mtime_ns: int) -> tuple[Fi
         if magic == ZIP_MAGIC:
             return FileFacts(relpath, size, mtime_ns, FileFormat.TORCH_ZIP, problem=zip_problem(f, size)), None
         if magic[:1] == b"\x80" and size >= 2:
-            return FileFacts(relpath, size, mtime_ns, FileFormat.PICKLE), None
+            legacy, problem = torch_legacy(f, size)
+            return FileFacts(relpath, size, mtime_ns, FileFormat.TORCH_LEGACY if legacy else FileFormat.PICKLE,
+                             problem=problem), None
     return FileFacts(relpath, size, mtime_ns, FileFormat.OTHER), None
 
 
@@ -288,3 +290,126 @@ def dcp_metadata(f: BinaryIO, size: int) -> DcpFacts:
         rel = posixpath.normpath(rel)
         needs[rel] = max(needs.get(rel, 0), offset + length)
     return None, tuple(sorted(needs)), tuple(sorted(needs.items())), _coverage(md)
+
+
+# -- torch.save, legacy format ---------------------------------------------------------------
+
+#: The first pickle of a legacy ``torch.save`` (torch.serialization.MAGIC_NUMBER).
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_MAGIC_PICKLE = pickle.dumps(TORCH_LEGACY_MAGIC, protocol=2)  # as torch.save writes it (its default protocol)
+#: Bytes per element of each storage type a legacy ``torch.save`` names (its persistent ids).
+_STORAGE_BYTES = {
+    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
+    "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+    "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "QUInt8Storage": 1, "QInt8Storage": 1,
+    "QInt32Storage": 4, "QUInt4x2Storage": 1, "QUInt2x4Storage": 1, "UntypedStorage": 1,
+}
+#: The pickles of a legacy save above this size are not read (tensors are in the storages after them).
+MAX_LEGACY_PICKLE_BYTES = 64 * 1024 * 1024
+
+
+class _Bounded:
+    """The file, read from where it stands by exactly what is asked (so that its position is
+    what the unpickler consumed), refusing more than ``limit`` bytes in all."""
+
+    def __init__(self, f: BinaryIO, limit: int) -> None:
+        self.f, self.left = f, limit
+
+    def _take(self, n: int) -> int:
+        if n > self.left:
+            raise pickle.UnpicklingError("pickles too large to read")
+        self.left -= n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(self._take(n if n >= 0 else self.left))
+
+    def readinto(self, b: Any) -> int:
+        data = self.f.read(self._take(len(b)))
+        b[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        line = self.f.readline(self.left + 1)
+        self._take(len(line))
+        return line
+
+
+class _AnyInert(_Inert):
+    def append(self, value: Any) -> None:  # a list subclass being filled
+        self.__dict__.setdefault("list", []).append(value)
+
+    def extend(self, values: Any) -> None:
+        self.__dict__.setdefault("list", []).extend(values)
+
+
+class _LegacyUnpickler(pickle.Unpickler):
+    """Reads the pickles of a legacy ``torch.save`` without importing or calling anything: every
+    global is an inert stand-in, and the storages' persistent ids are kept."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.classes: dict[tuple[str, str], type] = {}
+        self.storages: dict[str, tuple[str, Any]] = {}
+
+    def find_class(self, module: str, name: str) -> type:
+        key = (module, name)
+        if key not in self.classes:
+            self.classes[key] = type(name, (_AnyInert,), {"_name": f"{module}.{name}"})
+        return self.classes[key]
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("not a legacy torch.save storage id")
+        kind, key, numel = getattr(pid[1], "_name", ""), pid[2], pid[4]
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise pickle.UnpicklingError("a storage id without its key and size")
+        self.storages[key] = (kind.rpartition(".")[2], numel)
+        return _AnyInert()
+
+
+def torch_legacy(f: BinaryIO, size: int) -> tuple[bool, str | None]:
+    """Whether the pickle ``f`` of ``size`` bytes is a legacy ``torch.save`` read through, and
+    why it is not complete yet (None: complete).
+
+    The format: four pickles (the magic number, the protocol version, the system's facts, the
+    object with a persistent id per storage: its type, key and elements), the storages' keys,
+    then each storage in that order as its element count (8 bytes) and its bytes. Complete
+    means exactly that long. A file that cannot be read through that way (another pickle, a
+    storage type not known here, pickles above :data:`MAX_LEGACY_PICKLE_BYTES`) is not judged:
+    ``(False, None)``, and the quiet rule decides as for any pickle. Nothing in the file is
+    imported or called (:class:`_LegacyUnpickler`).
+    """
+    f.seek(0)
+    reader = _LegacyUnpickler(_Bounded(f, MAX_LEGACY_PICKLE_BYTES))
+    cut = "a legacy torch.save cut short in its pickles (still being written)"
+    try:
+        if reader.load() != TORCH_LEGACY_MAGIC:
+            return False, None
+    except Exception:  # not a legacy torch.save: the quiet rule decides
+        f.seek(0)
+        head = f.read(size)
+        return (True, cut) if size < len(_MAGIC_PICKLE) and _MAGIC_PICKLE.startswith(head) else (False, None)
+    try:
+        reader.load(), reader.load(), reader.load()  # the protocol version, the system's facts, the object
+        keys = reader.load()
+    except RecursionError:
+        return False, None
+    except Exception:  # cut short if it read to the end, else not judged
+        return (True, cut) if f.tell() >= size else (False, None)
+    if not isinstance(keys, list) or len(set(keys)) != len(keys) or set(keys) != set(reader.storages):
+        return False, None
+    at = f.tell()
+    for key in keys:
+        kind, numel = reader.storages[key]
+        if kind not in _STORAGE_BYTES:
+            return False, None
+        if at + 8 > size:
+            return True, f"a legacy torch.save written up to {size:,} bytes of {at + 8:,} or more (still being written)"
+        f.seek(at)
+        if struct.unpack("<q", f.read(8))[0] != numel:
+            return False, None
+        at += 8 + numel * _STORAGE_BYTES[kind]
+    if at > size:
+        return True, f"a legacy torch.save written up to {size:,} bytes of {at:,} (still being written)"
+    return (True, None) if at == size else (False, None)

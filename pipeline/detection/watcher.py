@@ -27,7 +27,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
-from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress
+from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress, save_group
 from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
@@ -356,7 +356,7 @@ class Watcher:
             facts = tuple(e.facts for e in entries if e.facts is not None)
             again = resave_in_progress(Entry(path.name, path.is_dir(), facts, commit_marker=found.commit_marker),
                                        {rel: (size, ns) for rel, size, ns in recorded},
-                                       by_quiet=verdict.kind == "quiet")
+                                       by_quiet=verdict.kind == "quiet") or self._index_not_yet(path)
             if again:
                 verdict, remote = Verdict("incomplete", verdict.layout, again), None
         if verdict.kind == "malformed":  # no more writing can fix it: say so now, once
@@ -409,6 +409,21 @@ class Watcher:
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == recorded[0][1:]
+
+    def _index_not_yet(self, path: Path) -> str | None:
+        """Why ``path``, a file of a save written side by side into its run (``save_pretrained(run,
+        max_shard_size=...)``: pipeline.core.layouts.save_group) that changed over its recorded
+        version, is a new save still being written: its index, which the writer writes last, is
+        still the recorded one. Each file is a checkpoint of its own, so without this a save
+        killed after its first shard would replace that shard of the newest complete save."""
+        group = save_group(path.name)
+        if not group or path.name.endswith(".index.json") or path.is_dir():
+            return None
+        index = path.with_name(group + ".index.json")
+        if not self._unchanged_file(index, self.known.get(str(index))):
+            return None
+        return (f"saved again over its recorded version but not yet {index.name}, which its writer "
+                "(save_pretrained) writes last")
 
     @staticmethod
     def _nested_run(run: Path, path: Path) -> str | None:

@@ -61,7 +61,7 @@ class ProtectCallback(TrainerCallback):
         limit = args.save_total_limit
         if self.wait_before_delete and limit:
             try:
-                older = at_risk(output_dir, limit)
+                older = at_risk(output_dir, limit, state.best_model_checkpoint)
             except OSError as exc:
                 log.warning("ckpt: cannot list %s to wait for its older checkpoints: %s", output_dir, exc)
                 older = []
@@ -70,13 +70,37 @@ class ProtectCallback(TrainerCallback):
         return control
 
 
-def at_risk(output_dir: str, save_total_limit: int) -> list[str]:
-    """The checkpoints the Trainer's next save may delete: all but the newest ``limit - 1``."""
+def at_risk(output_dir: str, save_total_limit: int, best: str | None = None) -> list[str]:
+    """The checkpoints the Trainer's next save may delete, oldest first.
+
+    The Trainer rotates inside ``_save_checkpoint``, after writing the next checkpoint and
+    before ``on_save`` (``transformers.trainer_utils.rotate_checkpoints``): of the checkpoints
+    there then, it keeps the newest and the best model's (``best``, the state's
+    ``best_model_checkpoint``) and deletes the others oldest first until ``save_total_limit``
+    are left. So the newest now (this save's) is at risk too when the best is kept beside the
+    next one. Which is the best after the next evaluation (this one, or the next checkpoint) and
+    which order the Trainer sorts by (modification times, or steps when the times are too
+    close) are not known yet: every case is counted.
+    """
     found = []
     for name in os.listdir(output_dir):
         m = _CHECKPOINT.match(name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    found.sort()
-    keep = max(save_total_limit - 1, 0)
-    return [p for _step, p in (found[:-keep] if keep else found)]
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), os.stat(path).st_mtime, path))
+    best_name = os.path.basename(os.path.normpath(best)) if best else None
+    best_path = next((p for _s, _t, p in found if os.path.basename(p) == best_name), None)
+    nxt = object()  # the checkpoint the next save writes
+    risky: set[object] = set()
+    for order in (lambda f: (f[0], f[1]), lambda f: (f[1], f[0])):
+        ordered: list[object] = [p for _s, _t, p in sorted(found, key=order)] + [nxt]
+        for best_then in {best_path, None}:  # the best now, or the next checkpoint (it keeps nothing else)
+            kept = {nxt} if best_then is None else {nxt, best_then}
+            left = len(ordered)
+            for p in ordered:
+                if left <= max(save_total_limit, len(kept)):
+                    break
+                if p not in kept:
+                    risky.add(p)
+                    left -= 1
+    return [p for _s, _t, p in sorted(found) if p in risky]

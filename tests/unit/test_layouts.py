@@ -7,6 +7,7 @@ waits for. Files cut anywhere are never complete by their own structure.
 """
 from __future__ import annotations
 
+import argparse
 import builtins
 import io
 import json
@@ -211,9 +212,41 @@ def test_a_safetensors_file_cut_anywhere_is_incomplete_and_a_lying_one_malformed
     assert judge(Entry(p.name, False, (file_facts("", str(p), len(data) + 8, 0)[0],))).kind == "malformed"
 
 
-def test_a_legacy_pickle_or_unknown_file_waits_for_quiet(tmp_path):
+def test_a_legacy_torch_save_is_complete_when_as_long_as_its_storages_say(tmp_path):
     p = tmp_path / "step_9.pt"
-    torch.save({"w": torch.ones(3)}, p, _use_new_zipfile_serialization=False)
+    state = {"model": {"w": torch.ones(3), "b": torch.zeros(2, 2, dtype=torch.bfloat16), "v": torch.arange(9)[2:5]},
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(4)}}, "param_groups": [{"lr": 0.1}]},
+             "epoch": 3, "args": argparse.Namespace(lr=1e-3), "flags": torch.ones(2, dtype=torch.bool)}
+    torch.save(state, p, _use_new_zipfile_serialization=False)
+    data = p.read_bytes()
+    assert judge(Entry(p.name, False, (file_facts("", str(p), len(data), 0)[0],))).kind == "complete"
+    for cut in (2, 8, 40, len(data) // 3, len(data) // 2, len(data) - 1):  # a writer killed anywhere
+        p.write_bytes(data[:cut])
+        v = judge(Entry(p.name, False, (file_facts("", str(p), cut, 0)[0],)))
+        assert v.kind == "incomplete", (cut, v)
+    p.write_bytes(data + b"\0" * 8)  # not what torch.save writes: judged by the quiet rule, as before
+    assert judge(Entry(p.name, False, (file_facts("", str(p), len(data) + 8, 0)[0],))).kind == "quiet"
+
+
+class _Runs:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_reading_a_legacy_torch_save_runs_nothing_in_it(tmp_path):
+    p, marker = tmp_path / "step_3.pt", tmp_path / "ran"
+    torch.save({"w": torch.ones(3), "payload": _Runs(marker)}, p, _use_new_zipfile_serialization=False)
+    facts = file_facts("", str(p), p.stat().st_size, 0)[0]
+    assert facts.format == "torch-legacy" and facts.problem is None
+    assert not marker.exists()
+
+
+def test_a_pickle_that_is_no_torch_save_or_an_unknown_file_waits_for_quiet(tmp_path):
+    p = tmp_path / "step_9.pkl"
+    p.write_bytes(pickle.dumps({"w": [1.0, 2.0]}))
     v = judge(Entry(p.name, False, (file_facts("", str(p), p.stat().st_size, 0)[0],)))
     assert v.kind == "quiet"
     q = tmp_path / "weights.npy"
