@@ -500,8 +500,18 @@ _LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
     "hf-trainer": _trainer_last,
     "accelerate": lambda e: ["random_states_0.pkl"] if "random_states_0.pkl" in e.relpaths else [],
     "hf-sharded": _complete_indexes,
-    # save_pretrained writes config.json (and generation_config.json) first, the weights after.
-    "hf-pretrained": _weights,
+}
+
+
+def _configs(entry: Entry) -> list[str]:
+    return [r for r in entry.relpaths if r.rsplit("/", 1)[-1] in ("config.json", "generation_config.json")]
+
+
+#: Per layout whose writer does not write one file last, the files it writes first and those it
+#: writes after them: ``save_pretrained`` writes its config, then its weights (then a Trainer's
+#: ``save_model`` the tokenizer and training_args.bin, which the hf-trainer row knows).
+_WRITTEN_BEFORE: dict[str, tuple[Callable[[Entry], list[str]], Callable[[Entry], list[str]]]] = {
+    "hf-pretrained": (_configs, _weights),
 }
 
 
@@ -534,6 +544,14 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
             listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
             return (f"saved again over its recorded version ({listed} changed) but not yet "
                     f"{' or '.join(last)}, which its writer ({lay.writer}) writes last")
+        # A file written first changed, none of those written after it did: a save killed between
+        # them (files only added beside a recorded version, as after an early record, are no sign).
+        if lay.name not in _WRITTEN_BEFORE or not lay.recognize(entry):
+            continue
+        first, after = (f(entry) for f in _WRITTEN_BEFORE[lay.name])
+        if after and any(r in changed for r in first) and all(now[r] == recorded.get(r) for r in after):
+            return (f"saved again over its recorded version ({', '.join(r for r in first if r in changed)} "
+                    f"changed) but not yet {', '.join(after[:3])}, which its writer ({lay.writer}) writes after")
     kept = sorted(r for r in recorded if now.get(r) == recorded[r])
     gone = sorted(r for r in recorded if r not in now)
     if by_quiet and (kept or gone):

@@ -71,6 +71,33 @@ def test_a_stale_index_is_not_the_last_file_of_an_unsharded_save_over_a_sharded_
     assert "index.json" in resave_in_progress(half, recorded(old))
 
 
+def test_a_save_pretrained_folder_whose_config_changed_waits_for_its_new_weights():
+    old = Entry("final", True, (facts("config.json", 3, 1, FileFormat.JSON), facts("model.safetensors", 10, 1)))
+    half = Entry("final", True, (facts("config.json", 4, 5, FileFormat.JSON), facts("model.safetensors", 10, 1)))
+    why = resave_in_progress(half, recorded(old))
+    assert why is not None and "config.json changed" in why and "model.safetensors" in why
+    done = Entry("final", True, (facts("config.json", 4, 5, FileFormat.JSON), facts("model.safetensors", 12, 6)))
+    assert resave_in_progress(done, recorded(old)) is None
+    # Recorded before its tokenizer came (a pause longer than the settle time): files only added
+    # beside an unchanged config and weights are the rest of that save, not a new one half written.
+    grown = Entry("final", True, (*old.files, facts("tokenizer.json", 7, 8, FileFormat.JSON)))
+    assert resave_in_progress(grown, recorded(old)) is None
+
+
+def test_a_save_model_folder_waits_for_its_training_args_which_save_model_writes_last():
+    files = (facts("config.json", 3, 1, FileFormat.JSON), facts("model.safetensors", 10, 1),
+             facts("training_args.bin", 5, 2, FileFormat.TORCH_ZIP))
+    old = Entry("final", True, files)
+    half = Entry("final", True, (facts("config.json", 3, 5, FileFormat.JSON), facts("model.safetensors", 12, 6),
+                                 files[2]))
+    assert "training_args.bin" in resave_in_progress(half, recorded(old))
+    done = Entry("final", True, (*half.files[:2], facts("training_args.bin", 5, 7, FileFormat.TORCH_ZIP)))
+    assert resave_in_progress(done, recorded(old)) is None
+    # Recorded early, without it: training_args.bin coming is that save ending.
+    early = Entry("final", True, files[:2])
+    assert resave_in_progress(old, recorded(early)) is None
+
+
 def test_a_single_file_has_no_last_file_rule():
     old = Entry("step_1.safetensors", False, (facts("", 10, 1, FileFormat.SAFETENSORS),))
     assert resave_in_progress(Entry("step_1.safetensors", False, (facts("", 12, 2, FileFormat.SAFETENSORS),)),
@@ -174,3 +201,30 @@ def test_files_touched_without_new_bytes_keep_their_version_and_do_not_block_rot
     with session_scope(db.db_url) as s:
         ckpt = s.get(Checkpoint, v1.id)
         assert differs(Path(ckpt.path), True, catalog.own_files(ckpt)) is None
+
+
+def test_a_sharded_save_side_by_side_in_the_run_saved_again_waits_for_its_new_index(db, tmp_path, monkeypatch):
+    """``save_pretrained(run, max_shard_size=...)``: each shard and the index are checkpoints of
+    their own, one save group. Saved again and killed after its first shard, nothing of the
+    first save is replaced; saved again to the end, every file's new version is recorded."""
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    tiny_qwen(1).save_pretrained(run, max_shard_size=SHARDED)
+    names = sorted(p.name for p in run.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "config.json"
+                   and p.name != "generation_config.json")
+    assert len(names) >= 3 and names[-1] == "model.safetensors.index.json", names
+    w = Watcher(db, [].extend, use_events=False)
+    w.scan()
+    v1 = {n: _protect(db, run / n).id for n in names}
+    time.sleep(0.01)
+    interrupted_save(tiny_qwen(2), run, monkeypatch, after=1, max_shard_size=SHARDED)
+    w.scan()
+    first = _current(db, run / names[0])
+    assert first.id == v1[names[0]], "the first shard of a save killed after it replaced the recorded one"
+    assert "model.safetensors.index.json" in (first.disk_changed or ""), first.disk_changed
+    time.sleep(0.01)
+    tiny_qwen(2).save_pretrained(run, max_shard_size=SHARDED)  # the save done again, to the end
+    w.scan()
+    w.scan()  # the shards looked at again once the index is recorded
+    same = [n for n in names if _current(db, run / n).id == v1[n]]
+    assert same == ["model.safetensors.index.json"], same  # the same bytes (the same names and sizes): touched
