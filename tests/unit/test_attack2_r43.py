@@ -1,0 +1,367 @@
+"""Round 43, second look from outside, at the five mends of r43 (2a4bea9, e77781e). Each test
+documents a defect that remains or was introduced by those mends and FAILS at 2a4bea9; its
+docstring gives the history and the safe behaviour expected. (Written by the attack2 session;
+no pipeline code changed.)"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+
+from pipeline.db.engine import session_scope
+from pipeline.db.models import Checkpoint
+from pipeline.detection.watcher import Watcher
+from pipeline.integrity import gc
+from tests.unit.test_attack_r43 import _content, _current, _protect
+
+
+def _names(settings, path: Path) -> set[str]:
+    with session_scope(settings.db_url) as s:
+        c = s.scalar(select(Checkpoint).where(Checkpoint.path == str(path), Checkpoint.current.is_(True)))
+        return {f.relpath for f in c.files}
+
+
+def _scans(w: Watcher, n: int = 3) -> None:
+    for _ in range(n):
+        w.scan()
+        time.sleep(0.05)
+
+
+# -- 4. the legacy torch.save reader ------------------------------------------------------------
+
+def test_a_legacy_torch_save_with_pickle_protocol_4_rewritten_and_killed_keeps_the_protected_version(db, tmp_path):
+    """History: r43's own history (``torch.save(..., _use_new_zipfile_serialization=False)``
+    rewritten in place and killed half way), with ``pickle_protocol=4`` (a documented argument
+    of torch.save, used for objects above 4 GiB and by code that sets it everywhere).
+
+    ``formats.torch_legacy`` reads the five pickles with ONE ``_LegacyUnpickler``, and an
+    Unpickler's memo is not cleared between ``load()`` calls. Protocol 2 memoizes with explicit
+    indices (BINPUT n), so that happens to work; protocol >= 4 memoizes with MEMOIZE (index =
+    ``len(memo)``), so every index of the object pickle is shifted by the entries of the
+    sys-info pickle before it, and its first BINGET (the second use of ``torch._utils``,
+    ``collections.OrderedDict``... in every state_dict) reads the wrong object. The reader
+    fails, the file is "not judged" (FileFormat.PICKLE, the quiet rule) whole or cut: the half
+    file goes quiet and is recorded as the path's new version, exactly the r43 defect.
+
+    Safe: a protocol-4 legacy save is read through like a protocol-2 one (a fresh unpickler, or
+    a cleared memo, per pickle); a cut one is incomplete and v1 stays current and protected."""
+    import torch
+
+    from tests.checkpoints import state_dict
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    path = run / "last.pt"
+    torch.save(state_dict(seed=1, layers=2, width=32), path, _use_new_zipfile_serialization=False,
+               pickle_protocol=4)
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, path)
+    v1_content = _content(settings, v1)
+
+    other = tmp_path / "other.pt"
+    torch.save(state_dict(seed=2, layers=2, width=32), other, _use_new_zipfile_serialization=False,
+               pickle_protocol=4)
+    data = other.read_bytes()
+    time.sleep(0.05)
+    with open(path, "wb") as f:  # the next torch.save, killed half way
+        f.write(data[: len(data) // 2])
+    _scans(w)
+    with session_scope(settings.db_url) as s:
+        lost = v1_content & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+    assert not lost, f"the protected save's content is garbage ({len(lost)} contents) after a save killed half way"
+    assert released is None, "the protected save was released for half a protocol-4 legacy torch.save"
+
+
+def test_the_legacy_reader_returns_facts_for_a_pickle_whose_storage_keys_are_unhashable(tmp_path):
+    """History: any file of a watched run that starts with byte 0x80 is read by
+    ``formats.torch_legacy`` (a ``.pt`` someone drops in, a corrupted or hostile file). One that
+    starts with the legacy magic pickle and whose fifth pickle (the storage keys) is a list
+    holding a list (``[[0]]``) makes ``len(set(keys))`` raise TypeError, outside both ``try``
+    blocks: ``file_facts`` (whose module promises it "raises only OSError") raises, the entry is
+    the scan's error (backoff, reported as a failure), never a verdict.
+
+    Safe: whatever the bytes, the reader returns a verdict (not judged: the quiet rule)."""
+    from pipeline.detection.formats import _MAGIC_PICKLE, file_facts
+
+    hostile = tmp_path / "x.pt"
+    hostile.write_bytes(_MAGIC_PICKLE + pickle.dumps(1001, 2) + pickle.dumps({}, 2) + pickle.dumps({}, 2)
+                        + pickle.dumps([[0]], 2))
+    try:
+        facts, _ = file_facts("", str(hostile), hostile.stat().st_size, hostile.stat().st_mtime_ns)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - what the defect raises
+        raise AssertionError(f"file_facts raised {type(exc).__name__}: {exc}") from exc
+    assert facts.format in ("pickle", "torch-legacy")
+
+
+_MEMORY_CHILD = """
+import io, resource, sys
+from pipeline.detection.formats import torch_legacy
+data = b"\\x80\\x02]" + b"}a" * (8 * 1024 * 1024) + b"."   # 16 MiB: a list of empty dicts
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+torch_legacy(io.BytesIO(data), len(data))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_the_legacy_reader_does_not_build_gigabytes_from_a_pickle_under_its_byte_cap():
+    """History: ``torch_legacy`` caps the pickles it reads at 64 MiB of bytes
+    (MAX_LEGACY_PICKLE_BYTES) but not what they build: every object is real (lists, dicts, the
+    inert stand-ins). Two bytes (``}a``: EMPTY_DICT, APPEND) build a 64-byte dict and a list
+    slot, so any pickle file in a watched run that begins with a list of small containers (not
+    even a torch.save: the FIRST pickle is read whole up to the cap to check the magic number)
+    makes the watcher build ~35 times its size: 16 MiB here -> ~570 MiB, 64 MiB -> ~2.3 GiB,
+    on the watcher's thread, at every look while the file changes.
+
+    Safe: the reader bounds what it builds (elements, nesting; as the DCP reader does), or
+    stops at the first pickle that is not the 10-byte magic number."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.split()[-1])
+    assert grown < 128, f"reading a 16 MiB pickle grew the reader by {grown} MiB"
+
+
+def test_the_legacy_reader_is_not_quadratic_in_a_pickle_of_colliding_keys():
+    """History: a dict pickled with int keys that all hash alike (``k * (2**61 - 1)``: Python's
+    int hash is not randomised) costs O(n) per insertion, O(n^2) in all, inside
+    ``_LegacyUnpickler`` (SETITEMS into a real dict). 1 MiB of such a pickle (55,000 keys)
+    takes ~20 s of the watcher's only scanning thread; the 64 MiB the cap allows, ~4,000 times
+    that (about a day), during which no run on the host is looked at, nothing recorded or
+    protected. Any file whose first byte is 0x80 is read so.
+
+    Safe: reading a file's facts costs time linear in the bytes read (no real dicts keyed by
+    file content, or a bound on the elements), like every other reader here."""
+    from pipeline.detection.formats import torch_legacy
+
+    p = (1 << 61) - 1
+    n = 55_000
+    data = b"".join([b"\x80\x02}(", *(b"\x8a\x10" + (i * p).to_bytes(16, "little", signed=True) + b"N"
+                                       for i in range(1, n + 1)), b"u."])
+    started = time.process_time()
+    torch_legacy(io.BytesIO(data), len(data))
+    spent = time.process_time() - started
+    assert spent < 3.0, f"{len(data) / 2**20:.1f} MiB of pickle took {spent:.1f} s of CPU to judge"
+
+
+# -- 3. Trainer.save_model(dir): training_args.bin as the last file ----------------------------------------
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(8)} | {"[UNK]": 8}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]")
+
+
+def test_a_save_model_folder_completed_by_its_tokenizer_after_a_record_is_protected(db, tmp_path):
+    """History: the usual end of a training script whose Trainer got no ``processing_class``:
+    ``trainer.save_model(out/"final")`` then, after the final evaluation, ``tokenizer.save_pretrained(
+    out/"final")`` (the HF docs' and most fine-tuning scripts' pair). r43 made ``final`` complete
+    at ``training_args.bin``, "which save_model writes last", so the watcher records it (v1:
+    config, weights, training_args.bin) before the tokenizer comes. The tokenizer files are
+    then only ADDED beside an unchanged save, but ``resave_in_progress`` sees a change over a
+    recorded version whose hf-trainer "last file" (training_args.bin) did not change: "saved
+    again over its recorded version ... but not yet training_args.bin". That is never written
+    again: the finished model (with its tokenizer: what anyone restores to use it) waits
+    forever, flagged "changed, not protected". 2a4bea9 says of the same history for
+    hf-pretrained: "files only added beside an unchanged config and weights are the rest of that
+    save" -- the hf-trainer row's new save_model branch does not.
+
+    Safe: files only added beside a recorded save_model folder are recorded as its new version
+    (as for hf-pretrained), or the folder is not complete before they come."""
+    from transformers import Trainer
+
+    from tests.writers.write import Tokens, tiny_qwen, trainer_args
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    trainer = Trainer(model=tiny_qwen(2), args=trainer_args(run, max_steps=2, save_steps=2), train_dataset=Tokens())
+    trainer.train()
+    final = run / "final"
+    trainer.save_model(str(final))
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    _scans(w, 2)
+    assert "training_args.bin" in _names(settings, final), "the save_model folder was not recorded: no case"
+    _tokenizer().save_pretrained(final)  # after trainer.evaluate(): the script's next line
+    time.sleep(0.05)
+    _scans(w)
+    names = _names(settings, final)
+    assert "tokenizer.json" in names, (f"the save_model folder completed by its tokenizer was never recorded "
+                                       f"(recorded: {sorted(names)}); disk changed: {w.changes.__dict__!r}"[:600])
+
+
+# -- 2. save_pretrained: a changed config waits for new weights -----------------------------------
+
+def test_a_generation_config_updated_beside_a_recorded_save_pretrained_is_protected(db, tmp_path):
+    """History: ``model.save_pretrained(run/"final")`` is recorded (v1). Then the script (or the
+    user, before publishing) sets the generation defaults the documented way,
+    ``model.generation_config.max_new_tokens = 256; model.generation_config.save_pretrained(final)``
+    (GenerationConfig.save_pretrained writes generation_config.json only). r43's
+    ``_WRITTEN_BEFORE`` takes any change of config.json OR generation_config.json with unchanged
+    weights for a save_pretrained killed between them: the folder waits for new weights
+    forever and the finished model's generation config is never protected. A killed
+    save_pretrained cannot leave this state: it writes config.json BEFORE generation_config.json,
+    and config.json here did not change.
+
+    Safe: a folder whose generation_config.json alone changed (config.json and weights as
+    recorded) is a new version, recorded."""
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, quiet_seconds=0.0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    final = run / "final"
+    model = tiny_qwen(1)
+    model.save_pretrained(final)
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, final)
+    before = (final / "generation_config.json").stat()
+    model.generation_config.max_new_tokens = 256
+    model.generation_config.save_pretrained(final)
+    assert (final / "generation_config.json").stat().st_mtime_ns != before.st_mtime_ns
+    time.sleep(0.05)
+    _scans(w)
+    now = _current(settings, final)
+    assert now.id != v1, (f"generation_config.json updated beside a recorded save_pretrained is never recorded: "
+                          f"{w.changes.__dict__!r}"[:600])
+
+
+def test_a_pipeline_folder_saved_again_and_killed_after_a_component_config_keeps_the_first_save(db, tmp_path):
+    """History: a diffusers-style pipeline folder (``DiffusionPipeline.save_pretrained``:
+    ``model_index.json``, then each component's ``save_pretrained`` into its subfolder in turn:
+    ``text_encoder/{config.json,model.safetensors}``, ``unet/{config.json,
+    diffusion_pytorch_model.safetensors}``...; the same for any folder of several models) is
+    recorded and protected (v1). It is saved again and killed after ``text_encoder`` was
+    rewritten whole and ``unet/config.json`` was written, before the unet's weights. r43's rule
+    asks "a config changed and NO weights file changed": the text encoder's new weights count as
+    the weights that came after ``unet/config.json``, so the mix (new text encoder, new unet
+    config, OLD unet weights) is recorded at once (every file is complete by its structure), v1
+    is released, and its content garbage after the grace: what the unet config describes is not
+    its weights, and the last complete pipeline is gone.
+
+    Safe: the config-then-weights rule holds per folder (each save_pretrained's config against
+    its own weights); v1 stays current and protected until a complete save replaces it."""
+    import torch
+
+    from tests.writers.write import tiny_qwen
+
+    settings = dataclasses.replace(db, gc_grace_seconds=0)
+    run = tmp_path / "runs" / "r"
+    run.mkdir()
+    pipe = run / "pipeline"
+
+    def save_pipeline(dest: Path, te, unet) -> None:
+        dest.mkdir(exist_ok=True)
+        (dest / "model_index.json").write_text(json.dumps({"_class_name": "Pipe", "text_encoder": ["t", "T"],
+                                                           "unet": ["t", "T"]}))
+        te.save_pretrained(dest / "text_encoder")
+        unet.save_pretrained(dest / "unet")
+
+    save_pipeline(pipe, tiny_qwen(1), tiny_qwen(2))
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    w.scan()
+    v1 = _protect(settings, pipe)
+    v1_content = _content(settings, v1)
+
+    staged = tmp_path / "staged"
+    save_pipeline(staged, tiny_qwen(3), tiny_qwen(4).to(torch.float16))
+    time.sleep(0.05)
+    # the second save, killed after unet/config.json: model_index.json, text_encoder whole, unet config
+    shutil.copyfile(staged / "model_index.json", pipe / "model_index.json")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copyfile(staged / "text_encoder" / name, pipe / "text_encoder" / name)
+    shutil.copyfile(staged / "unet" / "config.json", pipe / "unet" / "config.json")
+    _scans(w)
+    now = _current(settings, pipe)
+    with session_scope(settings.db_url) as s:
+        lost = (v1_content - _content(settings, now.id)) & set(gc.garbage(s, settings))
+        released = s.get(Checkpoint, v1).released_at
+    assert not lost, f"the last complete pipeline's content is garbage ({len(lost)} contents)"
+    assert released is None and now.id == v1, "a pipeline save killed after a component's config was recorded"
+
+
+# -- 5. at_risk against the Trainer's own rotation --------------------------------------------------
+
+def _rotated(run: Path, limit: int, best: str | None) -> list[str]:
+    """What ``transformers.trainer_utils.rotate_checkpoints`` deletes in ``run`` now (as
+    ``Trainer._save_checkpoint`` calls it: use_mtime=True)."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    before = {p.name for p in run.iterdir()}
+    rotate_checkpoints(output_dir=str(run), save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+    return sorted(before - {p.name for p in run.iterdir()})
+
+
+def test_at_risk_counts_the_checkpoint_the_trainer_deletes_when_two_have_the_same_mtime(tmp_path):
+    """History: ``save_total_limit=2``, ``ProtectCallback(wait_before_delete=True)``, on a
+    filesystem whose times have a coarse grain (1 s or 2 s: NFSv3 exports of ext3, FAT/exFAT
+    scratch disks, several FUSE stores) or checkpoints copied/restored with their times kept: at
+    checkpoint-1000's ``on_save`` the folder holds checkpoint-500 and checkpoint-1000 with the same
+    modification time (the run's first checkpoints are a second apart). The Trainer sorts by
+    ``(mtime, path)``: on a tie the PATH STRING decides, and ``".../checkpoint-1000" <
+    ".../checkpoint-500"``, so its next rotation (checkpoint-1500, two seconds later) deletes
+    checkpoint-1000. ``at_risk`` breaks ties by step in both its orders and waits for
+    checkpoint-500 only: checkpoint-1000, declared moments before, is deleted without a wait.
+
+    Safe: at_risk counts every checkpoint the Trainer's rule can delete (ties broken as the
+    Trainer does, by path string; or every order of tied times)."""
+    from pipeline.integrations.transformers import at_risk
+
+    run = tmp_path / "out"
+    t0 = time.time() - 100
+    for step in (500, 1000):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        os.utime(run / f"checkpoint-{step}", (t0, t0))
+    waited = [Path(p).name for p in at_risk(str(run), 2, None)]
+    (run / "checkpoint-1500").mkdir()
+    os.utime(run / "checkpoint-1500", (t0 + 2, t0 + 2))
+    deleted = _rotated(run, 2, None)
+    assert set(deleted) <= set(waited), f"the Trainer deleted {deleted}; at_risk waited for {waited}"
+
+
+def test_at_risk_counts_every_folder_the_trainer_counts(tmp_path):
+    """History: ``save_total_limit=2`` with ``wait_before_delete``; the script (or a callback)
+    keeps an export beside the Trainer's checkpoints under a ``checkpoint-`` name (a merged LoRA
+    ``checkpoint-1000-merged``, a ``checkpoint-best`` copy). ``rotate_checkpoints`` with
+    use_mtime (the Trainer's call) lists ``glob("checkpoint-*")``: every such folder counts
+    towards the limit and is deleted like a checkpoint. ``at_risk`` lists ``^checkpoint-\\d+$``
+    only: it predicts one deletion (checkpoint-500) where the Trainer makes two, and
+    checkpoint-1000 (the newest before the save) is deleted without a wait.
+
+    Safe: at_risk lists the checkpoints as the Trainer does (its glob), so that what it
+    waits for covers what the next rotation deletes."""
+    from pipeline.integrations.transformers import at_risk
+
+    run = tmp_path / "out"
+    t0 = time.time() - 100
+    for i, name in enumerate(("checkpoint-500", "checkpoint-1000", "checkpoint-1000-merged")):
+        (run / name).mkdir(parents=True)
+        os.utime(run / name, (t0 + 10 * i, t0 + 10 * i))
+    waited = [Path(p).name for p in at_risk(str(run), 2, None)]
+    (run / "checkpoint-1500").mkdir()
+    os.utime(run / "checkpoint-1500", (t0 + 40, t0 + 40))
+    deleted = [d for d in _rotated(run, 2, None) if d != "checkpoint-1000-merged"]
+    assert set(deleted) <= set(waited), f"the Trainer deleted {deleted}; at_risk waited for {waited}"
