@@ -103,7 +103,7 @@ def test_the_legacy_reader_returns_facts_for_a_pickle_whose_storage_keys_are_unh
         facts, _ = file_facts("", str(hostile), hostile.stat().st_size, hostile.stat().st_mtime_ns)
     except OSError:
         raise
-    except Exception as exc:  # noqa: BLE001 - what the defect raises
+    except Exception as exc:
         raise AssertionError(f"file_facts raised {type(exc).__name__}: {exc}") from exc
     assert facts.format in ("pickle", "torch-legacy")
 
