@@ -503,16 +503,20 @@ _LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
 }
 
 
-def _configs(entry: Entry) -> list[str]:
-    return [r for r in entry.relpaths if r.rsplit("/", 1)[-1] in ("config.json", "generation_config.json")]
-
-
-#: Per layout whose writer does not write one file last, the files it writes first and those it
-#: writes after them: ``save_pretrained`` writes its config, then its weights (then a Trainer's
-#: ``save_model`` the tokenizer and training_args.bin, which the hf-trainer row knows).
-_WRITTEN_BEFORE: dict[str, tuple[Callable[[Entry], list[str]], Callable[[Entry], list[str]]]] = {
-    "hf-pretrained": (_configs, _weights),
-}
+def _config_before_weights(entry: Entry, changed: list[str], now: Mapping[str, tuple[int, int]],
+                           recorded: Mapping[str, tuple[int, int]]) -> str | None:
+    """``save_pretrained`` writes ``config.json``, then the weights beside it (each component of a
+    pipeline in a folder of its own): a folder whose recorded config was written again while none
+    of its weights was is a save killed between them, why so; else None."""
+    for cfg in changed:
+        if cfg.rsplit("/", 1)[-1] != "config.json" or cfg not in now or cfg not in recorded:
+            continue
+        base = cfg[: -len("config.json")]
+        weights = [r for r in _weights(entry) if r.startswith(base) and "/" not in r[len(base):]]
+        if weights and all(now[r] == recorded.get(r) for r in weights):
+            return (f"saved again over its recorded version ({cfg} changed) but not yet {', '.join(weights[:3])}, "
+                    "which save_pretrained writes after it")
+    return None
 
 
 def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *, by_quiet: bool = False
@@ -535,7 +539,10 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
     changed = sorted(r for r in now.keys() | recorded.keys() if now.get(r) != recorded.get(r))
     if not changed:
         return None
-    for lay in LAYOUTS:
+    # Files only added beside an intact recorded version (the rest of a save recorded early, a
+    # tokenizer saved after the model) are that save growing, not a new one over it.
+    rewritten = any(r in recorded for r in changed)
+    for lay in LAYOUTS if rewritten else ():
         last = _LAST_WRITTEN.get(lay.name, lambda e: [])(entry) if lay.recognize(entry) else []
         # A save without collectives: each rank writes its own last file, and every rank must
         # have saved again; otherwise any new last file will do.
@@ -544,14 +551,8 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
             listed = ", ".join(changed[:3]) + ("..." if len(changed) > 3 else "")
             return (f"saved again over its recorded version ({listed} changed) but not yet "
                     f"{' or '.join(last)}, which its writer ({lay.writer}) writes last")
-        # A file written first changed, none of those written after it did: a save killed between
-        # them (files only added beside a recorded version, as after an early record, are no sign).
-        if lay.name not in _WRITTEN_BEFORE or not lay.recognize(entry):
-            continue
-        first, after = (f(entry) for f in _WRITTEN_BEFORE[lay.name])
-        if after and any(r in changed for r in first) and all(now[r] == recorded.get(r) for r in after):
-            return (f"saved again over its recorded version ({', '.join(r for r in first if r in changed)} "
-                    f"changed) but not yet {', '.join(after[:3])}, which its writer ({lay.writer}) writes after")
+    if rewritten and (why := _config_before_weights(entry, changed, now, recorded)):
+        return why
     kept = sorted(r for r in recorded if now.get(r) == recorded[r])
     gone = sorted(r for r in recorded if r not in now)
     if by_quiet and (kept or gone):

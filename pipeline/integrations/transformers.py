@@ -71,29 +71,27 @@ class ProtectCallback(TrainerCallback):
 
 
 def at_risk(output_dir: str, save_total_limit: int, best: str | None = None) -> list[str]:
-    """The checkpoints the Trainer's next save may delete, oldest first.
+    """The checkpoints the Trainer's next save may delete.
 
     The Trainer rotates inside ``_save_checkpoint``, after writing the next checkpoint and
-    before ``on_save`` (``transformers.trainer_utils.rotate_checkpoints``): of the checkpoints
-    there then, it keeps the newest and the best model's (``best``, the state's
-    ``best_model_checkpoint``) and deletes the others oldest first until ``save_total_limit``
-    are left. So the newest now (this save's) is at risk too when the best is kept beside the
-    next one. Which is the best after the next evaluation (this one, or the next checkpoint) and
-    which order the Trainer sorts by (modification times, or steps when the times are too
-    close) are not known yet: every case is counted.
+    before ``on_save`` (``transformers.trainer_utils.rotate_checkpoints``): of the folders
+    ``checkpoint-*`` there then, sorted by modification time (or by the step in the name when
+    the times are too close), path breaking ties, it keeps the newest and the best model's
+    (``best``, the state's ``best_model_checkpoint``) and deletes the others oldest first until
+    ``save_total_limit`` are left. So the newest now (this save's) is at risk too when the best
+    is kept beside the next one. Which is the best after the next evaluation (this one, or the
+    next checkpoint) and which order the Trainer sorts by are not known yet: every case counts.
     """
-    found = []
-    for name in os.listdir(output_dir):
-        m = _CHECKPOINT.match(name)
-        path = os.path.join(output_dir, name)
-        if m and os.path.isdir(path):
-            found.append((int(m.group(1)), os.stat(path).st_mtime, path))
-    best_name = os.path.basename(os.path.normpath(best)) if best else None
-    best_path = next((p for _s, _t, p in found if os.path.basename(p) == best_name), None)
+    folders = [os.path.join(output_dir, n) for n in os.listdir(output_dir)
+               if n.startswith("checkpoint-") and os.path.isdir(os.path.join(output_dir, n))]
+    by_time = [p for _t, p in sorted((os.path.getmtime(p), p) for p in folders)]
+    stepped = [(m, p) for p in folders if (m := _STEP_IN_PATH.match(p)) is not None]
+    by_step = [p for _s, p in sorted((int(m.group(1)), p) for m, p in stepped)]
+    best_path = os.path.join(output_dir, os.path.basename(os.path.normpath(best))) if best else None
     nxt = object()  # the checkpoint the next save writes
     risky: set[object] = set()
-    for order in (lambda f: (f[0], f[1]), lambda f: (f[1], f[0])):
-        ordered: list[object] = [p for _s, _t, p in sorted(found, key=order)] + [nxt]
+    for order in (by_time, by_step):
+        ordered: list[object] = [*order, nxt]
         for best_then in {best_path, None}:  # the best now, or the next checkpoint (it keeps nothing else)
             kept = {nxt} if best_then is None else {nxt, best_then}
             left = len(ordered)
@@ -103,4 +101,8 @@ def at_risk(output_dir: str, save_total_limit: int, best: str | None = None) -> 
                 if p not in kept:
                     risky.add(p)
                     left -= 1
-    return [p for _s, _t, p in sorted(found) if p in risky]
+    return sorted(p for p in folders if p in risky)
+
+
+#: How the Trainer reads a step from a checkpoint's path (transformers.trainer_utils.sort_checkpoints).
+_STEP_IN_PATH = re.compile(r".*checkpoint-([0-9]+)")
