@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import pickletools
 import posixpath
 import struct
 from typing import Any, BinaryIO
@@ -294,9 +295,10 @@ def dcp_metadata(f: BinaryIO, size: int) -> DcpFacts:
 
 # -- torch.save, legacy format ---------------------------------------------------------------
 
-#: The first pickle of a legacy ``torch.save`` (torch.serialization.MAGIC_NUMBER).
+#: The first pickle of a legacy ``torch.save`` (torch.serialization.MAGIC_NUMBER), as each pickle
+#: protocol writes it (``torch.save(..., pickle_protocol=P)``).
 TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_MAGIC_PICKLE = pickle.dumps(TORCH_LEGACY_MAGIC, protocol=2)  # as torch.save writes it (its default protocol)
+_MAGIC_PICKLES = tuple(pickle.dumps(TORCH_LEGACY_MAGIC, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1))
 #: Bytes per element of each storage type a legacy ``torch.save`` names (its persistent ids).
 _STORAGE_BYTES = {
     "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
@@ -304,30 +306,41 @@ _STORAGE_BYTES = {
     "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "QUInt8Storage": 1, "QInt8Storage": 1,
     "QInt32Storage": 4, "QUInt4x2Storage": 1, "QUInt2x4Storage": 1, "UntypedStorage": 1,
 }
-#: The pickles of a legacy save above this size are not read (tensors are in the storages after them).
-MAX_LEGACY_PICKLE_BYTES = 64 * 1024 * 1024
+#: The pickles of a legacy save above this size are not read (its tensors are in the storages
+#: after them: ~200 bytes of pickle per tensor), nor above this many memoized values.
+MAX_LEGACY_PICKLE_BYTES = 4 * 1024 * 1024
+MAX_LEGACY_MEMO = 1_000_000
+
+
+class _NotJudged(Exception):
+    """The file is not read through as a legacy torch.save: the quiet rule decides."""
+
+
+class _Opaque:
+    """A value the walk does not build (a container, an object): only where it stands counts."""
+
+
+_OPAQUE = _Opaque()
+_LITERALS = frozenset({
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
+    "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT"})
 
 
 class _Bounded:
-    """The file, read from where it stands by exactly what is asked (so that its position is
-    what the unpickler consumed), refusing more than ``limit`` bytes in all."""
+    """The file, read from where it stands by exactly what is asked (its position is what was
+    walked), refusing more than ``limit`` bytes in all."""
 
     def __init__(self, f: BinaryIO, limit: int) -> None:
         self.f, self.left = f, limit
 
     def _take(self, n: int) -> int:
         if n > self.left:
-            raise pickle.UnpicklingError("pickles too large to read")
+            raise _NotJudged("pickles too large to read")
         self.left -= n
         return n
 
     def read(self, n: int = -1) -> bytes:
         return self.f.read(self._take(n if n >= 0 else self.left))
-
-    def readinto(self, b: Any) -> int:
-        data = self.f.read(self._take(len(b)))
-        b[: len(data)] = data
-        return len(data)
 
     def readline(self) -> bytes:
         line = self.f.readline(self.left + 1)
@@ -335,37 +348,106 @@ class _Bounded:
         return line
 
 
-class _AnyInert(_Inert):
-    def append(self, value: Any) -> None:  # a list subclass being filled
-        self.__dict__.setdefault("list", []).append(value)
+def _walk(stream: _Bounded, storages: dict[str, tuple[str, int]], *, lists: bool = False) -> Any:
+    """Walk one pickle from ``stream`` without building it (pickletools.genops: nothing imported,
+    called or allocated beyond its literals): the persistent ids of storages it names go into
+    ``storages`` (key -> (storage type, elements)); its value if a literal, a tuple of them or
+    (``lists``) a list of them, else an opaque stand-in. Linear in the pickle's length."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    memoized = 0
 
-    def extend(self, values: Any) -> None:
-        self.__dict__.setdefault("list", []).extend(values)
+    def pop_mark() -> list[Any]:
+        if not marks:
+            raise _NotJudged("a mark missing")
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
 
+    def pop() -> Any:
+        if len(stack) <= (marks[-1] if marks else 0):
+            raise _NotJudged("the stack runs out")
+        return stack.pop()
 
-class _LegacyUnpickler(pickle.Unpickler):
-    """Reads the pickles of a legacy ``torch.save`` without importing or calling anything: every
-    global is an inert stand-in, and the storages' persistent ids are kept."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
-        self.classes: dict[tuple[str, str], type] = {}
-        self.storages: dict[str, tuple[str, Any]] = {}
-
-    def find_class(self, module: str, name: str) -> type:
-        key = (module, name)
-        if key not in self.classes:
-            self.classes[key] = type(name, (_AnyInert,), {"_name": f"{module}.{name}"})
-        return self.classes[key]
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("not a legacy torch.save storage id")
-        kind, key, numel = getattr(pid[1], "_name", ""), pid[2], pid[4]
-        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise pickle.UnpicklingError("a storage id without its key and size")
-        self.storages[key] = (kind.rpartition(".")[2], numel)
-        return _AnyInert()
+    for op, arg, _pos in pickletools.genops(stream):  # type: ignore[arg-type]  # read, readline suffice
+        name = op.name
+        if name == "STOP":
+            return pop()
+        if name in _LITERALS:
+            stack.append(arg)
+        elif name == "NONE":
+            stack.append(None)
+        elif name in ("NEWTRUE", "NEWFALSE"):
+            stack.append(name == "NEWTRUE")
+        elif name == "GLOBAL":
+            module, _, attr = str(arg).partition(" ")
+            stack.append(("global", module, attr))
+        elif name == "STACK_GLOBAL":
+            attr, module = pop(), pop()
+            stack.append(("global", module, attr) if isinstance(module, str) and isinstance(attr, str) else _OPAQUE)
+        elif name == "MARK":
+            marks.append(len(stack))
+        elif name == "TUPLE":
+            stack.append(tuple(pop_mark()))
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(name[-1])
+            items = [pop() for _ in range(n)][::-1]
+            stack.append(tuple(items))
+        elif name == "EMPTY_TUPLE":
+            stack.append(())
+        elif name == "EMPTY_LIST" and lists:
+            stack.append([])
+        elif name == "LIST" and lists:
+            stack.append(pop_mark())
+        elif name == "APPEND" and lists:
+            value = pop()
+            if not isinstance(stack[-1] if stack else None, list):
+                raise _NotJudged("an append to what is not a list")
+            stack[-1].append(value)
+        elif name == "APPENDS" and lists:
+            items = pop_mark()
+            if not isinstance(stack[-1] if stack else None, list):
+                raise _NotJudged("an append to what is not a list")
+            stack[-1].extend(items)
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            if not stack or memoized >= MAX_LEGACY_MEMO:
+                raise _NotJudged("too many memoized values")
+            key = memoized if name == "MEMOIZE" else arg if isinstance(arg, int) else -1
+            memoized += 1  # MEMOIZE numbers every value memoized, the opaque ones kept out of ``memo`` too
+            if stack[-1] is not _OPAQUE:
+                memo[key] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, _OPAQUE) if isinstance(arg, int) else _OPAQUE)
+        elif name == "BINPERSID":
+            pid = pop()
+            if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+                kind, key, numel = pid[1], pid[2], pid[4]
+                if not (isinstance(kind, tuple) and len(kind) == 3 and isinstance(key, str)
+                        and isinstance(numel, int) and numel >= 0):
+                    raise _NotJudged("a storage id without its type, key and size")
+                storages[key] = (kind[2], numel)
+            stack.append(_OPAQUE)
+        elif name == "POP":
+            if marks and len(stack) == marks[-1]:
+                marks.pop()  # POP takes the mark when nothing is above it
+            else:
+                pop()
+        elif name == "DUP":
+            stack.append(pop())
+            stack.append(stack[-1])
+        else:  # any other: what it takes and leaves, by its declared stack effect
+            before = op.stack_before
+            if pickletools.markobject in before:
+                pop_mark()
+                for _ in range(before.index(pickletools.markobject)):
+                    pop()
+            else:
+                for _ in before:
+                    pop()
+            stack.extend(_OPAQUE for x in op.stack_after if x is not pickletools.markobject)
+    raise _NotJudged("no STOP")
 
 
 def torch_legacy(f: BinaryIO, size: int) -> tuple[bool, str | None]:
@@ -375,33 +457,36 @@ def torch_legacy(f: BinaryIO, size: int) -> tuple[bool, str | None]:
     The format: four pickles (the magic number, the protocol version, the system's facts, the
     object with a persistent id per storage: its type, key and elements), the storages' keys,
     then each storage in that order as its element count (8 bytes) and its bytes. Complete
-    means exactly that long. A file that cannot be read through that way (another pickle, a
-    storage type not known here, pickles above :data:`MAX_LEGACY_PICKLE_BYTES`) is not judged:
-    ``(False, None)``, and the quiet rule decides as for any pickle. Nothing in the file is
-    imported or called (:class:`_LegacyUnpickler`).
+    means exactly that long. The pickles are walked, never loaded (:func:`_walk`: linear, and
+    nothing in them imported, called or built). A file that cannot be read through that way
+    (another pickle, a storage type not known here, pickles above
+    :data:`MAX_LEGACY_PICKLE_BYTES`, bytes past the end) is not judged: ``(False, None)``, and the
+    quiet rule decides as for any pickle.
     """
     f.seek(0)
-    reader = _LegacyUnpickler(_Bounded(f, MAX_LEGACY_PICKLE_BYTES))
+    head = f.read(max(len(m) for m in _MAGIC_PICKLES))
+    magic = next((m for m in _MAGIC_PICKLES if head.startswith(m)), None)
     cut = "a legacy torch.save cut short in its pickles (still being written)"
+    if magic is None:
+        cut_in_magic = len(head) == size and any(m.startswith(head) for m in _MAGIC_PICKLES)
+        return (True, cut) if cut_in_magic else (False, None)
+    f.seek(len(magic))
+    stream = _Bounded(f, MAX_LEGACY_PICKLE_BYTES)
+    storages: dict[str, tuple[str, int]] = {}
     try:
-        if reader.load() != TORCH_LEGACY_MAGIC:
-            return False, None
-    except Exception:  # not a legacy torch.save: the quiet rule decides
-        f.seek(0)
-        head = f.read(size)
-        return (True, cut) if size < len(_MAGIC_PICKLE) and _MAGIC_PICKLE.startswith(head) else (False, None)
-    try:
-        reader.load(), reader.load(), reader.load()  # the protocol version, the system's facts, the object
-        keys = reader.load()
-    except RecursionError:
+        for _ in range(3):  # the protocol version, the system's facts, the object
+            _walk(stream, storages)
+        keys = _walk(stream, {}, lists=True)
+    except _NotJudged:
         return False, None
-    except Exception:  # cut short if it read to the end, else not judged
+    except (ValueError, EOFError):  # genops: the data ends before the pickle does
         return (True, cut) if f.tell() >= size else (False, None)
-    if not isinstance(keys, list) or len(set(keys)) != len(keys) or set(keys) != set(reader.storages):
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys) \
+            or set(keys) != set(storages):
         return False, None
     at = f.tell()
     for key in keys:
-        kind, numel = reader.storages[key]
+        kind, numel = storages[key]
         if kind not in _STORAGE_BYTES:
             return False, None
         if at + 8 > size:
