@@ -34,11 +34,15 @@ def test_storage_worker_stopped_then_continued(fault_cluster: FaultCluster, tria
         c.arm("worker.put.write", "stop", where="worker1")
 
         def fire() -> None:
-            c.new_checkpoint()
-            wait_for(lambda: c.fired("worker.put.write", "worker1"), 30, "the worker to stop itself")
-            time.sleep(5)
-            for pid in c.workers[1].pids():
-                os.kill(pid, signal.SIGCONT)
+            # Placement (rendezvous on the workers' random ids) may give worker1 no copy of
+            # one checkpoint: stores go on until one writes to it. Continued whatever happens,
+            # or the module's cluster would keep a stopped worker for the tests after this one.
+            try:
+                store_until(c, lambda: c.fired("worker.put.write", "worker1"), "stopped worker1 at a write")
+                time.sleep(5)
+            finally:
+                for pid in c.workers[1].pids():
+                    os.kill(pid, signal.SIGCONT)
 
         trial(c, row, fire, "worker.put.write", where="worker1")
     check_rows(row)
