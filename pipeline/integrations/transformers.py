@@ -24,7 +24,6 @@ from pipeline.integrations.protection import TrainerProtection
 from pipeline.settings import Settings
 
 log = logging.getLogger("ckpt.integrations")
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class ProtectCallback(TrainerCallback):
