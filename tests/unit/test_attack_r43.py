@@ -9,24 +9,14 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
-from pipeline.db.transitions import transition
-from pipeline.detection import catalog
 from pipeline.detection.watcher import Watcher
 from pipeline.integrity import gc
-
-
-def _protect(settings, path: Path) -> int:
-    """The current version at ``path``, its store job taken to verified."""
-    with session_scope(settings.db_url) as s:
-        ckpt = s.scalar(select(Checkpoint).where(Checkpoint.path == str(path), Checkpoint.current.is_(True)))
-        job = catalog.latest_store_job(s, ckpt.id)
-        for a, b in [("detected", "sharded"), ("sharded", "replicated"), ("replicated", "verified")]:
-            transition(s, job.id, "store", a, b)
-        return ckpt.id
+from tests.unit.test_attack_i27 import _protect
 
 
 def _current(settings, path: Path) -> Checkpoint | None:
@@ -188,7 +178,8 @@ def test_a_final_model_saved_by_trainer_save_model_into_its_own_folder_is_protec
     assert "final" in names, f"trainer.save_model(run/final) never recorded: recorded {names}; problems {problems}"
 
 
-def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_version(db, tmp_path):
+@pytest.mark.parametrize("protocol", [2, 4])  # 4: MEMOIZE numbers its values (the second attack's finding)
+def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_version(db, tmp_path, protocol):
     """History: a run saves ``last.pt`` with the legacy serialization (``torch.save(...,
     _use_new_zipfile_serialization=False)``, as older training code and some frameworks still do;
     a pickle stream with no end marker: the quiet rule). It is recorded and protected (v1). At
@@ -213,7 +204,8 @@ def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_v
     run = tmp_path / "runs" / "r"
     run.mkdir()
     path = run / "last.pt"
-    torch.save(state_dict(seed=1, layers=2, width=32), path, _use_new_zipfile_serialization=False)
+    torch.save(state_dict(seed=1, layers=2, width=32), path, _use_new_zipfile_serialization=False,
+               pickle_protocol=protocol)
     time.sleep(0.05)
     w = Watcher(settings, [].extend, use_events=False)
     w.scan()
@@ -221,7 +213,8 @@ def test_a_legacy_torch_save_rewritten_in_place_and_killed_keeps_the_protected_v
     v1_content = _content(settings, v1)
 
     other = tmp_path / "other.pt"
-    torch.save(state_dict(seed=2, layers=2, width=32), other, _use_new_zipfile_serialization=False)
+    torch.save(state_dict(seed=2, layers=2, width=32), other, _use_new_zipfile_serialization=False,
+               pickle_protocol=protocol)
     data = other.read_bytes()
     time.sleep(0.05)
     with open(path, "wb") as f:  # the next torch.save, killed half way
