@@ -91,3 +91,81 @@ def test_the_legacy_reader_memo_is_not_keyed_by_colliding_ints(tmp_path):
     assert done.returncode == 0 and "VERDICT" in done.stdout, (
         f"file_facts on a {hostile.stat().st_size:,}-byte legacy pickle of colliding PUT keys did not finish"
         f" within 20 s of CPU: return code {done.returncode} (-24: SIGXCPU)")
+
+
+def _lightning_fsdp_sharded_save(path: Path, step: int, *, killed_before_meta: bool = False) -> None:
+    """Lightning's own ``FSDPStrategy.save_checkpoint`` (state_dict_type="sharded": what
+    ``ModelCheckpoint`` calls for ``last.ckpt`` every epoch), on one process: ``dcp.save`` of the
+    weights and optimizer (``__0_0.distcp``, then ``.metadata``), then ``torch.save`` of the rest
+    of the checkpoint (epoch, global_step, loops, callbacks) as ``meta.pt``, last."""
+    import types
+
+    import torch
+    from lightning.pytorch.strategies import fsdp
+
+    strategy = types.SimpleNamespace(broadcast=lambda x: x, _state_dict_type="sharded", global_rank=0)
+    checkpoint = {"state_dict": {"w": torch.full((64, 64), float(step))}, "optimizer_states": [],
+                  "epoch": step, "global_step": step * 10, "loops": {"fit_loop": {"step": step}}}
+    dcp_save = fsdp._distributed_checkpoint_save
+    if killed_before_meta:
+        def then_killed(*a, **k):
+            dcp_save(*a, **k)
+            raise KeyboardInterrupt("preempted between .metadata and meta.pt")
+        fsdp._distributed_checkpoint_save = then_killed
+    try:
+        fsdp.FSDPStrategy.save_checkpoint(strategy, checkpoint, path)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fsdp._distributed_checkpoint_save = dcp_save
+
+
+def test_a_lightning_fsdp_last_ckpt_saved_again_is_not_recorded_with_the_previous_meta_pt(db, tmp_path):
+    """Sequence: Lightning with FSDPStrategy(state_dict_type="sharded") and ModelCheckpoint(
+    save_last=True) saves ``last.ckpt/`` (a folder) again at every epoch, into the same folder:
+    ``dcp.save`` rewrites ``__0_0.distcp`` and ``.metadata``, then rank 0 ``torch.save``s
+    ``meta.pt`` (epoch, global_step, loop and callback state; ``FSDPStrategy.load_checkpoint``
+    reads it). The torch-dcp layout takes ``.metadata`` for the writer's last file, so between
+    the two (or when the job is preempted there) the folder passes ``resave_in_progress``: the new
+    weights and the PREVIOUS save's meta.pt are recorded as a complete version, superseding (and
+    releasing) the protected save. If the job is preempted there, the recorded newest version of
+    last.ckpt is a mix of two saves (epoch-2 weights, epoch-1 loop state) and the protected one
+    is garbage after the grace. (When meta.pt does come, the finished save is recorded: checked.)
+
+    Safe: a DCP folder holding Lightning's ``meta.pt`` is complete only once meta.pt is new as
+    well (the writer's last file), so the protected version stays current until then, and the
+    whole new save is recorded once meta.pt is written."""
+    import time
+
+    from pipeline.detection.watcher import Watcher
+    from tests.unit.test_attack_i27 import _protect
+    from tests.unit.test_attack_r43 import _content, _current
+
+    settings = db
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    last = run / "last.ckpt"
+    _lightning_fsdp_sharded_save(last, 1)
+    assert {p.name for p in last.iterdir()} >= {".metadata", "__0_0.distcp", "meta.pt"}
+    time.sleep(0.05)
+    w = Watcher(settings, [].extend, use_events=False)
+    for _ in range(3):
+        w.scan()
+    _protect(settings, last)
+    v1 = _current(settings, last).id
+
+    time.sleep(0.05)
+    _lightning_fsdp_sharded_save(last, 2, killed_before_meta=True)  # new weights, old meta.pt
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.05)
+    now = _current(settings, last)
+    assert now.id == v1, (
+        f"last.ckpt saved again and stopped before meta.pt was recorded as complete version {now.id} "
+        f"(new __0_0.distcp/.metadata beside the previous save's meta.pt), superseding protected {v1}")
+
+    _lightning_fsdp_sharded_save(last, 2)  # the save finished: meta.pt written last
+    for _ in range(3):
+        w.scan()
+        time.sleep(0.05)
+    assert _current(settings, last).id not in (v1, now.id), "the finished save of last.ckpt was not recorded"
