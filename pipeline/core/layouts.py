@@ -480,6 +480,15 @@ def describe() -> Sequence[tuple[str, str]]:
 
 # -- saved again over a recorded version ----------------------------------------------------
 
+def _dcp_last(entry: Entry) -> list[str]:
+    """A DCP folder's last files: its ``.metadata`` (each rank's, without collectives), or
+    Lightning's ``meta.pt`` (FSDP and ModelParallel strategies: the rest of the trainer's state,
+    ``torch.save``d by rank 0 after ``dcp.save`` returned)."""
+    if "meta.pt" in entry.relpaths and ".metadata" in entry.relpaths:
+        return ["meta.pt"]
+    return sorted(r for r in entry.relpaths if r.rsplit("/", 1)[-1].endswith(".metadata"))
+
+
 def _complete_indexes(entry: Entry) -> list[str]:
     """The HF indexes whose named files are all there: an index naming files that are gone is
     one a writer left behind (save_pretrained unsharded over a sharded save), not its last file."""
@@ -496,7 +505,7 @@ def _complete_indexes(entry: Entry) -> list[str]:
 #: the same path, a save is complete only once one of them is new as well.
 _LAST_WRITTEN: dict[str, Callable[[Entry], list[str]]] = {
     "commit-marker": lambda e: [e.commit_marker] if e.commit_marker in e.relpaths else [],
-    "torch-dcp": lambda e: sorted(r for r in e.relpaths if r.rsplit("/", 1)[-1].endswith(".metadata")),
+    "torch-dcp": lambda e: _dcp_last(e),
     "hf-trainer": _trainer_last,
     "accelerate": lambda e: ["random_states_0.pkl"] if "random_states_0.pkl" in e.relpaths else [],
     "hf-sharded": _complete_indexes,

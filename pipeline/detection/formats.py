@@ -390,11 +390,10 @@ def _walk(stream: _Bounded, storages: dict[str, tuple[str, int]], *, lists: bool
         elif name == "MARK":
             marks.append(len(stack))
         elif name == "TUPLE":
-            stack.append(tuple(pop_mark()))
+            stack.append(_shallow(pop_mark()))
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
-            items = [pop() for _ in range(n)][::-1]
-            stack.append(tuple(items))
+            stack.append(_shallow([pop() for _ in range(n)][::-1]))
         elif name == "EMPTY_TUPLE":
             stack.append(())
         elif name == "EMPTY_LIST" and lists:
@@ -414,7 +413,9 @@ def _walk(stream: _Bounded, storages: dict[str, tuple[str, int]], *, lists: bool
         elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
             if not stack or memoized >= MAX_LEGACY_MEMO:
                 raise _NotJudged("too many memoized values")
-            key = memoized if name == "MEMOIZE" else arg if isinstance(arg, int) else -1
+            key = memoized if name == "MEMOIZE" else arg
+            if not isinstance(key, int) or not 0 <= key < MAX_LEGACY_MEMO:
+                raise _NotJudged("a memo index out of range")  # PUT's decimal may be any int: colliding hashes
             memoized += 1  # MEMOIZE numbers every value memoized, the opaque ones kept out of ``memo`` too
             if stack[-1] is not _OPAQUE:
                 memo[key] = stack[-1]
@@ -424,8 +425,8 @@ def _walk(stream: _Bounded, storages: dict[str, tuple[str, int]], *, lists: bool
             pid = pop()
             if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
                 kind, key, numel = pid[1], pid[2], pid[4]
-                if not (isinstance(kind, tuple) and len(kind) == 3 and isinstance(key, str)
-                        and isinstance(numel, int) and numel >= 0):
+                if not (isinstance(kind, tuple) and len(kind) == 3 and kind[0] == "global" and isinstance(kind[2], str)
+                        and isinstance(key, str) and isinstance(numel, int) and numel >= 0):
                     raise _NotJudged("a storage id without its type, key and size")
                 storages[key] = (kind[2], numel)
             stack.append(_OPAQUE)
@@ -448,6 +449,16 @@ def _walk(stream: _Bounded, storages: dict[str, tuple[str, int]], *, lists: bool
                     pop()
             stack.extend(_OPAQUE for x in op.stack_after if x is not pickletools.markobject)
     raise _NotJudged("no STOP")
+
+
+def _shallow(items: list[Any]) -> Any:
+    """A tuple of ``items`` when none is a tuple holding a tuple (a persistent id holds its
+    storage type's global, one level down), else an opaque stand-in: nothing the walk keeps is
+    nested deeper, so nothing it compares or hashes recurses (a tuple nested 300,000 deep
+    overflows the C stack when hashed)."""
+    if any(isinstance(i, tuple) and any(isinstance(j, tuple) for j in i) for i in items):
+        return _OPAQUE
+    return tuple(items)
 
 
 def torch_legacy(f: BinaryIO, size: int) -> tuple[bool, str | None]:

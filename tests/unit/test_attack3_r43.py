@@ -139,7 +139,7 @@ def test_a_lightning_fsdp_last_ckpt_saved_again_is_not_recorded_with_the_previou
 
     from pipeline.detection.watcher import Watcher
     from tests.unit.test_attack_i27 import _protect
-    from tests.unit.test_attack_r43 import _content, _current
+    from tests.unit.test_attack_r43 import _current
 
     settings = db
     run = tmp_path / "runs" / "r"
