@@ -19,11 +19,11 @@ from sqlalchemy import select
 
 from pipeline import consumers
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, ContentCopy, Job, Shard
+from pipeline.db.models import CheckpointFile, ContentCopy, Job, QueueConsumer, Shard, TrainingHost
 from pipeline.queues import SHARED, depths, host_queue
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
-from tests.processes import children_of, wait_for
+from tests.processes import wait_for
 
 pytestmark = pytest.mark.integration
 LEASE = 2.0
@@ -41,6 +41,31 @@ def _messages_per_step(client: redis.Redis, queues: list[str]) -> Counter[tuple[
     return steps
 
 
+def _children(parent: int) -> list[int]:
+    """Every process whose parent is ``parent``, forked from any of its threads."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _states(pids: list[int]) -> dict[int, str]:
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                out[pid] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            out[pid] = "gone"
+    return out
+
+
 def test_a_host_outage_piles_nothing_up_and_its_store_completes_once_it_returns(make_cluster):
     cluster = make_cluster(env={"CKPT_LEASE_SECONDS": str(LEASE), "CKPT_CONSUMER_BEAT_SECONDS": "0.3",
                                 "CKPT_MAX_ATTEMPTS": "3"})
@@ -54,18 +79,31 @@ def test_a_host_outage_piles_nothing_up_and_its_store_completes_once_it_returns(
 
     wait_for(consumed, 30, "the host's Dramatiq workers to say they consume its queue")
     master = cluster.up_info()["children"]["dramatiq"]
-    stopped = [*children_of(master), master]
     client = redis.Redis.from_url(settings.broker_url)
+    stopped: list[int] = []
     try:
-        # Given the host's workers stopped: its queues have no live consumer.
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+        # Given the host's workers stopped: its queues have no live consumer. The master first,
+        # so that it forks no worker after its children were listed; then every process whose
+        # parent it is (forked from any of its threads), until no new one appears.
+        os.kill(master, signal.SIGSTOP)
+        stopped.append(master)
+        while new := [pid for pid in _children(master) if pid not in stopped]:
+            for pid in new:
+                os.kill(pid, signal.SIGSTOP)
+            stopped += new
 
         def silent() -> bool:
             with session_scope(settings.db_url, readonly=True) as s:
                 return mine in consumers.silent(s, settings, [mine])
 
-        wait_for(silent, 30, "the host's queue to have no live consumer")
+        try:
+            wait_for(silent, 30, "the host's queue to have no live consumer")
+        except AssertionError as exc:  # say who still beats, for the next look at it
+            with session_scope(settings.db_url, readonly=True) as s:
+                beats = [(c.queue, c.host, str(c.seen_at)) for c in s.scalars(select(QueueConsumer))]
+                reports = [(h.name, str(h.last_seen)) for h in s.scalars(select(TrainingHost))]
+            raise AssertionError(f"{exc}; beats {beats}; host reports {reports}; stopped {_states(stopped)}; "
+                                 f"the master's children now {_states(_children(master))}") from None
         run = cluster.runs / "r1"
         run.mkdir()
         path = atomic_save(state_dict(seed=3, layers=4, width=160), run / "step_1.safetensors")
