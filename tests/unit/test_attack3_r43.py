@@ -23,6 +23,18 @@ def _run_isolated(code: str, *, cpu_seconds: int | None = None) -> subprocess.Co
                           text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
+def _facts_in_child(path: Path, *, cpu_seconds: int | None = None) -> subprocess.CompletedProcess:
+    """``file_facts`` of ``path`` in a child interpreter; it prints ``VERDICT`` when it returns."""
+    return _run_isolated(f"""
+        import os
+        from pipeline.detection.formats import file_facts
+        p = {str(path)!r}
+        st = os.stat(p)
+        facts, _ = file_facts("", p, st.st_size, st.st_mtime_ns)
+        print("VERDICT", facts.format, facts.problem)
+    """, cpu_seconds=cpu_seconds)
+
+
 def _unicode(s: str) -> bytes:
     b = s.encode()
     return b"X" + struct.pack("<I", len(b)) + b
@@ -47,14 +59,7 @@ def test_the_legacy_reader_survives_a_deeply_nested_storage_type(tmp_path):
     hostile = tmp_path / "x.pt"
     hostile.write_bytes(_MAGIC_PICKLES[0] + pickle.dumps(1001, 2) + pickle.dumps({}, 2) + obj
                         + pickle.dumps(["k"], 2) + struct.pack("<q", 0))
-    done = _run_isolated(f"""
-        import os
-        from pipeline.detection.formats import file_facts
-        p = {str(hostile)!r}
-        st = os.stat(p)
-        facts, _ = file_facts("", p, st.st_size, st.st_mtime_ns)
-        print("VERDICT", facts.format, facts.problem)
-    """)
+    done = _facts_in_child(hostile)
     assert done.returncode == 0 and "VERDICT" in done.stdout, (
         f"file_facts on a 300 KB hostile legacy pickle killed the process: return code {done.returncode}"
         f" ({'SIGSEGV' if done.returncode == -11 else done.stderr[-300:]})")
@@ -80,14 +85,7 @@ def test_the_legacy_reader_memo_is_not_keyed_by_colliding_ints(tmp_path):
     hostile = tmp_path / "x.pt"
     hostile.write_bytes(_MAGIC_PICKLES[0] + body)
     assert hostile.stat().st_size < 4 * 1024 * 1024
-    done = _run_isolated(f"""
-        import os
-        from pipeline.detection.formats import file_facts
-        p = {str(hostile)!r}
-        st = os.stat(p)
-        facts, _ = file_facts("", p, st.st_size, st.st_mtime_ns)
-        print("VERDICT", facts.format, facts.problem)
-    """, cpu_seconds=20)
+    done = _facts_in_child(hostile, cpu_seconds=20)
     assert done.returncode == 0 and "VERDICT" in done.stdout, (
         f"file_facts on a {hostile.stat().st_size:,}-byte legacy pickle of colliding PUT keys did not finish"
         f" within 20 s of CPU: return code {done.returncode} (-24: SIGXCPU)")
