@@ -79,6 +79,8 @@ class System:
                          "CKPT_TICK_SECONDS": "0.5",
                          "CKPT_RESTORE_ROOTS": str(root.parent), **self.common, **env})  # restores go next to it
         self.proc: subprocess.Popen | None = None
+        #: Whether the last command ran in a process ckpt up's command server forked for it.
+        self.last_served = False
         self.up_args = up_args  # more options of `ckpt up`
         #: The 3 storage workers started apart from `ckpt up`, in cgroups of their own beside this
         #: process's (bench.elsewhere): on a machine that runs the bench confined, the other machines.
@@ -128,7 +130,7 @@ class System:
                 w.wait(timeout=60)
         self.elsewhere.remove()
 
-    def cli(self, *args: str) -> tuple[float, int, str]:
+    def cli(self, *args: str, **env: str) -> tuple[float, int, str]:
         """Run ``ckpt ARGS``; (seconds, peak RSS KiB of that process, stdout).
 
         The peak is VmHWM read from /proc while the child runs: it starts over at exec, so it
@@ -136,21 +138,38 @@ class System:
         (ru_maxrss does).
         """
         t = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=self.env,
+        p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env={**self.env, **env},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         peak = 0
         exe = None
+        served = None  # the process ckpt up's command server forked to run it (pipeline/service/commands.py)
         while p.poll() is None:
             if exe is None and "pipeline.cli" in cmdline(p.pid):
                 exe = True
             if exe:
                 peak = max(peak, peak_rss_kib(p.pid) or 0)
+            if served is None:
+                served = self._served_as(p.pid)
+            if served is not None:
+                peak = max(peak, peak_rss_kib(served) or 0)
             time.sleep(0.02)
         out, err = p.stdout.read().decode(), p.stderr.read().decode()
         seconds = time.perf_counter() - t
+        self.last_served = served is not None or self._served_as(p.pid) is not None
         if p.returncode != 0:
             raise RuntimeError(f"ckpt {' '.join(args)} failed: {err[-2000:]}")
         return seconds, peak, out
+
+    def _served_as(self, pid: int) -> int | None:
+        try:
+            log = (self.home / "logs" / "commands.log").read_text()
+        except FileNotFoundError:
+            return None
+        marker = f"pid {pid}: ckpt "
+        for line in reversed(log.splitlines()):
+            if marker in line and " runs as pid " in line:
+                return int(line.rsplit(" runs as pid ", 1)[1])
+        return None
 
     def processes(self) -> dict[str, int]:
         """Peak RSS (KiB) of every process of the system, by role."""
@@ -188,8 +207,8 @@ def store(system: System, path: Path) -> dict:
     return {"seconds": seconds, "cli_rss_kib": rss, "job_id": job_id, "checkpoint_id": ckpt_id}
 
 
-def restore(system: System, ckpt_id: int, dest: Path) -> dict:
-    seconds, rss, _ = system.cli("restore", str(ckpt_id), "--to", str(dest), "--wait")
+def restore(system: System, ckpt_id: int, dest: Path, **env: str) -> dict:
+    seconds, rss, _ = system.cli("restore", str(ckpt_id), "--to", str(dest), "--wait", **env)
     return {"seconds": seconds, "cli_rss_kib": rss}
 
 

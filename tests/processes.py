@@ -248,6 +248,24 @@ class Cluster:
                        ContentCopy.state.in_(states), Shard.kind == "safetensors")
                 .order_by(Shard.seq, ContentCopy.worker_id))]
 
+    def served(self) -> dict[int, int]:
+        """{caller pid: the pid that ran its command} of every command ``ckpt up``'s command
+        server ran (pipeline/service/commands.py)."""
+        out = {}
+        try:
+            log = (self.home / "logs" / "commands.log").read_text()
+        except FileNotFoundError:
+            return out
+        for line in log.splitlines():
+            if ": ckpt " in line and " runs as pid " in line:
+                caller = int(line.split(" pid ", 1)[1].split(":", 1)[0])
+                out[caller] = int(line.rsplit(" runs as pid ", 1)[1])
+        return out
+
+    def ran_as(self, pid: int) -> int:
+        """The process that ran the command of caller ``pid``: a child of the command server, or itself."""
+        return self.served().get(pid, pid)
+
     def dramatiq_workers(self) -> list[int]:
         master = self.up_info()["children"]["dramatiq"]
         return children_of(master)

