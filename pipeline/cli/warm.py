@@ -84,18 +84,28 @@ def run(argv: Sequence[str]) -> int | None:
     command, flag = command_of(argv)
     if command not in WARM:
         return None
+    for fd in (0, 1, 2):  # a closed one is passed as closed only by running here
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None
     from pipeline import home
 
     try:
         directory = home.find(flag, os.environ).path.joinpath(*SOCKET[:-1])
-        dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+        dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            sock.settimeout(ANSWER_SECONDS)  # a server that does not accept (stopped, its queue full)
             # Through the directory's descriptor: a home's path may be longer than a socket's 107 bytes.
             sock.connect(f"/proc/self/fd/{dir_fd}/{SOCKET[-1]}")
+            # Only this user's own server gets this process's environment, terminal and directory.
+            if _peer_uid(sock) != os.geteuid():
+                sock.close()
+                return None
         except OSError:
             sock.close()
             return None
@@ -105,34 +115,50 @@ def run(argv: Sequence[str]) -> int | None:
         return _served(sock, list(argv))
 
 
+def _peer_uid(sock: socket.socket) -> int:
+    import struct
+
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
 def _served(sock: socket.socket, argv: list[str]) -> int | None:
     request = json.dumps({"argv": argv, "env": dict(os.environ), "python": sys.executable, "version": sys.version,
-                          "flags": list(sys.flags), "package": package_dir()}).encode()
+                          "flags": list(sys.flags), "package": package_dir(), "path": sys.path,
+                          "warnoptions": sys.warnoptions,
+                          "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}).encode()
     if len(request) > MESSAGE:
         return None
-    try:  # O_PATH: a directory this process may enter but not list is still its directory
-        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
-    except OSError:
-        return None
     try:
+        # The descriptors go with "go", to the forked child, never to a server that has not answered:
+        # one stopped would hold them (this process's pipes open after it ended) until it runs again.
         sock.settimeout(ANSWER_SECONDS)
-        socket.send_fds(sock, [request], [0, 1, 2, cwd])
+        sock.send(request)
         data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE, 1)
     except (OSError, ValueError):
         return None  # nothing forked yet (or nothing that will start: it waits for "go")
-    finally:
-        os.close(cwd)
     answer = json.loads(data or b"{}")
     if "pid" not in answer:
         for fd in fds:
             os.close(fd)
         return None  # refused: answer["refused"] says why (CKPT_WARM=0 shows the same command run here)
     pidfd = fds[0] if fds else None
-    previous = {sig: signal.signal(sig, _forward(answer["pid"], pidfd)) for sig in FORWARDED}
-    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, _suspend(answer["pid"], pidfd))
+    # A signal this process ignores (nohup's SIGHUP) the command ignores too: it is not forwarded.
+    handlers = {sig: _forward(answer["pid"], pidfd) for sig in FORWARDED}
+    handlers[signal.SIGTSTP] = _suspend(answer["pid"], pidfd)
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()
+                if signal.getsignal(sig) != signal.SIG_IGN}
     try:
+        try:  # O_PATH: a directory this process may enter but not list is still its directory
+            cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None  # the child, told nothing, exits having done nothing
+        try:
+            socket.send_fds(sock, [b"go"], [0, 1, 2, cwd])
+        except OSError:
+            return None
+        finally:
+            os.close(cwd)
         sock.settimeout(None)
-        sock.sendall(b"go")
         while True:
             try:
                 data = sock.recv(MESSAGE)

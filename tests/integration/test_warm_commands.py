@@ -3,6 +3,7 @@ the same output, exit status and files as run in the caller's process, the calle
 forwarded, and run in the caller's process whenever a forked child would not run as it would."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -94,21 +95,29 @@ def test_errors_and_usage_end_as_in_the_callers_process(cluster, stored, tmp_pat
     assert pid in served(cluster)
 
 
-def test_ctrl_c_reaches_the_served_restore_which_ends_as_the_callers_would(cluster, stored, points, tmp_path):
-    # The write pauses on a fetch thread, which the interrupted restore waits for (as in the caller's process).
-    (points / "restore.write").write_text("sleep 3\n")
-    proc = subprocess.Popen([*CKPT, "restore", str(stored), "--to", str(tmp_path / "r"), "--wait"], env=cluster.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def held_restore(cluster: Cluster, stored: Path, points: Path, dest: Path, **popen):
+    """A served restore paused for 3 s at its first write: (its caller, the child running it)."""
+    (points / "restore.write").write_text("sleep 3\n")  # on a fetch thread, which the restore waits for
+    proc = subprocess.Popen([*CKPT, "restore", str(stored), "--to", str(dest), "--wait"], env=cluster.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     try:
         wait_for(lambda: (points / "restore.write.fired").exists(), 60, "the restore to write")
         child = served(cluster)[proc.pid]
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        assert f"pid {child} " in (points / "restore.write.fired").read_text()
+        yield proc, child
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        (points / "restore.write.fired").unlink(missing_ok=True)
+        for name in ("restore.write", "restore.write.fired"):
+            (points / name).unlink(missing_ok=True)
+
+
+def test_ctrl_c_reaches_the_served_restore_which_ends_as_the_callers_would(cluster, stored, points, tmp_path):
+    with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGINT, err  # as Python ends on Ctrl-C
     assert "KeyboardInterrupt" in err
     wait_for(lambda: not alive(child), 10, f"served restore pid {child} to end")
@@ -119,26 +128,16 @@ def test_ctrl_c_reaches_the_served_restore_which_ends_as_the_callers_would(clust
 
 
 def test_a_caller_killed_outright_takes_its_served_command_with_it(cluster, stored, points, tmp_path):
-    (points / "restore.write").write_text("sleep 60\n")
-    proc = subprocess.Popen([*CKPT, "restore", str(stored), "--to", str(tmp_path / "r"), "--wait"], env=cluster.env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: (points / "restore.write.fired").exists(), 60, "the restore to write")
-        child = served(cluster)[proc.pid]
-        assert f"pid {child} " in (points / "restore.write.fired").read_text()
+    with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
         proc.kill()
-        proc.wait(timeout=10)
+        proc.communicate(timeout=10)
         wait_for(lambda: not alive(child), 10, f"served restore pid {child} to end with its caller")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for name in ("restore.write", "restore.write.fired"):
-            (points / name).unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("change, reason", [
     ({"PYTHONHASHSEED": "123"}, "another PYTHONHASHSEED"),
     ({"CKPT_FAILPOINTS": ""}, "another CKPT_FAILPOINTS"),
+    ({"LD_PRELOAD": ""}, "another LD_PRELOAD"),  # the loader's (faketime, torsocks): read only at exec
 ])
 def test_a_caller_started_otherwise_runs_its_command_itself(cluster, stored, change, reason):
     pid, r = run(cluster, "status", env={**cluster.env, **change})
@@ -147,11 +146,101 @@ def test_a_caller_started_otherwise_runs_its_command_itself(cluster, stored, cha
     assert any(f"pid {pid} runs its command itself: {reason}" in line for line in refusals(cluster))
 
 
-def test_a_caller_at_a_lower_priority_runs_its_command_itself(cluster, stored):
-    pid, r = run(cluster, "status", prefix=("nice", "-n", "5"))
+@pytest.mark.parametrize("prefix, reason", [
+    (("nice", "-n", "5"), "another priority"),
+    (("chrt", "--batch", "0"), "another priority"),
+    (("taskset", "-c", "0"), "another Cpus_allowed_list"),
+])
+def test_a_caller_scheduled_otherwise_runs_its_command_itself(cluster, stored, prefix, reason):
+    pid, r = run(cluster, "status", prefix=prefix)
+    assert r.returncode == 0 and "step_1.safetensors" in r.stdout, r.stderr
+    # The wrapper exec'd the command: same pid.
+    assert pid not in served(cluster)
+    assert any(f"pid {pid} runs its command itself: {reason}" in line for line in refusals(cluster))
+
+
+def test_interpreter_options_are_the_servers_or_it_runs_itself(cluster, stored):
+    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-m", "pipeline.cli", "status"],
+                          env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "step_1.safetensors" in proc.stdout, proc.stderr
+    assert any("runs its command itself: another warnoptions" in line for line in refusals(cluster))
+
+
+def test_a_closed_standard_stream_runs_the_command_itself(cluster, stored):
+    before = dict(served(cluster))
+    proc = subprocess.run([*CKPT, "status"], env=cluster.env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120, preexec_fn=lambda: os.close(0))
+    assert proc.returncode == 0 and "step_1.safetensors" in proc.stdout, proc.stderr
+    assert served(cluster) == before
+
+
+def test_a_caller_that_ignores_hangups_keeps_its_served_restore_through_one(cluster, stored, points, tmp_path):
+    """nohup: SIGHUP ignored by the caller is ignored by its command too."""
+    with held_restore(cluster, stored, points, tmp_path / "r",
+                      preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as (proc, child):
+        proc.send_signal(signal.SIGHUP)
+        os.kill(child, signal.SIGHUP)  # the terminal's hangup reaches whatever it reaches: nothing ends
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "r").read_bytes() == stored.read_bytes()
+
+
+def test_a_suspended_caller_killed_outright_takes_its_stopped_command_with_it(cluster, stored, points, tmp_path):
+    """Ctrl-Z stops the command with its caller; a caller then killed leaves no stopped command behind."""
+    with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
+        proc.send_signal(signal.SIGTSTP)
+        wait_for(lambda: Path(f"/proc/{child}/stat").read_text().split(")")[1].split()[0] == "T", 10,
+                 "the command to stop with its caller")
+        proc.kill()
+        proc.communicate(timeout=10)
+        wait_for(lambda: not alive(child), 10, f"stopped command pid {child} to end with its caller")
+
+
+def test_a_server_that_does_not_answer_costs_a_few_seconds_not_the_command(cluster, stored):
+    server = cluster.up_info()["children"]["commands"]
+    os.kill(server, signal.SIGSTOP)
+    try:
+        pid, r = run(cluster, "status")
+    finally:
+        os.kill(server, signal.SIGCONT)
     assert r.returncode == 0 and "step_1.safetensors" in r.stdout, r.stderr
     assert pid not in served(cluster)
-    assert any(f"pid {pid} runs its command itself: another priority" in line for line in refusals(cluster))
+    pid, r = run(cluster, "status")  # and it answers again, the stale request dropped
+    assert r.returncode == 0 and pid in served(cluster), r.stderr
+
+
+def test_a_socket_of_another_user_is_never_given_anything(tmp_path):
+    """A home another user can write to (a shared scratch directory) may hold their socket: the
+    command never sends it its environment, terminal or directory."""
+    home = tmp_path / ".ckpt"
+    run_dir = home / "run"
+    run_dir.mkdir(parents=True)
+    fake = (
+        "import os, socket\n"
+        f"s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.bind({str(run_dir / 'commands.sock')!r})\n"
+        f"os.chmod({str(run_dir / 'commands.sock')!r}, 0o777)\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s.listen(8); print('ready', flush=True)\n"  # listening as that user: what its peers see
+        "while True:\n"
+        "    c, _ = s.accept(); c.settimeout(5)\n"
+        "    try:\n"
+        "        data = c.recv(1 << 20)\n"
+        "    except OSError:\n"
+        "        data = b''\n"
+        "    print('got', len(data), flush=True)\n"
+        "    c.close()\n")
+    server = subprocess.Popen([sys.executable, "-c", fake], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+        proc = subprocess.run([*CKPT, "--home", str(home), "status"], env={**env, "SECRET_TOKEN": "hunter2"},
+                              capture_output=True, text=True, timeout=60)
+        assert "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        server.kill()
+        heard = server.communicate()[0]
+    # Connected to (that is how the command learns whose the socket is), never sent a byte.
+    assert all(line == "got 0" for line in heard.splitlines()), heard
 
 
 def test_other_commands_and_python_callers_run_in_their_own_process(cluster, stored):
