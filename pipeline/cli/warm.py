@@ -121,11 +121,16 @@ def _peer_uid(sock: socket.socket) -> int:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
 
 
+def request_of(argv: list[str]) -> bytes:
+    """What the server is asked: the command, and what of this process it must run it with."""
+    return json.dumps({"argv": argv, "env": dict(os.environ), "python": sys.executable, "version": sys.version,
+                       "flags": list(sys.flags), "package": package_dir(), "path": sys.path,
+                       "warnoptions": sys.warnoptions,
+                       "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}).encode()
+
+
 def _served(sock: socket.socket, argv: list[str]) -> int | None:
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "python": sys.executable, "version": sys.version,
-                          "flags": list(sys.flags), "package": package_dir(), "path": sys.path,
-                          "warnoptions": sys.warnoptions,
-                          "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}).encode()
+    request = request_of(argv)
     if len(request) > MESSAGE:
         return None
     try:
@@ -172,10 +177,13 @@ def _served(sock: socket.socket, argv: list[str]) -> int | None:
             os.close(pidfd)
     end = json.loads(data or b"{}")
     if "signal" in end:  # end as the command ended: a shell sees 128 + N
+        signum = int(end["signal"])
         sys.stdout.flush()
-        signal.signal(end["signal"], signal.SIG_DFL)
-        os.kill(os.getpid(), end["signal"])
-        return 128 + int(end["signal"])
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled, nor need resetting
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
+        return 128 + signum
     if "exit" in end:
         return int(end["exit"])
     print(f"ckpt: error: the command's process (pid {answer['pid']}) ended without saying how; run it again with "

@@ -28,9 +28,11 @@ AT_START = ("LANG", "LC_ALL", "LC_CTYPE", "CKPT_FAILPOINTS")  # pipeline.failpoi
 NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts", "time")
 #: Fields of /proc/<pid>/status that must be equal: credentials, capabilities, sandboxing, where it may run.
 STATUS = ("Uid:", "Gid:", "Groups:", "CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:", "NoNewPrivs:",
-          "Seccomp:", "Seccomp_filters:", "Cpus_allowed_list:", "Mems_allowed_list:")
-#: Files of /proc/<pid> that must be equal: limits, OOM score, the security module's label.
-FILES = ("limits", "oom_score_adj", "attr/current")
+          "Seccomp:", "Seccomp_filters:", "Speculation_Store_Bypass:", "SpeculationIndirectBranch:",
+          "Cpus_allowed_list:", "Mems_allowed_list:")
+#: Files of /proc/<pid> that must be equal: limits, OOM score, the security module's label, the
+#: execution domain (setarch), the audit login identity.
+FILES = ("limits", "oom_score_adj", "attr/current", "personality", "loginuid")
 
 
 @dataclass(frozen=True)

@@ -111,21 +111,35 @@ class Server:
         log.info("serving %s at %s", ", ".join(sorted(WARM)), self.directory / SOCKET[-1])
         try:
             while not self.stopping:
-                for key, _ in self.sel.select():
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "signal":
-                        self._signalled()
-                    else:
-                        self._caller_gone(key.data)
+                self._once()
         finally:
-            socket_path = self.directory / SOCKET[-1]
-            try:
-                if os.stat(socket_path).st_ino == os.fstat(self.listener.fileno()).st_ino:
-                    socket_path.unlink()  # ours, not a server started since
-            except OSError:
-                pass
-            self.listener.close()
+            self._stop_accepting()
+        # The commands running go on; this process stays to say how a killed one ended (and to
+        # kill one whose caller dies), then ends: ckpt up starts the next server meanwhile only
+        # once this one exited, so commands run in their callers' processes until then.
+        while self.children:
+            self._once()
+
+    def _once(self) -> None:
+        for key, _ in self.sel.select():
+            if key.data == "accept":
+                self._accept()
+            elif key.data == "signal":
+                self._signalled()
+            else:
+                self._caller_gone(key.data)
+
+    def _stop_accepting(self) -> None:
+        if self.listener.fileno() < 0:
+            return
+        socket_path = self.directory / SOCKET[-1]
+        try:
+            if os.stat(socket_path).st_ino == os.fstat(self.listener.fileno()).st_ino:
+                socket_path.unlink()  # ours, not a server started since
+        except OSError:
+            pass
+        self.sel.unregister(self.listener)
+        self.listener.close()
 
     def _signalled(self) -> None:
         try:
@@ -201,9 +215,13 @@ class Server:
         """Fork the caller's command; why not (None: it runs)."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # nothing of this process's buffers is written again by the child
+        # Every signal blocked across the fork: one sent to the child before it reset this process's
+        # handlers (a Ctrl-C forwarded at once) would reach this process's wakeup pipe instead.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, range(1, signal.NSIG))
         child = os.fork()
         if child == 0:
             become(conn, request, caller, lambda: self._close_in_child(pidfd))  # never returns
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if (reason := join_cgroup(child, caller.cgroup)) is not None:
             os.kill(child, signal.SIGKILL)  # it waits for "go": it ran nothing
             os.waitpid(child, 0)

@@ -33,35 +33,47 @@ _ending = False
 
 
 def become(conn: socket.socket, request: dict[str, Any], caller: Caller, close: Callable[[], None]) -> None:
-    """In the forked child: become the caller's command, run it, say how it ended, exit.
+    """In the forked child (every signal blocked, as the server forked it): become the caller's
+    command, run it, say how it ended, exit; it never returns into the server's code.
     ``close``: closes what of the server this child holds (listener, other connections)."""
     code = 1
-    fds: list[int] = []
     try:
-        os.setpgid(0, 0)  # out of the server's group: a `ckpt up` that kills it leaves the commands be
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-        close()
-        conn.settimeout(None)
-        go, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)  # its stdin, stdout, stderr and directory
-        if go != b"go" or len(fds) != 4:  # the caller ran it itself, or is gone
-            os._exit(0)
-        _take(fds, request, caller)
-        threading.Thread(target=_with_caller, args=(conn,), name="ckpt-caller", daemon=True).start()
-        code = _run(request["argv"])
-    except KeyboardInterrupt:
-        _interrupted()
-    except BaseException:  # the child ends here, whatever happened
-        traceback.print_exc()
-        _flush()
-    global _ending
-    _ending = True
-    try:
-        conn.send(json.dumps({"exit": code}).encode())
-    except OSError:
-        pass
-    os._exit(code)
+        try:
+            signal.set_wakeup_fd(-1)  # before any signal is let in: the server's pipe is not this one's
+            _signals_of(caller)
+            os.setsid()  # a session of its own: the server's exit neither orphans its group nor hangs it up
+            close()
+            conn.settimeout(None)
+            go, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)  # its stdin, stdout, stderr and directory
+            if go != b"go" or len(fds) != 4:  # the caller ran it itself, or is gone
+                os._exit(0)
+            _take(fds, request, caller)
+            threading.Thread(target=_with_caller, args=(conn,), name="ckpt-caller", daemon=True).start()
+            signal.pthread_sigmask(signal.SIG_SETMASK, caller.blocked)  # a Ctrl-C already sent arrives here
+            code = _run(request["argv"])
+        except KeyboardInterrupt:
+            _interrupted(conn)
+        except BaseException:  # the child ends here, whatever happened
+            traceback.print_exc()
+            _flush()
+        _say(conn, {"exit": code})
+    finally:
+        os._exit(code)
+
+
+def _signals_of(caller: Caller) -> None:
+    """Every signal as a process the caller started would have it (an exec resets handlers, not
+    ignored signals): ignored where the caller ignores it, else the default; Ctrl-C is
+    KeyboardInterrupt unless ignored, as Python sets it up at its start."""
+    for sig in range(1, signal.NSIG):
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_IGN if sig in caller.ignored else signal.SIG_DFL)
+        except (OSError, ValueError):  # the C library's own (32, 33)
+            pass
+    if signal.SIGINT not in caller.ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _take(fds: list[int], request: dict[str, Any], caller: Caller) -> None:
@@ -78,20 +90,20 @@ def _take(fds: list[int], request: dict[str, Any], caller: Caller) -> None:
     sys.argv = ["ckpt", *request["argv"]]
     sys.path[:] = request.get("path") or sys.path
     importlib.invalidate_caches()
-    # Signals as the caller had them: ignored ones stay ignored (nohup, `ckpt restore &` in a
-    # script), Ctrl-C is KeyboardInterrupt otherwise, as Python sets it up at its start.
-    for sig in caller.ignored:
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except (OSError, ValueError):
-                pass
-    if signal.SIGINT not in caller.ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_SETMASK, caller.blocked)
     _streams()
     for handler in logging.root.handlers[:]:
         logging.root.removeHandler(handler)
+
+
+def _say(conn: socket.socket, end: dict[str, int]) -> None:
+    """Tell the caller how the command ended (every signal blocked from here: nothing interrupts it)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, range(1, signal.NSIG))
+    global _ending
+    _ending = True
+    try:
+        conn.send(json.dumps(end).encode())
+    except OSError:
+        pass
 
 
 def _with_caller(conn: socket.socket) -> None:
@@ -116,7 +128,7 @@ def _run(argv: list[str]) -> int:
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
         raise
-    except BaseException:
+    except BaseException:  # uncaught: as the interpreter reports it
         sys.excepthook(*sys.exc_info())
         code = 1
     return _exit_as_the_interpreter(code)
@@ -127,8 +139,11 @@ def _exit_as_the_interpreter(code: int) -> int:
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()
-    except (OSError, ValueError):
-        return 120  # what Python exits with when stdout cannot be flushed at exit
+    except (OSError, ValueError) as exc:
+        # What Python says and exits with when stdout cannot be flushed at exit.
+        print(f"Exception ignored in: {sys.stdout!r}", file=sys.stderr)
+        traceback.print_exception(exc)
+        code = 120
     try:
         sys.stderr.flush()
     except (OSError, ValueError):
@@ -136,10 +151,12 @@ def _exit_as_the_interpreter(code: int) -> int:
     return code
 
 
-def _interrupted() -> None:
-    """Ctrl-C: as Python ends on it, the traceback then killed by SIGINT."""
+def _interrupted(conn: socket.socket) -> None:
+    """Ctrl-C: as Python ends on it, the traceback then killed by SIGINT, said on the connection
+    too (a server that ended meanwhile cannot say it)."""
     traceback.print_exc()
     _flush()
+    _say(conn, {"signal": int(signal.SIGINT)})
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.kill(os.getpid(), signal.SIGINT)
@@ -152,7 +169,8 @@ def _streams() -> None:
     for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
         raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
-        buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
+        # Unbuffered (-u, PYTHONUNBUFFERED): the text layer writes straight to the descriptor.
+        buffered: Any = io.BufferedReader(raw) if fd == 0 else raw if unbuffered else io.BufferedWriter(raw)
         stream = io.TextIOWrapper(buffered, encoding=old.encoding, errors=old.errors,
                                   line_buffering=fd == 2 or (fd == 1 and raw.isatty()),
                                   write_through=fd != 0 and unbuffered)

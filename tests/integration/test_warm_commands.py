@@ -4,10 +4,13 @@ forwarded, and run in the caller's process whenever a forked child would not run
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,12 +98,18 @@ def test_errors_and_usage_end_as_in_the_callers_process(cluster, stored, tmp_pat
     assert pid in served(cluster)
 
 
+def interactive() -> None:
+    """A caller as a shell starts it in the foreground: Ctrl-C not ignored (pytest-xdist's workers
+    ignore SIGINT, and what they start would inherit it: a command then ignores Ctrl-C, served or not)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
-def held_restore(cluster: Cluster, stored: Path, points: Path, dest: Path, **popen):
+def held_restore(cluster: Cluster, stored: Path, points: Path, dest: Path, preexec=interactive):
     """A served restore paused for 3 s at its first write: (its caller, the child running it)."""
     (points / "restore.write").write_text("sleep 3\n")  # on a fetch thread, which the restore waits for
     proc = subprocess.Popen([*CKPT, "restore", str(stored), "--to", str(dest), "--wait"], env=cluster.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     try:
         wait_for(lambda: (points / "restore.write.fired").exists(), 60, "the restore to write")
         child = served(cluster)[proc.pid]
@@ -176,10 +185,24 @@ def test_a_closed_standard_stream_runs_the_command_itself(cluster, stored):
 
 def test_a_caller_that_ignores_hangups_keeps_its_served_restore_through_one(cluster, stored, points, tmp_path):
     """nohup: SIGHUP ignored by the caller is ignored by its command too."""
-    with held_restore(cluster, stored, points, tmp_path / "r",
-                      preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as (proc, child):
+    def nohup() -> None:
+        interactive()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    with held_restore(cluster, stored, points, tmp_path / "r", preexec=nohup) as (proc, child):
         proc.send_signal(signal.SIGHUP)
         os.kill(child, signal.SIGHUP)  # the terminal's hangup reaches whatever it reaches: nothing ends
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "r").read_bytes() == stored.read_bytes()
+
+
+def test_a_caller_started_with_ctrl_c_ignored_runs_on_through_one(cluster, stored, points, tmp_path):
+    """`ckpt restore ... &` in a script: the shell starts it with SIGINT ignored; served, too."""
+    with held_restore(cluster, stored, points, tmp_path / "r",
+                      preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as (proc, child):
+        proc.send_signal(signal.SIGINT)
+        os.kill(child, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert (tmp_path / "r").read_bytes() == stored.read_bytes()
@@ -194,6 +217,78 @@ def test_a_suspended_caller_killed_outright_takes_its_stopped_command_with_it(cl
         proc.kill()
         proc.communicate(timeout=10)
         wait_for(lambda: not alive(child), 10, f"stopped command pid {child} to end with its caller")
+
+
+def test_a_signal_sent_the_moment_the_child_exists_ends_it_and_never_the_server(cluster, stored):
+    """A Ctrl-C forwarded at once, before the child reset what it inherited from the server."""
+    from pipeline.cli.warm import MESSAGE, request_of
+
+    server = cluster.up_info()["children"]["commands"]
+    for _ in range(10):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(30)
+            run_dir = os.open(cluster.home / "run", os.O_PATH | os.O_DIRECTORY)
+            try:
+                sock.connect(f"/proc/self/fd/{run_dir}/commands.sock")  # a pytest path may be too long
+            finally:
+                os.close(run_dir)
+            sock.send(json.dumps({**json.loads(request_of(["status"])), "env": cluster.env}).encode())
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE, 1)
+            assert "pid" in json.loads(data), data
+            signal.pidfd_send_signal(fds[0], signal.SIGINT)
+            os.close(fds[0])
+            cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
+            with open(os.devnull, "w") as null:
+                socket.send_fds(sock, [b"go"], [0, null.fileno(), null.fileno(), cwd])
+            os.close(cwd)
+            assert json.loads(sock.recv(MESSAGE)) == {"signal": signal.SIGINT}
+    assert cluster.up_info()["children"]["commands"] == server and alive(server)
+
+
+def test_a_served_command_killed_outright_ends_its_caller_the_same_way(cluster, stored, points, tmp_path):
+    with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
+        os.kill(child, signal.SIGKILL)  # the OOM killer's way
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert "Traceback" not in err
+
+
+def test_a_suspended_command_survives_its_server_and_is_still_interruptible(cluster, stored, points, tmp_path):
+    """Ctrl-Z, the server killed (its children are in sessions of their own: never hung up), then
+    fg; and a Ctrl-C with no server left to say how the command ended: the child says it."""
+    with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
+        proc.send_signal(signal.SIGTSTP)
+        wait_for(lambda: Path(f"/proc/{child}/stat").read_text().split(")")[1].split()[0] == "T", 10,
+                 "the command to stop with its caller")
+        server = cluster.up_info()["children"]["commands"]
+        os.kill(server, signal.SIGKILL)
+        wait_for(lambda: cluster.up_info()["children"]["commands"] != server, 30, "ckpt up to start a new server")
+        time.sleep(1)
+        assert alive(child)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "r").read_bytes() == stored.read_bytes()
+    with held_restore(cluster, stored, points, tmp_path / "r2") as (proc, child):
+        os.kill(cluster.up_info()["children"]["commands"], signal.SIGKILL)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT, err
+    job = int(out.split("restore job ", 1)[1].split(":", 1)[0])
+    assert cluster.wait_job(job, ("done",)).state == "done"  # handed to the Dramatiq worker, as always
+
+
+def test_a_reader_that_goes_away_ends_a_served_command_as_its_own(cluster, stored):
+    """PYTHONUNBUFFERED (the test environment's): the broken pipe meets the command, not its exit."""
+    codes = []
+    for warm in ("1", "0"):
+        read, write = os.pipe()
+        os.close(read)
+        proc = subprocess.run([*CKPT, "status", "--verbose"], env={**cluster.env, "CKPT_WARM": warm}, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+        os.close(write)
+        codes.append((proc.returncode, proc.stderr))
+    assert codes[0] == codes[1], codes
 
 
 def test_a_server_that_does_not_answer_costs_a_few_seconds_not_the_command(cluster, stored):
