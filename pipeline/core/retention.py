@@ -58,7 +58,8 @@ def newest_ids(items: Iterable[_Saved], completed: Callable[[Any], float]) -> se
     out = {max(items, key=lambda c: (completed(c), c.id)).id, max(items, key=lambda c: c.id).id}
     stepped = [c for c in items if c.step is not None]
     if stepped:
-        out.add(max(stepped, key=lambda c: (c.step, c.id)).id)
+        # Of two saves of the same step (a re-save), the one completed last.
+        out.add(max(stepped, key=lambda c: (c.step, completed(c), c.id)).id)
     # A save written as several files side by side (a sharded model saved into the run itself:
     # its shards and index) is one save: the newest keeps every file of it.
     groups = {c.group for c in items if c.id in out and c.group}

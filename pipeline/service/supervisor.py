@@ -179,9 +179,12 @@ class Supervisor:
                           priority=self.priority)
             child.start()
             self.children.append(child)
-        # The command server (pipeline/service/commands.py) runs the user's commands, not
-        # background work: at this process's priority, with this process's environment (a
-        # command it forks must run as one started from the user's shell would).
+
+    def start_command_server(self) -> None:
+        """The command server (pipeline/service/commands.py) runs the user's commands, not
+        background work: at this process's priority, with this process's environment (a command
+        it forks must run as one started from the user's shell would). Started once the services
+        are ready: its imports do not slow theirs, and a command before it runs as before."""
         commands = Child("commands", [sys.executable, "-m", "pipeline.service.commands", str(self.home)],
                          dict(os.environ), self.home / "logs" / "commands.log", stop_timeout=10)
         commands.start()
@@ -219,6 +222,7 @@ class Supervisor:
                       30, "local storage workers did not answer; see logs/worker-*.log")
         self.start_services()
         self._wait_ready()
+        self.start_command_server()
         info = {
             **liveness.stamp(), "home": str(self.home), "database": self.settings.db_url,
             "broker": self.settings.broker_url, "workers": urls, "roots": list(self.settings.roots),

@@ -33,7 +33,10 @@ def points(tmp_path_factory):
 def cluster(tmp_path_factory, points):
     c = Cluster(tmp_path_factory.mktemp("warm"), env={"CKPT_FAILPOINTS": str(points)})
     try:
-        yield c.start()
+        c.start()
+        # Started once the services are ready (pipeline/service/supervisor.py): listening a moment later.
+        wait_for(lambda: (c.home / "run" / "commands.sock").exists(), 60, "the command server")
+        yield c
     finally:
         c.stop()
 
@@ -99,9 +102,12 @@ def test_errors_and_usage_end_as_in_the_callers_process(cluster, stored, tmp_pat
 
 
 def interactive() -> None:
-    """A caller as a shell starts it in the foreground: Ctrl-C not ignored (pytest-xdist's workers
-    ignore SIGINT, and what they start would inherit it: a command then ignores Ctrl-C, served or not)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """A caller as a shell starts it in the foreground: no signal ignored or blocked. A test process
+    may have either from an earlier test, and what it starts inherits them (a command then ignores
+    Ctrl-C or Ctrl-Z, served or not: the served child takes the caller's)."""
+    for sig in (signal.SIGINT, signal.SIGTSTP, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGCONT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 @contextlib.contextmanager
@@ -221,9 +227,21 @@ def test_a_suspended_caller_killed_outright_takes_its_stopped_command_with_it(cl
 
 def test_a_signal_sent_the_moment_the_child_exists_ends_it_and_never_the_server(cluster, stored):
     """A Ctrl-C forwarded at once, before the child reset what it inherited from the server."""
+    server = cluster.up_info()["children"]["commands"]
+    # This process is the caller: Ctrl-C neither ignored nor blocked here, or the child takes that.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        _signal_the_moment_the_child_exists(cluster)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    assert cluster.up_info()["children"]["commands"] == server and alive(server)
+
+
+def _signal_the_moment_the_child_exists(cluster: Cluster) -> None:
     from pipeline.cli.warm import MESSAGE, request_of
 
-    server = cluster.up_info()["children"]["commands"]
     for _ in range(10):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.settimeout(30)
@@ -242,7 +260,6 @@ def test_a_signal_sent_the_moment_the_child_exists_ends_it_and_never_the_server(
                 socket.send_fds(sock, [b"go"], [0, null.fileno(), null.fileno(), cwd])
             os.close(cwd)
             assert json.loads(sock.recv(MESSAGE)) == {"signal": signal.SIGINT}
-    assert cluster.up_info()["children"]["commands"] == server and alive(server)
 
 
 def test_a_served_command_killed_outright_ends_its_caller_the_same_way(cluster, stored, points, tmp_path):

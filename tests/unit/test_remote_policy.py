@@ -61,6 +61,14 @@ def test_no_policy_keeps_everything():
     assert "every protected checkpoint is kept" in Policy().describe()
 
 
+def test_of_two_saves_of_one_step_the_one_completed_last_is_the_newest_by_step():
+    """Found by the property below: a re-save of step 0 detected before the save it replaced (a
+    lower id) was forgotten, while the older save of that step was kept as the run's newest by step."""
+    items = [Protected(1, None, at(1), False, {}), Protected(3, None, at(0), False, {}),
+             Protected(2, 0, at(0.5), False, {}), Protected(4, 0, at(0), False, {})]
+    assert 2 not in to_forget(items, Policy(0, 0, 0, 0, 0, 0, 1, "eval_loss", "min"))
+
+
 # -- properties -----------------------------------------------------------------------------
 
 protected = st.builds(
