@@ -142,11 +142,19 @@ def test_ctrl_c_reaches_the_served_restore_which_ends_as_the_callers_would(clust
     assert (tmp_path / "r").read_bytes() == stored.read_bytes()
 
 
+def settled(cluster: Cluster, out: str) -> None:
+    """A restore whose process was killed is re-driven once its lease ends: wait for it, so that it
+    never reaches a failpoint a later test arms."""
+    job = int(out.split("restore job ", 1)[1].split(":", 1)[0])
+    assert cluster.wait_job(job, ("done",)).state == "done"
+
+
 def test_a_caller_killed_outright_takes_its_served_command_with_it(cluster, stored, points, tmp_path):
     with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
         proc.kill()
-        proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=10)
         wait_for(lambda: not alive(child), 10, f"served restore pid {child} to end with its caller")
+    settled(cluster, out)
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -229,8 +237,9 @@ def test_a_suspended_caller_killed_outright_takes_its_stopped_command_with_it(cl
         os.kill(child, signal.SIGSTOP)
         wait_for(lambda: stopped(child), 10, "the command to stop")
         proc.kill()
-        proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=10)
         wait_for(lambda: not alive(child), 10, f"stopped command pid {child} to end with its caller")
+    settled(cluster, out)
 
 
 def test_a_signal_sent_the_moment_the_child_exists_ends_it_and_never_the_server(cluster, stored):
@@ -273,9 +282,10 @@ def _signal_the_moment_the_child_exists(cluster: Cluster) -> None:
 def test_a_served_command_killed_outright_ends_its_caller_the_same_way(cluster, stored, points, tmp_path):
     with held_restore(cluster, stored, points, tmp_path / "r") as (proc, child):
         os.kill(child, signal.SIGKILL)  # the OOM killer's way
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL, err
     assert "Traceback" not in err
+    settled(cluster, out)
 
 
 def test_a_suspended_command_survives_its_server_and_is_still_interruptible(cluster, stored, points, tmp_path):
