@@ -103,7 +103,7 @@ def run(argv: Sequence[str]) -> int | None:
             # Through the directory's descriptor: a home's path may be longer than a socket's 107 bytes.
             sock.connect(f"/proc/self/fd/{dir_fd}/{SOCKET[-1]}")
             # Only this user's own server gets this process's environment, terminal and directory.
-            if _peer_uid(sock) != os.geteuid():
+            if peer_credentials(sock)[1] != os.geteuid():
                 sock.close()
                 return None
         except OSError:
@@ -115,10 +115,11 @@ def run(argv: Sequence[str]) -> int | None:
         return _served(sock, list(argv))
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (``SO_PEERCRED``)."""
     import struct
 
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 def request_of(argv: list[str]) -> bytes:

@@ -22,12 +22,11 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.cli.warm import MESSAGE, SOCKET, WARM
+from pipeline.cli.warm import MESSAGE, SOCKET, WARM, peer_credentials
 from pipeline.service.caller import Caller, join_cgroup, refusal
 from pipeline.service.served import become
 
@@ -192,7 +191,7 @@ class Server:
         try:
             conn.settimeout(self.REQUEST_SECONDS)
             data = conn.recv(MESSAGE)
-            pid, uid, _gid = socket_credentials(conn)
+            pid, uid, _gid = peer_credentials(conn)
             caller = os.pidfd_open(pid)
             request = json.loads(data)
             checked = refusal(request, pid, uid, self.code.changed())
@@ -250,11 +249,6 @@ class Server:
             served.conn.close()
             os.close(served.caller)
         self.children.clear()
-
-
-def socket_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a unix socket."""
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 def main(argv: list[str] | None = None) -> int:
