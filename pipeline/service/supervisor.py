@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import effective, liveness
+from pipeline.cli.warm import SOCKET
 from pipeline.cluster.client import free_port
 from pipeline.cluster.membership import probe_all
 from pipeline.db.migrate import upgrade
@@ -184,11 +185,19 @@ class Supervisor:
         """The command server (pipeline/service/commands.py) runs the user's commands, not
         background work: at this process's priority, with this process's environment (a command
         it forks must run as one started from the user's shell would). Started once the services
-        are ready: its imports do not slow theirs, and a command before it runs as before."""
+        are ready: its imports do not slow theirs, and a command before it runs as before. Waited
+        for (its socket, bound once it has imported what it serves) before ``ckpt up`` says it is
+        up: otherwise those imports, a core for most of a second, compete with the first store."""
         commands = Child("commands", [sys.executable, "-m", "pipeline.service.commands", str(self.home)],
                          dict(os.environ), self.home / "logs" / "commands.log", stop_timeout=10)
         commands.start()
         self.children.append(commands)
+        sock = self.home.joinpath(*SOCKET)
+        deadline = time.monotonic() + 30
+        while not sock.exists() and commands.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not sock.exists():  # the commands run in their callers' processes, as without it
+            log.warning("the command server is not serving (see %s); commands run without it", commands.log_path)
 
     def up(self) -> dict:
         if not self.settings.roots:
