@@ -32,7 +32,7 @@ def best_of(n: int, *args, **kw) -> float:
 def main(argv: list[str]) -> None:
     what, arg, *rest = argv
     if what == "state_dict":
-        from pipeline.restore.loader import load_state_dict
+        from pipeline.restoring.loader import load_state_dict
 
         t = time.perf_counter()
         tensors = load_state_dict(int(arg))

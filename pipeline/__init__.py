@@ -56,7 +56,7 @@ def restore(checkpoint: Any, to: str | Path, *, overwrite: bool = False, wait: b
 def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a protected checkpoint (id or path), built from its shards (needs torch)."""
     try:
-        from pipeline.restore.loader import load_state_dict as _load
+        from pipeline.restoring.loader import load_state_dict as _load
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
             raise

@@ -5,17 +5,15 @@ These run in the trainer's process against the control plane of ``CKPT_HOME`` (o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import select
-
 from pipeline import settings as settings_mod
 from pipeline import states
-from pipeline.core.retention import recency
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, Job
 from pipeline.errors import CkptError, NotProtectedYet, RestoreError, UnknownCheckpoint
@@ -50,6 +48,10 @@ class Protected:
     state: str
     written_at: datetime  # its newest file's modification time
     job_id: int | None = None
+    #: The other files of this save, when it wrote several side by side into its run
+    #: (``save_pretrained(run, max_shard_size=...)``: this is the index, these are its shards,
+    #: each a checkpoint of its own): :func:`restore` gives all of them back.
+    parts: tuple[Protected, ...] = ()
 
     @property
     def protected(self) -> bool:
@@ -155,50 +157,75 @@ def wait_protected(checkpoint: str | int | Path, *, timeout: float = 3600.0,
 
 def latest(run: str | Path, *, settings: Settings | None = None) -> Protected | None:
     """The newest protected checkpoint of ``run`` (the most recently completed save:
-    pipeline.core.retention.recency), or None."""
+    pipeline.core.retention.recency), or None. A save written as several files side by side
+    into the run (``save_pretrained(run, max_shard_size=...)``) is returned as its index with
+    its shards as :attr:`Protected.parts`, once every one of them is protected; until then the
+    save before it is the newest."""
+    from pipeline.db.newest import newest_protected
+    from pipeline.detection.catalog import latest_store_job
+
     s = _control_plane(settings)
     run_path = str(Path(run).expanduser().resolve())
     with session_scope(s.db_url, readonly=True) as session:
-        rows = session.execute(
-            select(Checkpoint, Job).join(Job, Job.checkpoint_id == Checkpoint.id)
-            .where(Checkpoint.run == run_path, Checkpoint.current.is_(True), Job.kind == JobKind.STORE)
-            .order_by(Job.id)
-        ).all()
-        newest: dict[int, tuple[Checkpoint, Job]] = {}
-        for ckpt, job in rows:
-            newest[ckpt.id] = (ckpt, job)  # the last store job of each checkpoint decides its state
-        protected = [(c, j) for c, j in newest.values() if j.state in states.PROTECTED]
-        if not protected:
+        found = newest_protected(session, run_path)
+        if found is None:
             return None
-        ckpt, job = max(protected, key=lambda cj: recency(cj[0].mtime, cj[0].step, cj[0].id))
-        return _row(ckpt, job)
+        ckpt, parts = found
+        rows = []
+        for c in (ckpt, *parts):
+            job = latest_store_job(session, c.id)
+            if job is None:  # its store job gone under this read: nothing to answer from it
+                return None
+            rows.append(_row(c, job))
+        return dataclasses.replace(rows[0], parts=tuple(rows[1:]))
 
 
 def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwrite: bool = False,
             wait: bool = True, timeout: float = 3600.0, settings: Settings | None = None) -> Path:
     """Give a checkpoint back byte for byte at ``to`` (a checkpoint id, a path, which means its
     current version, or what :func:`latest` returned). Waits until it is in place unless
-    ``wait`` is False."""
+    ``wait`` is False. A save of several files (:attr:`Protected.parts`) goes back into the
+    folder ``to``, each file under its own name, every file checked before any is written and
+    its index written last (when waited for), as its writer did."""
     from pipeline import operations
 
     s = _control_plane(settings)
+    if isinstance(checkpoint, Protected) and checkpoint.parts:
+        folder = Path(to).expanduser()
+        wanted = [(p.id, str(folder / Path(p.path).name)) for p in (*checkpoint.parts, checkpoint)]
+        requested = operations.restore_all(s, wanted, overwrite=overwrite, from_here=True, send=not wait)
+        for i, r in enumerate(requested if wait else []):
+            try:
+                _restored(s, r.job_id, timeout)
+            except BaseException:
+                operations.abandon_restores(s, [q.job_id for q in requested[i + 1:]],
+                                            f"not restored: restore job {r.job_id}, a file before it of the same "
+                                            "save, did not end done")
+                raise
+        return folder.resolve()
     ref = checkpoint.id if isinstance(checkpoint, Protected) else str(checkpoint)
     r = operations.restore_to(s, ref, str(to), overwrite=overwrite, from_here=True, send=not wait)
-    dest = Path(r.detail)
-    if not wait:
-        return dest
-    operations.restore_here(s, r.job_id)  # in this process; handed to the host's worker if it fails here
+    if wait:
+        _restored(s, r.job_id, timeout)
+    return Path(r.detail)
+
+
+def _restored(s: Settings, job_id: int, timeout: float) -> None:
+    """Run restore job ``job_id`` here and wait until it is done; raise if it is not."""
+    from pipeline import operations
+
+    operations.restore_here(s, job_id)  # in this process; handed to the host's worker if it fails here
     deadline = time.monotonic() + timeout
     while True:
         with session_scope(s.db_url, readonly=True) as session:
-            job = session.get(Job, r.job_id)
+            job = session.get(Job, job_id)
             state, error = (job.state, job.last_error) if job is not None else ("unknown", None)
         if state == states.RestoreState.DONE:
-            return dest
+            return
         if state == states.RestoreState.FAILED:
-            raise RestoreError(f"restore job {r.job_id} failed: {error}")
+            raise RestoreError(f"restore job {job_id} failed: {error}")
         if time.monotonic() > deadline:
-            raise RestoreError(f"restore job {r.job_id} is still {state} after {timeout:.0f} s")
+            raise RestoreError(f"restore job {job_id} is still {state} after {timeout:.0f} s")
         time.sleep(0.1)
 
 

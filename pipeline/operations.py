@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +23,12 @@ from pipeline.db.engine import get_engine, session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.db.transitions import now
 from pipeline.detection import catalog, completeness, roots
-from pipeline.errors import CkptError, IncompleteCheckpoint
+from pipeline.errors import CkptError, IncompleteCheckpoint, RestoreError
 from pipeline.integrity import gc, retention, scrub
 from pipeline.objectstore import tier
-from pipeline.restore import job as restore_job
+from pipeline.restoring import job as restore_job
 from pipeline.settings import Settings
-from pipeline.steps import Send, record_error
+from pipeline.steps import Send, fail_job, record_error
 from pipeline.store.early import EarlySends
 from pipeline.units import human_bytes
 
@@ -109,6 +110,36 @@ def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool
     if not send:
         return result
     return dataclasses.replace(result, sent=_send([Send("restore", (result.job_id,))]))
+
+
+def restore_all(settings: Settings, wanted: Sequence[tuple[str | int, str]], *, overwrite: bool = False,
+                from_here: bool = False, host: str | None = None, send: bool = True) -> list[Requested]:
+    """:func:`restore_to` for checkpoints that go back together (the files of one save, each a
+    checkpoint: ``wanted`` is (ref, dest) in the order to restore them), each checked before any
+    job is recorded, so that a refusal leaves no part of the save restored or on its way."""
+    here = (host or settings.host_id) == settings.host_id
+    extra = [Path.cwd().resolve()] if from_here and here else []
+    folders = {os.path.dirname(dest) for _ref, dest in wanted}
+    if here and len(folders) == 1 and os.path.lexists(folder := folders.pop()) and not os.path.isdir(folder):
+        raise RestoreError(f"{folder} is a file: the {len(wanted)} files of this save go back into a folder; "
+                           "name a folder (one that exists)")
+    with session_scope(settings.db_url, readonly=True) as s:
+        for ref, dest in wanted:
+            if here:
+                restore_job.validate(s, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
+            else:
+                restore_job.validate_elsewhere(s, ref, dest, host or settings.host_id)
+    return [restore_to(settings, ref, dest, overwrite=overwrite, from_here=from_here, host=host, send=send)
+            for ref, dest in wanted]
+
+
+def abandon_restores(settings: Settings, job_ids: Sequence[int], why: str) -> None:
+    """Fail restore jobs recorded to run here (:func:`restore_all` with ``send=False``) that will
+    not run: a file before them of the same save was not restored. Left queued, the scheduler's
+    re-drive would write them later, with nobody waiting."""
+    with session_scope(settings.db_url) as s:
+        for job_id in job_ids:
+            fail_job(s, job_id, why)
 
 
 def restore_here(settings: Settings, job_id: int, watch: restore_job.Watch | None = None) -> bool:

@@ -6,7 +6,7 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from pipeline import degraded, states
@@ -27,6 +27,7 @@ from pipeline.db.models import (
     StorageWorker,
     TrainingHost,
 )
+from pipeline.db.newest import newest, newest_protected
 from pipeline.db.transitions import latest_store_ids, now
 from pipeline.detection import problems, waits
 from pipeline.objectstore import report as objectstore_report
@@ -145,19 +146,6 @@ def worker_dict(w: StorageWorker) -> dict[str, Any]:
             "last_error": w.last_error}
 
 
-def _newest(session: Session, run: str, *where: ColumnElement[bool]) -> Checkpoint | None:
-    """The run's newest current checkpoint matching ``where`` (pipeline.core.retention.recency):
-    one lookup along the (run, current, mtime, id) index, whatever the run's length."""
-    return session.scalar(select(Checkpoint).where(Checkpoint.run == run, Checkpoint.current.is_(True), *where)
-                          .order_by(*newest_first()).limit(1))
-
-
-def newest_first() -> tuple[Any, ...]:
-    """Checkpoints newest first, as pipeline.core.retention.recency orders them: by when their
-    content was complete, then the writer's step, then detection order."""
-    return (Checkpoint.mtime.desc(), func.coalesce(Checkpoint.step, -1).desc(), Checkpoint.id.desc())
-
-
 def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per run (current versions only): how many checkpoints by state, the newest, the newest
     protected: the counts kept as data (``run_state_counts``) and two lookups per run,
@@ -176,11 +164,10 @@ def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict
             entry["protected_bytes"] += int(size)
         elif local:
             entry["unprotected_bytes"] += int(size)
-    latest_protected = Checkpoint.store_state.in_(sorted(states.PROTECTED))
     changed = changed_on_disk(session, list(out))
     for run, entry in out.items():
-        entry["newest"] = _newest(session, run)
-        entry["protected"] = _newest(session, run, latest_protected)
+        entry["newest"] = newest(session, run)
+        entry["protected"] = found[0] if (found := newest_protected(session, run)) else None
         entry["changed_on_disk"] = changed.get(run, 0)
     return out
 

@@ -27,6 +27,7 @@ from pipeline.db.models import (
     Shard,
     StorageWorker,
 )
+from pipeline.db.newest import newest_first
 from pipeline.db.transitions import now
 from pipeline.detection import waits
 from pipeline.errors import UnknownCheckpoint, UnknownJob, UnknownRun
@@ -39,7 +40,6 @@ from pipeline.status import (
     degraded_runs,
     job_dict,
     lost_checkpoints,
-    newest_first,
     problem_dicts,
     run_facts,
     run_summaries,

@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pipeline.core.savegroups import SHARD_NAME
+
 
 class FileFormat(StrEnum):
     SAFETENSORS = "safetensors"  # header parsed: complete when exactly as long as it says
@@ -192,7 +194,6 @@ def nested_run(name: str, subdirs: list[str], run: str) -> str | None:
 
 # -- the layouts -------------------------------------------------------------------------
 
-_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
 _WEIGHTS = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.msgpack|\.h5|\.gguf)$")
 HF_SIDE_FILES = frozenset({
     "config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
@@ -312,7 +313,7 @@ def _accelerate(entry: Entry) -> str | None:
 def _sharded(entry: Entry) -> str | None:
     groups: dict[tuple[str, str, str, int], set[int]] = {}
     for rel in entry.relpaths:
-        m = _SHARD_NAME.match(rel.rsplit("/", 1)[-1])
+        m = SHARD_NAME.match(rel.rsplit("/", 1)[-1])
         if m:
             base = rel.rsplit("/", 1)[0] if "/" in rel else ""
             groups.setdefault((base, m["stem"], m["ext"], int(m["n"])), set()).add(int(m["k"]))
@@ -414,7 +415,7 @@ LAYOUTS: tuple[Layout, ...] = (
            _has("random_states_*.pkl", "optimizer*.bin", "scheduler*.bin", "sampler*.bin"), _accelerate,
            order_only=True),
     Layout("hf-sharded", "transformers save_pretrained(max_shard_size=...) and other sharded writers",
-           lambda e: _has("*.index.json")(e) or any(_SHARD_NAME.match(n) for n in e.names), _sharded,
+           lambda e: _has("*.index.json")(e) or any(SHARD_NAME.match(n) for n in e.names), _sharded,
            doubt=_index_behind),
     Layout("hf-pretrained", "transformers save_pretrained (one weights file)",
            _has("config.json"), _pretrained, proves_finished=False),
@@ -570,19 +571,3 @@ def resave_in_progress(entry: Entry, recorded: Mapping[str, tuple[int, int]], *,
         return (f"saved again over its recorded version: {listed} changed but {what} "
                 "(a save stopped between two files?); `ckpt store PATH` records it as it is")
     return None
-
-
-# -- one save, several checkpoints ------------------------------------------------------------
-
-_INDEX_NAME = re.compile(r"^(?P<base>.+)\.index\.json$")
-
-
-def save_group(name: str) -> str:
-    """For a file directly in a run, the save it is one file of, when a writer saves several
-    side by side (``save_pretrained(run, max_shard_size=...)``: ``model-00001-of-00005.safetensors``
-    ... and ``model.safetensors.index.json``): ``"model.safetensors"``; else ``""``."""
-    m = _SHARD_NAME.match(name)
-    if m:
-        return f"{m['stem']}{m['ext']}"
-    m = _INDEX_NAME.match(name)
-    return m["base"] if m else ""

@@ -31,7 +31,7 @@ class LocalCheckpoint:
     step: int | None
     #: When its content was complete: its newest file's modification time (seconds).
     mtime: float
-    #: Checkpoints one save wrote side by side share a group (pipeline.core.layouts.save_group).
+    #: Checkpoints one save wrote side by side share a group (pipeline.core.savegroups.save_group).
     group: str = ""
 
 

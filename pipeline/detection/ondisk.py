@@ -5,7 +5,7 @@ folder (a restart that redoes a step), a save killed halfway through that, a fil
 place. Until the new content is complete and recorded, the path holds bytes no version
 describes. The watcher of the checkpoint's host then flags the checkpoint (:func:`flag`):
 ``ckpt status``, the UI and ``/metrics`` say "changed on disk, not protected", and a restore
-*by path* refuses (pipeline.restore.current) instead of silently giving back older weights.
+*by path* refuses (pipeline.restoring.current) instead of silently giving back older weights.
 Recording the new content, or the recorded content coming back, clears the flag.
 """
 from __future__ import annotations

@@ -27,7 +27,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
-from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress, save_group
+from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress
+from pipeline.core.savegroups import save_group
 from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
@@ -412,7 +413,7 @@ class Watcher:
 
     def _index_not_yet(self, path: Path) -> str | None:
         """Why ``path``, a file of a save written side by side into its run (``save_pretrained(run,
-        max_shard_size=...)``: pipeline.core.layouts.save_group) that changed over its recorded
+        max_shard_size=...)``: pipeline.core.savegroups.save_group) that changed over its recorded
         version, is a new save still being written: its index, which the writer writes last, is
         still the recorded one. Each file is a checkpoint of its own, so without this a save
         killed after its first shard would replace that shard of the newest complete save."""

@@ -19,8 +19,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from pipeline import states
-from pipeline.core.layouts import save_group
 from pipeline.core.retention import Protected, kept, newest_ids, recency
+from pipeline.core.savegroups import save_group
 from pipeline.db.models import Checkpoint, Job, JobEvent
 from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.detection.catalog import latest_store_job, resolve

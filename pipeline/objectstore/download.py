@@ -7,7 +7,7 @@ cache), so verification costs no pass after the download. A range whose connecti
 fetched again (the target's max_attempts); the SHA-256 of the whole is compared with the name.
 
 ``Stream`` reads an object in order for a caller that hashes and writes it as it comes
-(pipeline/restore/gather.py): its ranges are fetched ahead in parallel, at most ``READ_AHEAD``
+(pipeline/restoring/gather.py): its ranges are fetched ahead in parallel, at most ``READ_AHEAD``
 bytes of them held at once, so a restore of many shards at once stays within a bounded memory.
 
 ``read_back`` reads at a bounded rate, one range at a time: all of the object (its SHA-256

@@ -13,7 +13,7 @@ That is :func:`refuse_overwrite` (what the database says: never a root, a run, a
 holds checkpoints or another host's part) and then :func:`examine` (what the disk says: files
 unchanged from a protected version at that path, or files that all hash as a protected
 checkpoint's, none written within the settle time). The restore actor checks both again in
-the transaction that decides to write (pipeline/restore/job.py).
+the transaction that decides to write (pipeline/restoring/job.py).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from pipeline.cluster.wire import METER
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Shard, StorageWorker
 from pipeline.errors import HashMismatch, MalformedStream, ObjectStoreError, RestoreError, StoreUnavailable, WorkerError
 from pipeline.hashing import side_thread
-from pipeline.restore.links import LINKS
+from pipeline.restoring.links import LINKS
 from pipeline.states import READABLE_COPIES, READABLE_WORKERS, Tier, WorkerState
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class ShardSource:
     #: ``s3://``), verified before stored, then spread over the workers by bytes (:func:`manifest`).
     copies: tuple[tuple[str, str], ...]
     #: Per copy, how good a kind of copy it is (0 best): among copies of one rank, a fetch
-    #: reads the one whose worker's link is least busy (pipeline/restore/links.py).
+    #: reads the one whose worker's link is least busy (pipeline/restoring/links.py).
     ranks: tuple[int, ...] = ()
 
 
@@ -138,7 +138,7 @@ def fetch(shard: ShardSource, key: bytes, sinks: Sequence[Callable[[memoryview],
     number of bytes is skipped either way.
 
     Of equally good copies, the one read is the one whose worker this process reads least
-    from at the moment (pipeline/restore/links.py): shards fetched at once come from
+    from at the moment (pipeline/restoring/links.py): shards fetched at once come from
     different workers. ``wire="auto"``: a copy is asked compressed when that is faster
     (pipeline/cluster/wire.py).
 

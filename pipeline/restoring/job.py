@@ -1,13 +1,13 @@
 """Restore: give a checkpoint back byte for byte (``queued -> gathering -> verified -> done``).
 
-Files are rebuilt (pipeline.restore.rebuild) in a hidden staging path next to the
+Files are rebuilt (pipeline.restoring.rebuild) in a hidden staging path next to the
 destination, checked against the SHA-256 recorded at detection, fsynced, and only then
 renamed into place (docs/design.md, invariants 2 and 4). Each attempt has its own staging
 path; only the job's latest attempt may put its result in place. The staging path is written
-through descriptors (pipeline.restore.staging), and the destination is checked again
-(pipeline.restore.destination) in the transaction that decides to write it (invariant 7).
+through descriptors (pipeline.restoring.staging), and the destination is checked again
+(pipeline.restoring.destination) in the transaction that decides to write it (invariant 7).
 Shards come from storage workers, or from an object store when no worker can send them
-(pipeline.restore.gather); the timeline says which tiers were read. An object store that
+(pipeline.restoring.gather); the timeline says which tiers were read. An object store that
 cannot serve them now (StoreUnavailable) fails the job at once, with nothing put in place.
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pipeline.db.models import Checkpoint, Job
 from pipeline.db.transitions import create_job, renew_lease, transition
 from pipeline.detection.catalog import latest_store_job, resolve
 from pipeline.errors import RestoreError, StoreUnavailable, UnsafeDestination
-from pipeline.restore import current, destination
-from pipeline.restore.gather import FileSource, Tally, manifest
-from pipeline.restore.rebuild import write_file
-from pipeline.restore.staging import Staging, identity, remove_at
+from pipeline.restoring import current, destination
+from pipeline.restoring.gather import FileSource, Tally, manifest
+from pipeline.restoring.rebuild import write_file
+from pipeline.restoring.staging import Staging, identity, remove_at
 from pipeline.settings import Settings
 from pipeline.states import JobKind
 from pipeline.steps import Send, fail_job, start_job

@@ -18,7 +18,7 @@ from pipeline import settings as settings_mod
 from pipeline.db.engine import session_scope
 from pipeline.detection.catalog import resolve
 from pipeline.errors import RestoreError
-from pipeline.restore.gather import FileSource, ShardSource, fetch, manifest
+from pipeline.restoring.gather import FileSource, ShardSource, fetch, manifest
 from pipeline.settings import Settings
 
 #: Shards fetched at once by load_state_dict.
@@ -62,7 +62,7 @@ def load_state_dict(checkpoint: str | int, settings: Settings | None = None) -> 
 def _fetch_bytes(shard: ShardSource, key: bytes, settings: Settings | None = None) -> mmap.mmap:
     # Anonymous memory, not bytearray(size): that zero-fills every page before the shard
     # is received into it (0.5 s per GiB here). The tensors keep it alive. A shard no worker
-    # can send comes from an object store (pipeline.restore.gather), checked the same way.
+    # can send comes from an object store (pipeline.restoring.gather), checked the same way.
     buf = mmap.mmap(-1, shard.size)
     fetch(shard, key, (), lambda: None, into=memoryview(buf), wire=settings.wire_compression if settings else "off",
           settings=settings)  # a fallback overwrites it

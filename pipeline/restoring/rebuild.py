@@ -1,14 +1,14 @@
 """Rebuilding one file from its shards, checked against the file's SHA-256 (docs/design.md, invariants 2 and 4).
 
 Up to ``STREAMS`` shards of a file arrive at once, each from the copy whose worker's link is
-least busy (pipeline/restore/links.py), and each is written at its offset as it arrives: a
+least busy (pipeline/restoring/links.py), and each is written at its offset as it arrives: a
 restore reads from every worker holding the file at once, so the host's link fills even where
 each worker's link (or disk) is slower. The file's SHA-256 is taken in file order behind
 them, over each shard once it is complete (read back before its pages are written out and
 dropped), and must equal the one recorded at detection before the file counts. A mismatch
 makes a second pass that checks every shard's own SHA-256, finding the replica that sent bad
 bytes and reading that shard from another. A shard no worker can send comes from an object
-store (pipeline.restore.gather: the source of last resort), into the same file through the
+store (pipeline.restoring.gather: the source of last resort), into the same file through the
 same checks; ``tally`` records which tier each shard was read from.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pipeline import failpoints
 from pipeline.cluster.wire import is_loopback
 from pipeline.durable import WriteBehind
 from pipeline.errors import HashMismatch, RestoreError
-from pipeline.restore.gather import BLOCK, FileSource, ShardSource, Tally, fetch, on_store
+from pipeline.restoring.gather import BLOCK, FileSource, ShardSource, Tally, fetch, on_store
 
 if TYPE_CHECKING:
     from pipeline.settings import Settings
@@ -151,7 +151,7 @@ def _streams(f: FileSource) -> int:
 
 def _shard_into(fd: int, relpath: str, shard: ShardSource, how: _How, written: _Written, stop: threading.Event,
                 check: bool) -> None:
-    """Fetch one shard (pipeline.restore.gather.fetch) and write its payload at its offset."""
+    """Fetch one shard (pipeline.restoring.gather.fetch) and write its payload at its offset."""
     pos, skip = shard.src_offset, shard.payload_offset
 
     def take(chunk: memoryview) -> memoryview:  # a safetensors shard starts with its own header

@@ -39,8 +39,8 @@ def preload() -> None:
     import pipeline.cli.main
     import pipeline.cli.status_view
     import pipeline.operations
-    import pipeline.restore.job
-    import pipeline.restore.rebuild
+    import pipeline.restoring.job
+    import pipeline.restoring.rebuild
     import pipeline.status  # noqa: F401
 
 

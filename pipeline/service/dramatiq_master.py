@@ -22,7 +22,7 @@ PRELOADED = (
     "dramatiq.brokers.redis", "dramatiq.brokers.stub", "dramatiq.middleware", "dramatiq.cli",
     "pipeline.service.lifetime", "pipeline.queues", "pipeline.deliveries", "pipeline.consumers",
     "pipeline.db.engine", "pipeline.integrity.gc", "pipeline.integrity.reconcile", "pipeline.integrity.repair",
-    "pipeline.integrity.scrub", "pipeline.restore.job", "pipeline.store.replication", "pipeline.store.rotation",
+    "pipeline.integrity.scrub", "pipeline.restoring.job", "pipeline.store.replication", "pipeline.store.rotation",
     "pipeline.store.sharding", "pipeline.store.verification",
 )
 

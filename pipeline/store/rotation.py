@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 
 from pipeline import failpoints, states
 from pipeline.core import copies
-from pipeline.core.layouts import save_group
 from pipeline.core.retention import LocalCheckpoint, to_rotate
+from pipeline.core.savegroups import save_group
 from pipeline.db.copies import fresh_after, shard_copies
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, CheckpointPart, Job, StorageWorker

@@ -19,7 +19,7 @@ from pipeline.integrity.reconcile import reconcile as reconcile_step
 from pipeline.integrity.reconcile import request_reconcile
 from pipeline.integrity.repair import repair as repair_step
 from pipeline.integrity.scrub import scrub as scrub_step
-from pipeline.restore.job import restore as restore_step
+from pipeline.restoring.job import restore as restore_step
 from pipeline.steps import Send
 from pipeline.store.replication import replicate as replicate_step
 from pipeline.store.rotation import plan_run

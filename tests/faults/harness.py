@@ -36,7 +36,7 @@ from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Job, JobEvent, Shard
 from pipeline.db.models import StorageWorker as WorkerRow
 from pipeline.integrity.scrub import request_scrub
-from pipeline.restore.job import request as restore_request
+from pipeline.restoring.job import request as restore_request
 from pipeline.service.supervisor import STABLE_SECONDS
 from pipeline.states import JobKind
 from pipeline.store.rotation import rotation_candidates

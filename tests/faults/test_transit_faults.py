@@ -11,7 +11,7 @@ from sqlalchemy import select
 from pipeline.db.engine import session_scope
 from pipeline.db.models import StorageWorker
 from pipeline.detection.catalog import resolve
-from pipeline.restore.gather import manifest
+from pipeline.restoring.gather import manifest
 from tests.faults.harness import FaultCluster, Table, store_until, trial
 from tests.processes import wait_for
 

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, JobEvent, Shard
 from pipeline.integrity import gc
-from pipeline.restore.loader import load_state_dict
+from pipeline.restoring.loader import load_state_dict
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for, with_settings, worker_client

@@ -9,8 +9,8 @@ from sqlalchemy import func, select
 from pipeline.db.engine import session_scope
 from pipeline.db.models import CheckpointFile, ContentCopy, Shard
 from pipeline.detection.catalog import resolve
-from pipeline.restore.gather import manifest
-from pipeline.restore.loader import load_state_dict
+from pipeline.restoring.gather import manifest
+from pipeline.restoring.loader import load_state_dict
 from tests.checkpoints import atomic_save, files_of, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 from sqlalchemy import select
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, Content, Shard
+from pipeline.db.models import Checkpoint, CheckpointFile, Content, Job, Shard
 from pipeline.detection.catalog import latest_store_job
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
@@ -118,6 +119,55 @@ def test_lightning_last_ckpt_is_what_latest_restores(make_cluster, tmp_path):
     import torch
 
     assert torch.load(dest, weights_only=False, map_location="cpu")["global_step"] == 10
+
+
+def test_latest_of_a_sharded_save_into_the_run_restores_every_file_of_it(make_cluster, tmp_path):
+    """``save_pretrained(run, max_shard_size=...)`` after ``pretrained-2``: the newest save is
+    its shards and index, each a checkpoint. ``ckpt restore --latest`` and
+    ``restore(latest(run))`` give every file of it back into the folder named (the index last),
+    not the index alone."""
+    cluster = make_cluster()
+    run = cluster.runs / "hf"
+    saves = write(cluster, "save_pretrained_into_run", run)
+    folder, *files = saves
+    assert folder.name == "pretrained-2" and files[-1].name == "model.safetensors.index.json" and len(files) >= 4
+    for p in saves:
+        cluster.wait_job(checkpoint_job(cluster, p), ("verified",), timeout=120)
+    index = json.loads(files[-1].read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in files[:-1]}
+
+    afile = tmp_path / "model.safetensors"  # --to as for one file: refused before any job is recorded
+    afile.write_bytes(b"x")
+    r = cluster.cli("restore", "--latest", str(run), "--to", str(afile), "--wait", timeout=180)
+    assert r.returncode != 0 and f"{afile} is a file: the {len(files)} files of this save go back into a folder" \
+        in r.stderr, r.stdout + r.stderr
+    with session_scope(cluster.settings.db_url) as s:
+        assert not s.scalars(select(Job).where(Job.kind == "restore")).all()
+
+    dest = tmp_path / "resumed"
+    dest.mkdir()
+    r = cluster.cli("restore", "--latest", str(run), "--to", str(dest), "--wait", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"newest protected save of {run}: {files[-1].resolve()} and its {len(files) - 1} shards" in r.stdout
+    assert {p.name: sha(p) for p in dest.iterdir()} == {p.name: sha(p) for p in files}
+    jobs = [line for line in r.stdout.splitlines() if line.startswith("restore job ")]
+    assert len(jobs) == len(files) and jobs[-1].endswith(f"-> {dest.resolve() / files[-1].name} "
+                                                         f"on host {cluster.settings.host_id}"), r.stdout
+
+    code = ("import sys, pipeline; p = pipeline.latest(sys.argv[1]); "
+            "print(pipeline.restore(p, to=sys.argv[2]), len(p.parts))")
+    again = tmp_path / "again"
+    again.mkdir()
+    r = subprocess.run([sys.executable, "-c", code, str(run), str(again)], cwd=REPO, env=cluster.env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.split() == [str(again.resolve()), str(len(files) - 1)]
+    assert {p.name: sha(p) for p in again.iterdir()} == {p.name: sha(p) for p in files}
+    from safetensors.torch import load_file
+
+    for name in set(index["weight_map"].values()):
+        restored, written = load_file(again / name), load_file(run / name)
+        assert restored.keys() == written.keys() and all((restored[k] == written[k]).all() for k in written)
 
 
 def test_remote_keep_last_1_with_local_keep_last_2_rotates_forgotten_checkpoints(make_cluster):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.restore.loader import load_state_dict
+from pipeline.restoring.loader import load_state_dict
 from tests.checkpoints import atomic_save, dcp_folder, files_of, hf_folder, state_dict
 from tests.integration.conftest import checkpoint_job
 

@@ -16,7 +16,7 @@ from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 
 from pipeline.db.engine import session_scope
-from pipeline.restore import job as restore_job
+from pipeline.restoring import job as restore_job
 from tests.checkpoints import atomic_save, files_of, hf_folder, state_dict
 from tests.integration.conftest import checkpoint_job
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.restore.loader import load_state_dict
+from pipeline.restoring.loader import load_state_dict
 from tests.integration.conftest import checkpoint_job
 
 pytestmark = pytest.mark.integration

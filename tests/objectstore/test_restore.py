@@ -29,7 +29,7 @@ from pipeline.objectstore import keys
 from pipeline.objectstore.client import ObjectStore
 from pipeline.objectstore.config import to_json
 from pipeline.objectstore.tier import probe
-from pipeline.restore.loader import load_state_dict
+from pipeline.restoring.loader import load_state_dict
 from pipeline.states import CopyState, WorkerState
 from tests.checkpoints import files_of, hf_folder
 from tests.integration.conftest import checkpoint_job

@@ -222,7 +222,7 @@ def test_overwrite_through_a_symlinked_checkpoint_never_replaces_a_kept_version_
     import os
 
     from pipeline.integrity import gc
-    from pipeline.restore import job as restore_job
+    from pipeline.restoring import job as restore_job
 
     settings = dataclasses.replace(db, gc_grace_seconds=0)
     run = tmp_path / "runs" / "r"

@@ -167,7 +167,7 @@ def test_overwrite_with_other_content_never_makes_the_replaced_protected_version
     user means to restore checkpoint-300 somewhere and types the newest folder as the target:
     ``ckpt restore <id of 300> --to runs/r/checkpoint-500 --overwrite``. The request is
     accepted (checkpoint-500 is "a protected checkpoint's restorable content: every byte in
-    it is kept by the workers, so replacing it loses nothing", pipeline/restore/destination.py),
+    it is kept by the workers, so replacing it loses nothing", pipeline/restoring/destination.py),
     the actor writes step 300's bytes there, and the watcher records them as the new version
     of checkpoint-500: the real step 500 is superseded, released, and garbage once the
     collection's grace passes. The newest save is then nowhere, and the path named
@@ -181,7 +181,7 @@ def test_overwrite_with_other_content_never_makes_the_replaced_protected_version
     ``ckpt forget`` drops it, like any protected version."""
     import shutil
 
-    from pipeline.restore import job as restore_job
+    from pipeline.restoring import job as restore_job
 
     settings = dataclasses.replace(db, gc_grace_seconds=0)
     run = tmp_path / "runs" / "r"
@@ -232,7 +232,7 @@ def test_a_file_linked_inside_a_checkpoint_is_protected_or_named_and_never_wedge
     ignored the same way by ``differs``. In no case does an unchanged folder count as changed
     on disk."""
     from pipeline.detection.ondisk import differs
-    from pipeline.restore import job as restore_job
+    from pipeline.restoring import job as restore_job
 
     run = tmp_path / "runs" / "r"
     run.mkdir()

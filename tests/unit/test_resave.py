@@ -20,7 +20,7 @@ from pipeline.detection import catalog, completeness
 from pipeline.detection.ondisk import differs
 from pipeline.detection.watcher import Watcher
 from pipeline.errors import RestoreError
-from pipeline.restore import job as restore_job
+from pipeline.restoring import job as restore_job
 from pipeline.status import checkpoint_rows, run_facts
 from tests.checkpoints import dcp_folder, hf_folder
 from tests.unit.test_layouts_resave import SHARDED, interrupted_save

@@ -19,7 +19,7 @@ from pipeline.db.models import CheckpointPart
 from pipeline.db.transitions import transition
 from pipeline.detection import catalog, completeness, roots
 from pipeline.errors import DestinationExists, RestoreError
-from pipeline.restore import job as restore_job
+from pipeline.restoring import job as restore_job
 from tests.checkpoints import atomic_save, hf_folder, state_dict
 
 
@@ -76,7 +76,7 @@ def test_the_watched_roots_parent_is_no_restore_root(two, tmp_path):
 def test_a_glob_roots_fixed_part_is_the_restore_root(db, tmp_path):
     """``data/*/runs/*``: the restore root is ``data``, not its parent; a link out of it is outside."""
     s = dataclasses.replace(db, roots=(str(tmp_path / "data" / "*" / "runs" / "*"),))
-    from pipeline.restore import destination
+    from pipeline.restoring import destination
 
     assert destination.restore_roots(s) == [(tmp_path / "data").resolve()]
 

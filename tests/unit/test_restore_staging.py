@@ -7,7 +7,7 @@ import os
 import pytest
 
 from pipeline.errors import UnsafeDestination
-from pipeline.restore.staging import Staging, open_dir
+from pipeline.restoring.staging import Staging, open_dir
 
 
 def test_a_link_planted_inside_the_staging_directory_is_refused(tmp_path):

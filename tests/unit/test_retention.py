@@ -81,7 +81,7 @@ def test_temporary_names_are_not_checkpoints():
 def test_the_files_of_one_save_side_by_side_are_kept_together():
     """save_pretrained(run, max_shard_size=...) into the run: five shards and an index, each its
     own checkpoint; the newest save keeps all of them, not only the file that completed last."""
-    from pipeline.core.layouts import save_group
+    from pipeline.core.savegroups import save_group
 
     names = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)] + ["model.safetensors.index.json"]
     assert {save_group(n) for n in names} == {"model.safetensors"}

@@ -99,7 +99,7 @@ def test_a_restore_reads_from_every_worker_holding_its_shards(detected):
     from sqlalchemy import update
 
     from pipeline.db.models import Checkpoint, ContentCopy
-    from pipeline.restore.gather import manifest
+    from pipeline.restoring.gather import manifest
 
     db, path, job_id = detected
     sharding.shard_checkpoint(db, job_id)
@@ -123,7 +123,7 @@ def test_a_restore_reads_an_object_store_only_after_every_worker(detected):
     from sqlalchemy import select, update
 
     from pipeline.db.models import Checkpoint
-    from pipeline.restore.gather import manifest
+    from pipeline.restoring.gather import manifest
 
     db, path, job_id = detected
     sharding.shard_checkpoint(db, job_id)

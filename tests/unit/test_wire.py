@@ -35,7 +35,7 @@ def remote(monkeypatch):
     monkeypatch.setattr(wire.CPU, "idle", lambda: 1.0)
     monkeypatch.setattr(wire, "METER", Meter())
     import pipeline.cluster.client as client_mod
-    import pipeline.restore.gather as gather_mod
+    import pipeline.restoring.gather as gather_mod
 
     monkeypatch.setattr(client_mod, "METER", wire.METER)
     monkeypatch.setattr(gather_mod, "METER", wire.METER)

@@ -42,6 +42,17 @@ def save_pretrained_sharded(run: Path) -> list[str]:
     return [str(out)]
 
 
+def save_pretrained_into_run(run: Path) -> list[str]:
+    """``pretrained-2`` (a save_pretrained folder), then the final model saved sharded into the
+    run itself, as ``trainer.save_model()`` into the output directory does with a model over
+    ``max_shard_size``: its shards and index, each a checkpoint, one save. The saves: the
+    folder, the shards, the index (written last)."""
+    tiny_qwen(0).save_pretrained(run / "pretrained-2")
+    tiny_qwen(1).save_pretrained(run, max_shard_size="200KB")
+    shards = sorted(p for p in run.iterdir() if p.name.startswith("model-"))
+    return [str(run / "pretrained-2"), *map(str, shards), str(run / "model.safetensors.index.json")]
+
+
 class Tokens:
     """A tiny causal-LM dataset: fixed random token ids."""
 
@@ -247,6 +258,7 @@ def safetensors_file(run: Path) -> list[str]:
 WRITERS = {
     "save_pretrained": save_pretrained,
     "save_pretrained_sharded": save_pretrained_sharded,
+    "save_pretrained_into_run": save_pretrained_into_run,
     "hf_trainer": hf_trainer,
     "hf_trainer_final": hf_trainer_final,
     "hf_trainer_epoch": hf_trainer_epoch,
