@@ -16,8 +16,9 @@ side with smoltorrent on loopback (``--parts smoltorrent --smoltorrent-dir PATH`
 bench/smoltorrent.py).
 Options: ``--sizes 0.1,1,4`` (GiB), ``--parts sizes,dirs,control,month,scale,cluster,throughput``,
 ``--month-saves N``, ``--cluster-rates 100mbit,1gbit``, ``--cluster-gib 1``,
-``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: its former name; ``chain+s3``: chain with
-an object store on a host of its own as a required target), ``--training-steps N``,
+``--cluster-modes fanout,chain,chain+planes`` (``chain+zstd``: the same with zstd frames, the previous
+default's wire; ``chain+s3``: chain with an object store on a host of its own as a required target),
+``--training-steps N``,
 ``--training-save-every N``, ``--s3-gib 1``, ``--codec-gib 1``, ``--out FILE``, ``--keep`` (keep the work directory).
 """
 from __future__ import annotations
@@ -285,8 +286,8 @@ def main() -> None:
     ap.add_argument("--cluster-gib", type=float, default=1.0, help="checkpoint size in the box (GiB, default 1)")
     ap.add_argument("--cluster-modes", default="fanout,chain,chain+planes",
                     help="how copies leave the trainer, measured in the box (default fanout,chain,chain+planes; "
-                         "chain+zstd is chain+planes's former name; chain+s3 adds an object store "
-                         "on a shaped link of its own, a required target)")
+                         "chain+zstd is chain+planes with zstd frames, the previous default; chain+s3 adds an "
+                         "object store on a shaped link of its own, a required target)")
     ap.add_argument("--throughput-saves", type=int, default=1000,
                     help="saves of the throughput part (default 1000)")
     ap.add_argument("--training-steps", type=int, default=40, help="steps of each training run (default 40)")

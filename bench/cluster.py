@@ -46,13 +46,13 @@ MODES = {
     "fanout": {"CKPT_REPLICATION": "fanout", "CKPT_WIRE_COMPRESSION": "off"},
     "chain": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off"},
     "chain+planes": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto"},
+    # The previous default: the same rule, zstd frames (the wire before planes frames).
+    "chain+zstd": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "auto", "CKPT_WIRE_CODEC": "zstd"},
     "chain+s3": {"CKPT_REPLICATION": "chain", "CKPT_WIRE_COMPRESSION": "off", "CKPT_TARGET_MODE": "required"},
 }
 #: The modes whose box has an object store on a host of its own (:data:`OBJSTORE`), a target.
 WITH_STORE = {"chain+s3"}
 OBJSTORE = "objstore"
-#: Former names of modes: the defaults were "chain+zstd" while the wire sent zstd frames.
-ALIASES = {"chain+zstd": "chain+planes"}
 STORAGE_HOSTS = 4
 PORT = 7070
 KEY = "bench-cluster-key"
@@ -413,7 +413,10 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
     target = int(gib * layouts.GiB)
     _hidden, layers, _vocab = layouts.shape_for(target)
     out = {"rate": rate_name, "rate_bits": rate, "modes": {}}
-    for mode in (ALIASES.get(m, m) for m in modes):
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"no mode {', '.join(unknown)} in the box; the modes: {', '.join(MODES)}")
+    for mode in modes:
         first = layouts.write_file(layouts.decoder(target, seed=1, normal=True), gen / "step_1.safetensors")
         second = layouts.write_file(layouts.decoder(target, seed=2, changed_from_layer=layers // 2, base_seed=1,
                                                     normal=True), gen / "step_2.safetensors")
@@ -507,4 +510,4 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ALIASES", "RATES", "WITH_STORE", "measure_cluster", "missing", "table"]
+__all__ = ["RATES", "WITH_STORE", "measure_cluster", "missing", "table"]

@@ -178,10 +178,14 @@ class Settings:
     #: ``fanout`` sends it to each worker from the host. docs/design.md, "Replication".
     replication: str = "chain"
     #: Shard bytes sent to or fetched from a worker on another host: ``auto`` compresses them
-    #: with zstd when the link measured slower than the compressor, the host has cores to
-    #: spare and the shard compresses; ``on`` whenever the shard compresses; ``off`` never.
-    #: A worker answers a download compressed by the same rule. pipeline/cluster/wire.py.
+    #: when the link measured slower than the compressor, the host has cores to spare and the
+    #: shard compresses; ``on`` whenever the shard compresses; ``off`` never. A worker answers
+    #: a download compressed by the same rule. pipeline/cluster/wire.py.
     wire_compression: str = "auto"
+    #: The frames compressed bytes travel in, from this host: ``planes`` (tensors split into
+    #: byte planes; zstd frames to a worker that does not decode them) or ``zstd`` (zstd frames
+    #: only, the previous release's wire: a comparison, or a rollback).
+    wire_codec: str = "planes"
     #: Dramatiq time limit for one shard transfer, in seconds.
     transfer_time_limit: float = 3600.0
     #: Retries of a failing actor message before it is dead-lettered.
@@ -346,6 +350,11 @@ class Settings:
         tier policy asks for them per checkpoint a page shows)."""
         return list(_targets_of(self.targets))
 
+    @property
+    def wire_codecs(self) -> tuple[str, ...]:
+        """The frames this host sends compressed bytes in and asks downloads in, best first."""
+        return WIRE_CODECS[self.wire_codec]
+
     def key(self) -> bytes:
         """The cluster key, creating ``<home>/cluster.key`` (mode 0600) on first use."""
         if self.cluster_key:
@@ -419,6 +428,8 @@ def _coerce(name: str, raw: Any) -> Any:
 
 #: The ways copies are sent (``Settings.replication``).
 REPLICATION = ("chain", "fanout")
+#: ``wire_codec`` -> the frames this host sends and asks for, best first (pipeline/cluster/wire.py).
+WIRE_CODECS = {"planes": ("planes", "zstd"), "zstd": ("zstd",)}
 
 
 def load(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, *,
@@ -508,6 +519,8 @@ def explain(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, st
         raise ConfigError(f"replication must be one of {', '.join(REPLICATION)}, got {s.replication!r}")
     if s.wire_compression not in ("auto", "on", "off"):
         raise ConfigError(f"wire_compression must be auto, on or off, got {s.wire_compression!r}")
+    if s.wire_codec not in WIRE_CODECS:
+        raise ConfigError(f"wire_codec must be one of {', '.join(WIRE_CODECS)}, got {s.wire_codec!r}")
     if s.root_options:
         try:
             parsed = json.loads(s.root_options)

@@ -216,13 +216,14 @@ class WorkerClient:
         return int(length)
 
     def put_range(self, name: str, header: bytes, path: str, offset: int, length: int,
-                  chain: Sequence[tuple[str, str]] = (), *, wire: str = "off") -> dict[str, Any]:
+                  chain: Sequence[tuple[str, str]] = (), *, wire: str = "off",
+                  codecs: Sequence[str] = wire_mod.DECODES) -> dict[str, Any]:
         """Upload shard ``name``: ``header`` then ``length`` bytes of ``path`` from ``offset``.
         ``chain``: (node id, url) of workers this one forwards the bytes to as they arrive
         (workers/chain.py); the answer's ``chain`` says what each of them answered.
         ``wire="auto"``: compressed when that is faster (pipeline/cluster/wire.py); ``"on"``:
         whenever the worker is on another host and the shard compresses; either in the frames
-        that this worker and every one of ``chain`` decode."""
+        that this worker and every one of ``chain`` decode, the first of ``codecs`` they all do."""
         total = len(header) + length
         first: tuple[int, bytes] | None = None
 
@@ -231,7 +232,7 @@ class WorkerClient:
             if wire not in ("auto", "on") or total < wire_mod.MIN_SIZE or wire_mod.same_host(sock) \
                     or wire == "auto" and not METER.worth_it(self.url, "up", cores=False):
                 return None
-            codec = wire_mod.common_codec(w.decodes() for w in self._along(chain))
+            codec = wire_mod.common_codec((w.decodes() for w in self._along(chain)), codecs)
             if codec is None:
                 return None
             if wire == "auto" and wire_mod.CPU.idle() < wire_mod.MIN_IDLE:
@@ -286,16 +287,18 @@ class WorkerClient:
             if w.node in refused:
                 w.forget_decodes()
 
-    def open_shard(self, name: str, *, size: int = 0,
-                   wire: str = "off") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse | Decompressing]:
+    def open_shard(self, name: str, *, size: int = 0, wire: str = "off", codecs: Sequence[str] = wire_mod.DECODES
+                   ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse | Decompressing]:
         """Start downloading shard ``name``; the caller reads the stream, then closes the
         connection. ``wire="auto"`` (with the shard's ``size``): asked compressed when that is
-        faster, and the stream given back decompresses (pipeline/cluster/wire.py)."""
+        faster, in the frames of ``codecs`` (best first), and the stream given back decompresses
+        (pipeline/cluster/wire.py)."""
         conn = self._connect()
         compressed = (wire in ("auto", "on") and size >= wire_mod.MIN_SIZE and not wire_mod.same_host(conn.sock)
                       and (wire == "on" or METER.worth_it(self.url, "down")))
         path = f"/v1/shards/{name}" + ("?zstd=1" if compressed else "")
-        headers = self._headers("GET", path, {"Accept": ACCEPT} if compressed else None)
+        accept = ", ".join(CONTENT_TYPES[c] for c in codecs if c in wire_mod.DECODES) or ACCEPT
+        headers = self._headers("GET", path, {"Accept": accept} if compressed else None)
         try:
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()

@@ -234,12 +234,12 @@ def announced(status: Mapping[str, Any]) -> tuple[str, ...]:
     return (ZSTD,) if isinstance(status.get("zstd"), dict) else ()
 
 
-def common_codec(workers: Iterable[Sequence[str]]) -> str | None:
-    """The best codec of this release that every one of ``workers`` (what each decodes)
-    decodes: frames passed along a chain as they are must be read by every hop. None: bytes
-    as they are."""
+def common_codec(workers: Iterable[Sequence[str]], prefer: Sequence[str] = DECODES) -> str | None:
+    """The first codec of ``prefer`` (this host's, best first: Settings.wire_codecs) that every
+    one of ``workers`` (what each decodes) decodes: frames passed along a chain as they are must
+    be read by every hop. None: bytes as they are."""
     decoders = [tuple(w) for w in workers]  # read once: each codec is tried against all of them
-    return next((c for c in DECODES if all(c in w for w in decoders)), None)
+    return next((c for c in prefer if c in DECODES and all(c in w for w in decoders)), None)
 
 
 def accepted(accept: str, decodes: Sequence[str] = DECODES) -> str:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from pipeline import settings as settings_mod
 from pipeline.cluster.client import WorkerClient
 from pipeline.cluster.decoding import Decompressing
 from pipeline.cluster.wire import METER
@@ -187,9 +188,9 @@ def _open(shard: ShardSource, key: bytes, worker_id: str, url: str, wire: str,
     """(connection to close, answer to read the shard from) of one copy: a storage worker's
     HTTP answer, or an object store's ranged GETs (its ObjectStoreError raised as it comes)."""
     if not on_store(url):
+        codecs = (settings or settings_mod.current()).wire_codecs
         return WorkerClient(url, key, worker_id, timeout=FETCH_TIMEOUT).open_shard(shard.sha256, size=shard.size,
-                                                                                   wire=wire)
-    from pipeline import settings as settings_mod
+                                                                                   wire=wire, codecs=codecs)
     from pipeline.objectstore.tier import store_for  # boto3: only when a store is read
 
     stream = store_for(settings or settings_mod.current(), worker_id).open(shard.sha256, shard.size)

@@ -138,7 +138,7 @@ def _send_copy(settings: Settings, copy_id: int, sha: str, size: int, worker_id:
                 failpoints.hit("replicate.send")  # the worker lacks it: the bytes go now
                 answer = client.put_range(sha, shard_prefix(src.path, src.kind, src.tensors), src.path, src.offset,
                                           src.length, chain=[(h.worker_id, h.url) for h in hops],
-                                          wire=settings.wire_compression)
+                                          wire=settings.wire_compression, codecs=settings.wire_codecs)
                 reached = {str(r.get("node")): r for r in answer.get("chain") or [] if isinstance(r, dict)}
             elif not _copy_from_peer(settings, client, sha, size, peers):
                 return _abandon(settings, copy_id, "no local file and no good copy holds its bytes") + alone

@@ -17,7 +17,8 @@ import pytest
 
 import pipeline.cluster.client as client_mod
 from pipeline.cluster import decoding, wire
-from pipeline.errors import WorkerError
+from pipeline.errors import ConfigError, WorkerError
+from pipeline.settings import load
 from tests.processes import StorageWorker, base_env, worker_client
 from tests.unit.test_wire import received, remote, sent, upload, weights  # noqa: F401  (fixtures)
 
@@ -92,6 +93,32 @@ def test_a_chain_of_this_release_is_sent_planes_frames(mixed, tmp_path, remote, 
     assert [r["ok"] for r in answer["chain"]] == [True]
     assert mixed[0].shard(name).read_bytes() == data
     assert [codec for codec, _ in sent] == ["planes"]
+
+
+def test_a_host_set_to_the_previous_wire_sends_and_asks_zstd_frames_of_a_worker_of_this_release(
+        mixed, tmp_path, remote, sent):  # noqa: F811
+    """``wire_codec = "zstd"`` (Settings.wire_codecs): the previous default's wire, to compare
+    with it in one box or to roll back to it, though every worker decodes planes frames."""
+    data = weights(5_000_000, seed=44)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    name = hashlib.sha256(data).hexdigest()
+    codecs = load({"home": tmp_path}, environ={"CKPT_WIRE_CODEC": "zstd"}).wire_codecs
+    assert codecs == ("zstd",)
+    answer = worker_client(mixed[2]).put_range(name, b"", str(src), 0, len(data), chain=[(mixed[0].node_id,
+                                                                                            mixed[0].url)],
+                                                wire="auto", codecs=codecs)
+    assert [r["ok"] for r in answer["chain"]] == [True] and mixed[0].shard(name).read_bytes() == data
+    assert [codec for codec, _ in sent] == ["zstd"]
+    conn, stream = worker_client(mixed[0]).open_shard(name, size=len(data), wire="auto", codecs=codecs)
+    try:
+        assert isinstance(stream, decoding.ZstdDecompressing), type(stream)
+        assert stream.read() == data
+        stream.finish()
+    finally:
+        conn.close()
+    with pytest.raises(ConfigError, match="wire_codec must be one of planes, zstd"):
+        load({"home": tmp_path}, environ={"CKPT_WIRE_CODEC": "lz4"})
 
 
 def test_a_download_from_a_worker_of_the_previous_release_reads_its_zstd_frames(mixed, tmp_path, remote,  # noqa: F811
