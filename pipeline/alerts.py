@@ -136,7 +136,8 @@ def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Cond
     found: dict[str, tuple[datetime, str]] = {}
     for run, f in run_facts(s).items():
         newest = f["newest"]
-        if newest is None or newest.store_state in states.PROTECTED or newest.store_state in states.RELEASED:
+        whole = newest is not None and newest.id in f["protected_save"]  # the save latest() answers
+        if newest is None or whole or newest.store_state in states.RELEASED:
             continue
         # Since the first save after the newest protected one that is still not protected: a
         # run whose every save is late is unprotected since it fell behind, not since its last save.
@@ -144,7 +145,9 @@ def _runs_unprotected(s: Session, settings: Settings, at: datetime) -> list[Cond
         since = s.scalar(select(func.min(Checkpoint.detected_at)).where(
             Checkpoint.run == run, Checkpoint.current.is_(True), *after,
             Checkpoint.store_state.not_in(sorted(states.PROTECTED | states.RELEASED)))) or newest.detected_at
-        found[run] = (since, f"run {run}: its newest save {newest.name} is {newest.store_state}, not protected")
+        found[run] = (since, f"run {run}: its newest save {newest.name} is {newest.store_state}, not protected"
+                      if newest.store_state not in states.PROTECTED else
+                      f"run {run}: its newest save, of which {newest.name} is a file, is not protected whole")
     for d in degraded.listed(settings.home):
         text = f"run {d.run}: protection degraded, {d.failures} save(s) its trainer could not protect: {d.cause}"
         if d.run in found:

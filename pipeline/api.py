@@ -193,15 +193,11 @@ def restore(checkpoint: str | int | Path | Protected, to: str | Path, *, overwri
     if isinstance(checkpoint, Protected) and checkpoint.parts:
         folder = Path(to).expanduser()
         wanted = [(p.id, str(folder / Path(p.path).name)) for p in (*checkpoint.parts, checkpoint)]
-        requested = operations.restore_all(s, wanted, overwrite=overwrite, from_here=True, send=not wait)
-        for i, r in enumerate(requested if wait else []):
-            try:
+        operations.check_restores(s, wanted, overwrite=overwrite, from_here=True)
+        for part, dest in wanted:  # each recorded when its turn comes: a failure leaves the rest unrecorded
+            r = operations.restore_to(s, part, dest, overwrite=overwrite, from_here=True, send=not wait)
+            if wait:
                 _restored(s, r.job_id, timeout)
-            except BaseException:
-                operations.abandon_restores(s, [q.job_id for q in requested[i + 1:]],
-                                            f"not restored: restore job {r.job_id}, a file before it of the same "
-                                            "save, did not end done")
-                raise
         return folder.resolve()
     ref = checkpoint.id if isinstance(checkpoint, Protected) else str(checkpoint)
     r = operations.restore_to(s, ref, str(to), overwrite=overwrite, from_here=True, send=not wait)

@@ -26,9 +26,10 @@ from pipeline.detection import catalog, completeness, roots
 from pipeline.errors import CkptError, IncompleteCheckpoint, RestoreError
 from pipeline.integrity import gc, retention, scrub
 from pipeline.objectstore import tier
+from pipeline.restoring import destination
 from pipeline.restoring import job as restore_job
 from pipeline.settings import Settings
-from pipeline.steps import Send, fail_job, record_error
+from pipeline.steps import Send, record_error
 from pipeline.store.early import EarlySends
 from pipeline.units import human_bytes
 
@@ -112,34 +113,34 @@ def restore_to(settings: Settings, ref: str | int, dest: str, *, overwrite: bool
     return dataclasses.replace(result, sent=_send([Send("restore", (result.job_id,))]))
 
 
-def restore_all(settings: Settings, wanted: Sequence[tuple[str | int, str]], *, overwrite: bool = False,
-                from_here: bool = False, host: str | None = None, send: bool = True) -> list[Requested]:
-    """:func:`restore_to` for checkpoints that go back together (the files of one save, each a
-    checkpoint: ``wanted`` is (ref, dest) in the order to restore them), each checked before any
-    job is recorded, so that a refusal leaves no part of the save restored or on its way."""
+def check_restores(settings: Settings, wanted: Sequence[tuple[str | int, str]], *, overwrite: bool = False,
+                   from_here: bool = False, host: str | None = None) -> None:
+    """Check, before any is recorded, the restores of checkpoints that go back together (the
+    files of one save, each a checkpoint: ``wanted`` is (ref, dest), every dest in one folder),
+    so that a refusal leaves no part of the save restored or on its way. The folder is created
+    on this host if it does not exist yet (its parent must), as a folder checkpoint's is. The
+    caller then records and runs them one at a time (:func:`restore_to`), in ``wanted``'s order."""
     here = (host or settings.host_id) == settings.host_id
     extra = [Path.cwd().resolve()] if from_here and here else []
     folders = {os.path.dirname(dest) for _ref, dest in wanted}
-    if here and len(folders) == 1 and os.path.lexists(folder := folders.pop()) and not os.path.isdir(folder):
-        raise RestoreError(f"{folder} is a file: the {len(wanted)} files of this save go back into a folder; "
-                           "name a folder (one that exists)")
+    if len(folders) != 1:
+        raise ValueError(f"the files of one save go back into one folder, not {sorted(folders)}")
+    folder = folders.pop()
     with session_scope(settings.db_url, readonly=True) as s:
+        if here:
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                raise RestoreError(f"{folder} is a file: the {len(wanted)} files of this save go back into a "
+                                   "folder; name a folder")
+            target = Path(folder).expanduser().resolve()
+            destination.check(s, settings, target, extra)
+            if not target.parent.is_dir():
+                raise RestoreError(f"{target.parent} is not a directory; create it first")
+            target.mkdir(exist_ok=True)
         for ref, dest in wanted:
             if here:
                 restore_job.validate(s, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
             else:
                 restore_job.validate_elsewhere(s, ref, dest, host or settings.host_id)
-    return [restore_to(settings, ref, dest, overwrite=overwrite, from_here=from_here, host=host, send=send)
-            for ref, dest in wanted]
-
-
-def abandon_restores(settings: Settings, job_ids: Sequence[int], why: str) -> None:
-    """Fail restore jobs recorded to run here (:func:`restore_all` with ``send=False``) that will
-    not run: a file before them of the same save was not restored. Left queued, the scheduler's
-    re-drive would write them later, with nobody waiting."""
-    with session_scope(settings.db_url) as s:
-        for job_id in job_ids:
-            fail_job(s, job_id, why)
 
 
 def restore_here(settings: Settings, job_id: int, watch: restore_job.Watch | None = None) -> bool:

@@ -167,7 +167,10 @@ def run_facts(session: Session, runs: list[str] | None = None) -> dict[str, dict
     changed = changed_on_disk(session, list(out))
     for run, entry in out.items():
         entry["newest"] = newest(session, run)
-        entry["protected"] = found[0] if (found := newest_protected(session, run)) else None
+        found = newest_protected(session, run)
+        entry["protected"] = found[0] if found else None
+        #: every checkpoint of that save (its shards too, for a save written side by side)
+        entry["protected_save"] = {c.id for c in (found[0], *found[1])} if found else set()
         entry["changed_on_disk"] = changed.get(run, 0)
     return out
 
@@ -203,6 +206,10 @@ def run_summaries(session: Session, settings: Settings, at: datetime | None = No
                 and waiting >= settings.lag_warning_seconds:
             behind = (f"protection is behind: {newest['name']} was written {waiting / 60:.0f} min ago and is "
                       f"still {newest['state']}")
+        elif newest["state"] in states.PROTECTED and newest["id"] not in f.get("protected_save", {newest["id"]}) \
+                and waiting >= settings.lag_warning_seconds:
+            behind = (f"protection is behind: {newest['name']} was written {waiting / 60:.0f} min ago, and the save "
+                      "it is a file of is not protected whole")
         policy = settings.policy_for(run)
         out.append({
             "run": run, "checkpoints": items["count"], "by_state": f["by_state"],

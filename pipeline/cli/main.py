@@ -27,7 +27,6 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pipeline import settings as settings_mod
 from pipeline import states
@@ -50,9 +49,6 @@ from pipeline.cli.workers_cmd import add_parser as add_workers_parser
 from pipeline.errors import CkptError
 from pipeline.masking import masked_url
 from pipeline.settings import Settings
-
-if TYPE_CHECKING:
-    from pipeline.operations import Requested
 
 log = logging.getLogger("ckpt")
 
@@ -242,37 +238,33 @@ def cmd_restore(args: argparse.Namespace) -> int:
         if newest.parts:  # one save of several files side by side: each back into the folder --to
             print(f"newest protected save of {args.latest}: {newest.path} and its {len(newest.parts)} shards "
                   f"({step}ids {', '.join(str(p.id) for p in (*newest.parts, newest))}), into the folder {args.to}")
-            wanted = [(p.id, os.path.join(args.to, os.path.basename(p.path))) for p in (*newest.parts, newest)]
-            requested = operations.restore_all(s, wanted, overwrite=args.overwrite, from_here=True,
-                                               host=args.host, send=not here)
-            return _restoring(args, s, here, requested)
+            wanted = [(str(p.id), os.path.join(args.to, os.path.basename(p.path))) for p in (*newest.parts, newest)]
+            operations.check_restores(s, wanted, overwrite=args.overwrite, from_here=True, host=args.host)
+            return _restoring(args, s, here, wanted)
         ref = str(newest.id)
         print(f"newest protected checkpoint of {args.latest}: {newest.path} ({step}id {newest.id})")
     elif not ref:
         raise CkptError("give the checkpoint to restore (an id or a path), or --latest RUN")
-    r = operations.restore_to(s, ref, args.to, overwrite=args.overwrite, from_here=True, host=args.host, send=not here)
-    return _restoring(args, s, here, [r])
+    return _restoring(args, s, here, [(ref, args.to)])
 
 
-def _restoring(args: argparse.Namespace, s: Settings, here: bool, requested: list[Requested]) -> int:
-    """Say each restore job, run them here one after the other when waited for on this host
-    (the files of one save in the order given: its index last), and wait for each."""
+def _restoring(args: argparse.Namespace, s: Settings, here: bool, wanted: list[tuple[str, str]]) -> int:
+    """Restore each (checkpoint, destination) of ``wanted``: waited for, one after the other
+    (the files of one save in the order given: its index last), each recorded only when its
+    turn comes, run here on this host, and a failure ends the rest unrecorded; else all sent at
+    once."""
     from pipeline import operations
 
-    for r in requested:
-        print(f"restore job {r.job_id}: checkpoint {r.checkpoint_id} -> {r.detail} on host {args.host or s.host_id}",
-              flush=True)
+    for ref, dest in wanted:
+        r = operations.restore_to(s, ref, dest, overwrite=args.overwrite, from_here=True, host=args.host,
+                                  send=not here)
+        print(f"restore job {r.job_id}: checkpoint {ref} -> {r.detail} on host {args.host or s.host_id}", flush=True)
         if not r.sent:
             print("  recorded, but the broker does not answer now (`ckpt up` restarting?): it starts once it is back",
                   file=sys.stderr)
-    for i, r in enumerate(requested):
         if here:
             operations.restore_here(s, r.job_id, watching(states.RestoreState.GATHERING))
         if args.wait and (rc := wait_job(s, r.job_id, ok=("done",), timeout=args.timeout)):
-            if here and requested[i + 1:]:
-                operations.abandon_restores(s, [q.job_id for q in requested[i + 1:]],
-                                            f"not restored: restore job {r.job_id}, a file before it of the same save, "
-                                            "did not end done")
             return rc
     return 0
 

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline import failpoints
 from pipeline.core.layouts import Entry, Verdict, judge, nested_run, resave_in_progress
-from pipeline.core.savegroups import save_group
+from pipeline.core.savegroups import index_names, is_index, save_group
 from pipeline.db import hosts
 from pipeline.db.engine import session_scope
 from pipeline.db.models import Checkpoint
@@ -418,10 +418,10 @@ class Watcher:
         still the recorded one. Each file is a checkpoint of its own, so without this a save
         killed after its first shard would replace that shard of the newest complete save."""
         group = save_group(path.name)
-        if not group or path.name.endswith(".index.json") or path.is_dir():
+        if not group or is_index(path.name) or path.is_dir():
             return None
-        index = path.with_name(group + ".index.json")
-        if not self._unchanged_file(index, self.known.get(str(index))):
+        index = next((i for i in (path.with_name(n) for n in index_names(group)) if os.path.lexists(i)), None)
+        if index is None or not self._unchanged_file(index, self.known.get(str(index))):
             return None
         return (f"saved again over its recorded version but not yet {index.name}, which its writer "
                 "(save_pretrained) writes last")

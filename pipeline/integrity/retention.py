@@ -5,7 +5,8 @@ its store job to ``forgotten``: it can no longer be restored, its local copy is 
 local policy (which rotates it like any other: pipeline.store.rotation), and its content
 becomes garbage once no kept checkpoint references it and its local copy is gone (the
 collection's grace period starts at the forget: pipeline.integrity.gc). The newest save of
-a run, by every measure of pipeline.core.retention.newest_ids, is never forgotten. Only protected checkpoints
+a run, by every measure of pipeline.core.retention.newest_ids, and the save ``latest()``
+answers (:func:`resumed_from`) are never forgotten. Only protected checkpoints
 (``verified``, ``rotated``) are considered or forgotten: one still being stored keeps
 everything it references.
 """
@@ -22,6 +23,7 @@ from pipeline import states
 from pipeline.core.retention import Protected, kept, newest_ids, recency
 from pipeline.core.savegroups import save_group
 from pipeline.db.models import Checkpoint, Job, JobEvent
+from pipeline.db.newest import newest_protected
 from pipeline.db.transitions import latest_store_ids, now, transition
 from pipeline.detection.catalog import latest_store_job, resolve
 from pipeline.errors import CkptError
@@ -58,10 +60,20 @@ def plan_run(session: Session, settings: Settings, run: str) -> list[Verdict]:
     """The policy's verdict on every protected checkpoint of ``run``, newest first."""
     rows = protected(session, run)
     keep = kept([p for _c, p in rows], settings.policy_for(run))
+    for cid in resumed_from(session, run):  # what latest() answers, when the newest save is not whole yet
+        keep.setdefault(cid, []).append("what a resume restores")
     order = {c.id: recency(c.mtime, c.step, c.id) for c, _p in rows}
     out = [Verdict(c.id, c.path, c.step, c.total_bytes, c.id in keep, ", ".join(keep.get(c.id, ["dropped"])))
            for c, _p in rows]
     return sorted(out, key=lambda v: order[v.checkpoint_id], reverse=True)
+
+
+def resumed_from(session: Session, run: str) -> set[int]:
+    """The checkpoints of the save ``latest()`` answers for ``run`` (pipeline.db.newest): kept
+    by every rule, beside the newest by each measure, which may be files of a save not yet
+    protected whole."""
+    found = newest_protected(session, run)
+    return {c.id for c in (found[0], *found[1])} if found is not None else set()
 
 
 def runs_with_policy(session: Session, settings: Settings) -> list[str]:
@@ -109,7 +121,8 @@ def forget(session: Session, refs: list[str], *, dry_run: bool = False) -> list[
                             "checkpoints can be forgotten")
         if c.pinned:
             raise CkptError(f"checkpoint {c.id} ({c.path}) is pinned; `ckpt unpin {c.id}` first")
-        if c.id in newest_ids((p for _c, p in protected(session, c.run)), lambda p: p.saved_at.timestamp()):
+        if c.id in newest_ids((p for _c, p in protected(session, c.run)), lambda p: p.saved_at.timestamp()) \
+                or c.id in resumed_from(session, c.run):
             raise CkptError(f"checkpoint {c.id} ({c.path}) is the newest protected checkpoint of {c.run}: "
                             "it is what a resume restores, and is always kept")
         out.append(Verdict(c.id, c.path, c.step, c.total_bytes, False, "ckpt forget"))
