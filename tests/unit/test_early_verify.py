@@ -25,7 +25,7 @@ class FakeWorker:
     def head(self, name: str):
         return None
 
-    def put_range(self, name, header, path, offset, length, chain=(), wire="off"):
+    def put_range(self, name, header, path, offset, length, chain=(), wire="off", codecs=()):
         return {"created": True, "chain": [{"node": node, "ok": True, "created": True} for node, _url in chain]}
 
     def verify(self, names: list[str], rate: float = 0):
@@ -80,7 +80,7 @@ def test_a_copy_that_fails_its_upload_rehash_is_replaced_at_verify(detected, mon
 class RefusingHops(FakeWorker):
     """A first worker whose chain reports every hop after it as failed."""
 
-    def put_range(self, name, header, path, offset, length, chain=(), wire="off"):
+    def put_range(self, name, header, path, offset, length, chain=(), wire="off", codecs=()):
         FakeWorker.calls.append(("put", self.url, (name,)))
         return {"created": True, "chain": [{"node": node, "ok": False, "error": "refused"} for node, _ in chain]}
 
@@ -112,7 +112,7 @@ def test_fanout_sends_each_copy_from_the_host(detected, monkeypatch):  # noqa: F
 
 
 class SourceGone(FakeWorker):
-    def put_range(self, name, header, path, offset, length, chain=(), wire="off"):
+    def put_range(self, name, header, path, offset, length, chain=(), wire="off", codecs=()):
         raise FileNotFoundError(path)  # deleted before it was protected
 
 
