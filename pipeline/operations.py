@@ -135,12 +135,18 @@ def check_restores(settings: Settings, wanted: Sequence[tuple[str | int, str]], 
             destination.check(s, settings, target, extra)
             if not target.parent.is_dir():
                 raise RestoreError(f"{target.parent} is not a directory; create it first")
+            made = not target.exists()
             target.mkdir(exist_ok=True)
-        for ref, dest in wanted:
-            if here:
-                restore_job.validate(s, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
-            else:
-                restore_job.validate_elsewhere(s, ref, dest, host or settings.host_id)
+        try:
+            for ref, dest in wanted:
+                if here:
+                    restore_job.validate(s, settings, ref, dest, overwrite=overwrite, extra_roots=extra)
+                else:
+                    restore_job.validate_elsewhere(s, ref, dest, host or settings.host_id)
+        except BaseException:
+            if here and made:  # a refusal leaves nothing behind, not even the folder
+                target.rmdir()
+            raise
 
 
 def restore_here(settings: Settings, job_id: int, watch: restore_job.Watch | None = None) -> bool:

@@ -489,6 +489,11 @@ def test_restore_latest_into_a_new_folder_as_for_a_folder_checkpoint(db, tmp_pat
     except CkptError as exc:
         pytest.fail(f"refused: {exc}")
     assert (tmp_path / "resume").is_dir() and _restore_jobs(db) == []
+    fresh = tmp_path / "fresh"  # a refusal after the folder was made (an unknown checkpoint) takes it away
+    with pytest.raises(CkptError):
+        operations.check_restores(db, [(str(newest.id), str(fresh / "a")), ("987654", str(fresh / "b"))],
+                                  from_here=True)
+    assert not fresh.exists()
     (tmp_path / "afile").write_bytes(b"x")
     with pytest.raises(CkptError, match="is a file"):
         operations.check_restores(db, _wanted(newest, tmp_path / "afile"), from_here=True)
