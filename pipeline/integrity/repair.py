@@ -36,7 +36,7 @@ from pipeline.db.copies import good_copy, good_count, move, on, place_one
 from pipeline.db.engine import one, session_scope
 from pipeline.db.models import Checkpoint, CheckpointFile, Content, ContentCopy, Job, Shard, StorageWorker
 from pipeline.db.transitions import create_job, note, now, renew_lease, transition
-from pipeline.errors import CkptError, ObjectMismatch, ObjectMissing, ObjectStoreError, WorkerError
+from pipeline.errors import CkptError, ObjectMismatch, ObjectMissing, ObjectStoreError, PlacementError, WorkerError
 from pipeline.leases import leased
 from pipeline.objectstore.tier import store_for
 from pipeline.settings import Settings
@@ -158,7 +158,15 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                     fixed += 1
                 for _ in range(w.need):
                     with session_scope(settings.db_url) as s:
-                        target = place_one(s, one(s, Content, sha)).worker_id
+                        try:
+                            target = place_one(s, one(s, Content, sha)).worker_id
+                        except PlacementError as exc:
+                            # Every live worker holds a copy row already (RF as many as the
+                            # workers, one down or unverified): not a failed attempt, resumed when
+                            # a worker comes or the lease ends (it used to raise, be retried and
+                            # dead-letter, a traceback each time).
+                            waits.append(f"waiting for a storage worker to place a copy on: {exc}")
+                            break
                         url = one(s, StorageWorker, target).url
                     try:
                         _rebuild_on(settings, key, w, target, url, quarantine_first=False)
@@ -177,7 +185,7 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                 if why is None:
                     fixed += 1
                 else:
-                    waits.append(why)
+                    waits.append(f"waiting for the object store: {why}")
             with session_scope(settings.db_url) as s:
                 renew_lease(s, job_id, settings.lease_seconds)
             if waits:
@@ -198,8 +206,9 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
             return []
         if waits:
             # Not the copy's fault: nothing more is marked, and a wait is no failed attempt (a
-            # store throttled for hours must not use them up). Resumed when the lease ends.
-            why = f"waiting for the object store: {waits[0]}"[:1000]
+            # store throttled or a worker down for hours must not use them up). Resumed when the
+            # lease ends.
+            why = waits[0][:1000]
             if one(s, Job, job_id).blocked_reason != why:
                 note(s, job_id, why)
             renew_lease(s, job_id, settings.lease_seconds, blocked_reason=why, attempts=0)

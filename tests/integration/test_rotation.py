@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import select, update
 
 from pipeline.db.engine import session_scope
-from pipeline.db.models import CheckpointFile, ContentCopy, Shard
+from pipeline.db.models import CheckpointFile, ContentCopy, Job, Shard
 from tests.checkpoints import atomic_save, state_dict
 from tests.integration.conftest import checkpoint_job
 from tests.processes import wait_for
@@ -58,7 +58,10 @@ def test_rotation_refuses_while_a_replica_is_missing_and_deletes_once_confirmed(
 
 
 def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
-    cluster = make_cluster(env={"CKPT_KEEP_LAST": "1"})
+    # Two workers for RF 2: with a third, the under-replication sweep heals the content (a copy
+    # placed there) and rotation rightly goes on; whether the sweep or the rotation came first
+    # depended on the machine's load (it failed in full runs only).
+    cluster = make_cluster(workers=2, env={"CKPT_KEEP_LAST": "1"})
     run = cluster.runs / "run"
     run.mkdir()
     old = atomic_save(state_dict(3), run / "step_1.safetensors")
@@ -67,6 +70,18 @@ def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
     rid = copies(cluster, old_job)[0][0]
     with session_scope(cluster.settings.db_url) as s:  # as if the re-hash after upload had not happened
         s.execute(update(ContentCopy).where(ContentCopy.id == rid).values(state="stored", verified_at=None))
+        sha = s.get(ContentCopy, rid).sha256
+
+    # The sweep's repair has no worker to place the missing copy on: it waits, saying so (it used
+    # to raise and be retried into the dead letters).
+    def repair_waits():
+        with session_scope(cluster.settings.db_url) as s:
+            return s.execute(select(Job.blocked_reason, Job.state, Job.attempts)
+                             .where(Job.kind == "repair", Job.sha256 == sha, Job.blocked_reason.is_not(None))).first()
+
+    why, state, attempts = wait_for(repair_waits, 30, "the repair to wait")
+    assert "waiting for a storage worker" in why and "have 0" in why
+    assert (state, attempts) == ("repairing", 0)
 
     new = atomic_save(state_dict(4), run / "step_2.safetensors")
     cluster.wait_job(checkpoint_job(cluster, new), ("verified",))
