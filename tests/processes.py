@@ -66,6 +66,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def has_loaded(pid: int, package: str) -> bool:
+    """Whether process ``pid`` has a file of the Python package ``package`` mapped (numpy's
+    compiled modules, once it imported numpy)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f"/{package}/" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -46,10 +46,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs, urlsplit
 
-from pipeline import failpoints
+from pipeline import codec, failpoints
 from pipeline.cluster import auth
 from pipeline.cluster.decoding import CONTENT_TYPES, PLANES, ZSTD, decoding
-from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames
+from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames, is_loopback
 from pipeline.errors import AuthError, ShardRefused
 from workers import chain, push
 from workers.shardstore import ShardStore, Throttle, valid_name
@@ -109,6 +109,7 @@ class WorkerApp:
         #: Its copies it put on object stores (POST /v1/push): shards and bytes the stores took.
         self.pushes: Counter[str] = Counter()
         self._wire_lock = threading.Lock()
+        self._remote_seen = False
 
     def count_wire(self, way: str, raw: int, wire: int, shards: int = 1) -> None:
         with self._wire_lock:
@@ -127,6 +128,11 @@ class WorkerApp:
                                                      any_node=method == "GET" and path == "/v1/status")
         except AuthError as exc:
             return _error(start, 401, str(exc), auth.clock_hint(self.key))
+        if not self._remote_seen and not is_loopback(environ.get("REMOTE_ADDR")):
+            # Another host speaks to it (the control plane's probe first): frames are coming,
+            # so the codec loads now, not inside the first upload (pipeline/service/warmth.py).
+            self._remote_seen = True
+            codec.warm_soon()
         try:
             return self.route(method, path, environ, start)
         except ShardRefused as exc:

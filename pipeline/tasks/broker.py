@@ -18,7 +18,7 @@ from dramatiq.middleware import Retries
 
 from pipeline import failpoints
 from pipeline.settings import Settings
-from pipeline.tasks.middleware import ConsumerBeat, Deliveries, Failpoints, JobFailures, Ready
+from pipeline.tasks.middleware import CodecWarmth, ConsumerBeat, Deliveries, Failpoints, JobFailures, Ready
 
 #: A worker whose heartbeat is older than this is presumed dead (ms).
 HEARTBEAT_TIMEOUT_MS = 15_000
@@ -90,6 +90,7 @@ def build_broker(settings: Settings) -> dramatiq.Broker:
         broker.add_middleware(Ready())
     if not isinstance(broker, StubBroker):  # unit tests' in-process workers have no host to speak for
         broker.add_middleware(ConsumerBeat())
+        broker.add_middleware(CodecWarmth())
     if failpoints.ENABLED:
         broker.add_middleware(Failpoints())
     return broker

@@ -42,6 +42,22 @@ class Ready(Middleware):
         mark_ready(settings_mod.current(), "dramatiq")
 
 
+class CodecWarmth(Middleware):
+    """Loads the planes codec as a worker process boots where frames are coming (its storage
+    workers are on other hosts; pipeline/service/warmth.py), not inside the first store. Added
+    after :class:`Ready` (``after_worker_boot`` runs the middleware in reverse): done before the
+    process counts as booted."""
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        from pipeline import settings as settings_mod
+        from pipeline.service.warmth import warm_codec
+
+        try:
+            warm_codec(settings_mod.current())
+        except Exception:  # loaded on first use instead, as before
+            log.exception("could not load the planes codec ahead")
+
+
 class Failpoints(Middleware):
     """Names the commit failpoints of each message after its actor (tests only:
     installed when ``CKPT_FAILPOINTS`` is set, see :mod:`pipeline.failpoints`)."""

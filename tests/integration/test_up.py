@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.checkpoints import atomic_save, state_dict
-from tests.processes import FAST, alive, base_env, descendants, stop_up, wait_for
+from tests.processes import FAST, alive, base_env, descendants, has_loaded, stop_up, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +54,9 @@ def test_ckpt_up_protects_a_checkpoint_and_stops_everything_on_ctrl_c(tmp_path):
             return any(c["state"] == "verified" for c in json.loads(out)["checkpoints"])
 
         wait_for(verified, 90, "the checkpoint to be verified", interval=0.5)
+        # On one host every copy crossed loopback as it is: no process loaded the planes codec's
+        # numpy (pipeline/service/warmth.py loads it ahead only where frames are coming).
+        assert [p for p in all_pids(proc) if has_loaded(p, "numpy")] == []
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

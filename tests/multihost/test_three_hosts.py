@@ -33,7 +33,7 @@ from tests.conftest import (
     POSTGRES_ADMIN_URL,
 )
 from tests.multihost.lan import MARKS, PORT, SVC_IP, Lan
-from tests.processes import FAST, KEY, wait_for
+from tests.processes import FAST, KEY, descendants, has_loaded, wait_for
 
 pytestmark = MARKS
 
@@ -69,9 +69,9 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
     try:
         lan.start_services(env("svc"), logs)
         lan.start_storage_workers(("h1", "h2", "h3"), env, lambda h: tmp_path / h / "data", logs)
-        for h in ("h1", "h2"):
-            lan.run(h, [py, "-m", "dramatiq", "pipeline.tasks", "--processes", "1", "--threads", "4",
-                        "--queues", "ckpt", f"ckpt.host.{h}"], env(h), logs / f"dramatiq-{h}.log")
+        dramatiq = [lan.run(h, [py, "-m", "dramatiq", "pipeline.tasks", "--processes", "1", "--threads", "4",
+                                "--queues", "ckpt", f"ckpt.host.{h}"], env(h), logs / f"dramatiq-{h}.log")
+                    for h in ("h1", "h2")]
         lan.run("h1", [py, "-m", "pipeline.cli", "scheduler"], env("h1"), logs / "scheduler.log")
         lan.run("h1", [py, "-m", "pipeline.cli", "watch"], env("h1"), logs / "watcher.log")
 
@@ -90,6 +90,13 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
         try:
             wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
+            # Frames are coming to every storage worker (h1's scheduler probed it from the LAN) and
+            # to the Dramatiq processes (their workers are on other hosts): each loaded the codec
+            # before the first store, not inside it (pipeline/service/warmth.py).
+            storage = [p for p in lan.procs if "worker" in p.args]
+            assert len(storage) == 3 and len(dramatiq) == 2
+            wait_for(lambda: all(any(has_loaded(q, "numpy") for q in (p.pid, *descendants(p.pid)))
+                                 for p in dramatiq + storage), 30, "the codec loaded in every worker and Dramatiq")
             # bf16 weights: between hosts their shards cross compressed (planes frames, pipeline/cluster/wire.py)
             first = atomic_save(state_dict(1, layers=12, dtype=torch.bfloat16), runs / "run" / "step_1.safetensors")
             wait_for(lambda: state_of(first) == "verified", 90, "the first checkpoint verified")
