@@ -359,8 +359,22 @@ class BoxSystem:
                 "path": dest, "timeline": self.timeline(dest, renamed), "busy": link.busy(self.box.rate)}
 
     def pushes(self) -> dict[str, dict]:
-        """What each worker says it put on object stores itself (its /v1/status "pushes"), asked
-        from the trainer's host: the bench's own namespace has no route into the box."""
+        """What each worker says it put on object stores itself (its /v1/status "pushes")."""
+        return {i: st.get("pushes", {}) for i, st in self.statuses().items()}
+
+    def wire(self) -> dict[str, int]:
+        """What the workers took so far, summed: every upload ("uploads": shards, raw bytes) and
+        those that crossed compressed ("zstd": received_/sent_ shards, raw, wire bytes)."""
+        out: dict[str, int] = {}
+        for st in self.statuses().values():
+            for group in ("uploads", "zstd"):
+                for k, v in (st.get(group) or {}).items():
+                    out[f"{group}.{k}"] = out.get(f"{group}.{k}", 0) + int(v)
+        return out
+
+    def statuses(self) -> dict[str, dict]:
+        """Each worker's /v1/status answer, asked from the trainer's host: the bench's own
+        namespace has no route into the box."""
         code = ("import json, sys\n"
                 "from sqlalchemy import select\n"
                 "from pipeline.cluster.client import WorkerClient\n"
@@ -369,8 +383,7 @@ class BoxSystem:
                 "with session_scope(sys.argv[1]) as s:\n"
                 "    rows = [(w.id, w.url) for w in s.scalars(select(StorageWorker).where("
                 "StorageWorker.tier == 'workers'))]\n"
-                "print(json.dumps({i: WorkerClient(u, sys.argv[2].encode(), i).status().get('pushes', {})"
-                " for i, u in rows}))\n")
+                "print(json.dumps({i: WorkerClient(u, sys.argv[2].encode(), i).status() for i, u in rows}))\n")
         _, out = self.box.run("trainer", [sys.executable, "-c", code, f"sqlite:///{self.home / 'ckpt.db'}", KEY],
                               self.env)
         return json.loads(out)
@@ -445,6 +458,7 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             system = BoxSystem(box, root, mode, bucket).start()
             print(f"   {mode}: store ...", flush=True)
             s1 = system.protect(first, "step_1.safetensors")
+            wire1 = system.wire()
             print(f"   {mode}: half-changed step ...", flush=True)
             s2 = system.protect(second, "step_2.safetensors")
             print(f"   {mode}: restore ...", flush=True)
@@ -475,7 +489,7 @@ def measure_cluster(work: Path, rate_name: str, gib: float = 1.0, modes: tuple[s
             "restore_s": r["seconds"], "restore_ratio": r["seconds"] / restore_limit, "restore_identical": same,
             "restore_timeline": r["timeline"],
             "store_store_bytes": s1["store_received"], "second_store_bytes": s2["store_received"],
-            "worker_pushes": pushes,
+            "worker_pushes": pushes, "store_worker_wire": wire1,
         }
     return out
 
@@ -502,6 +516,11 @@ def table(doc: dict) -> str:
         lines.append(f"{'  objstore link received / size':34}" + "".join(
             f"{modes[n]['store_store_bytes'] / modes[n]['bytes']:>13.2f}x" if modes[n].get("store_store_bytes")
             is not None else f"{'-':>14}" for n in names))
+    if all(modes[n].get("store_worker_wire") for n in names):
+        def framed(w: dict) -> str:
+            return f"{w.get('zstd.received_shards', 0)}/{w.get('uploads.shards', 0)}"
+        lines.append(f"{'  uploads taken in frames (hops)':34}" + "".join(
+            f"{framed(modes[n]['store_worker_wire']):>14}" for n in names))
     row("half-changed step (s)", "second_s", "{:.1f}")
     row("  / first step", "second_vs_first", "{:.2f}x", "<= 0.55x")
     row("restore to the trainer (s)", "restore_s", "{:.1f}")

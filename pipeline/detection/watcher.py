@@ -623,6 +623,10 @@ class Watcher:
     # -- loop --------------------------------------------------------------------------
 
     def run(self) -> None:
+        from pipeline.service.warmth import warm_codec
+
+        # Its early sends upload frames while a checkpoint is hashed (pipeline.store.early).
+        warm_codec(self.settings)
         self.reconcile()
         if self.watches is not None:
             self.watches.start()

@@ -5,9 +5,10 @@ Splitting and merging planes needs numpy, about 0.2 CPU-seconds to load here. Lo
 use, it was paid inside the first checkpoint's store by every process that sent or received a
 frame (the trainer host's Dramatiq processes, each storage worker): 1.1 CPU-seconds more than
 a store in zstd frames, on two cores that a 1 Gbit store keeps busy. A process that will see
-frames loads it before it says it is ready (a Dramatiq process, the command server that runs
-restores); a storage worker once an authenticated request came from another host
-(workers/app.py). A cluster on one host sends over loopback as it is, and never loads it.
+frames loads it before it says it is ready (a Dramatiq process, the watcher, whose early sends
+upload while a checkpoint is hashed, the command server that runs restores); a storage worker
+once an authenticated request came from another host (workers/app.py). A cluster on one host
+sends over loopback as it is, and never loads it.
 """
 from __future__ import annotations
 

@@ -90,13 +90,16 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
         try:
             wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
-            # Frames are coming to every storage worker (h1's scheduler probed it from the LAN) and
-            # to the Dramatiq processes (their workers are on other hosts): each loaded the codec
-            # before the first store, not inside it (pipeline/service/warmth.py).
+            # Frames are coming to every storage worker (h1's scheduler probed it from the LAN), to
+            # the Dramatiq processes and to the watcher (early sends; their workers are on other
+            # hosts): each loaded the codec before the first store, not inside it
+            # (pipeline/service/warmth.py).
             storage = [p for p in lan.procs if "worker" in p.args]
-            assert len(storage) == 3 and len(dramatiq) == 2
+            watcher = [p for p in lan.procs if "watch" in p.args]
+            assert len(storage) == 3 and len(dramatiq) == 2 and len(watcher) == 1
             wait_for(lambda: all(any(has_loaded(q, "numpy") for q in (p.pid, *descendants(p.pid)))
-                                 for p in dramatiq + storage), 30, "the codec loaded in every worker and Dramatiq")
+                                 for p in dramatiq + storage + watcher), 30,
+                     "the codec loaded in every worker, Dramatiq and the watcher")
             # bf16 weights: between hosts their shards cross compressed (planes frames, pipeline/cluster/wire.py)
             first = atomic_save(state_dict(1, layers=12, dtype=torch.bfloat16), runs / "run" / "step_1.safetensors")
             wait_for(lambda: state_of(first) == "verified", 90, "the first checkpoint verified")
