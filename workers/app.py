@@ -46,10 +46,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs, urlsplit
 
-from pipeline import codec, failpoints
+from pipeline import failpoints
 from pipeline.cluster import auth
 from pipeline.cluster.decoding import CONTENT_TYPES, PLANES, ZSTD, decoding
-from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames, is_loopback
+from pipeline.cluster.wire import CPU, DECODES, MIN_IDLE, accepted, file_frames, own_address
 from pipeline.errors import AuthError, ShardRefused
 from workers import chain, push
 from workers.shardstore import ShardStore, Throttle, valid_name
@@ -109,7 +109,6 @@ class WorkerApp:
         #: Its copies it put on object stores (POST /v1/push): shards and bytes the stores took.
         self.pushes: Counter[str] = Counter()
         self._wire_lock = threading.Lock()
-        self._remote_seen = False
 
     def count_wire(self, way: str, raw: int, wire: int, shards: int = 1) -> None:
         with self._wire_lock:
@@ -128,11 +127,6 @@ class WorkerApp:
                                                      any_node=method == "GET" and path == "/v1/status")
         except AuthError as exc:
             return _error(start, 401, str(exc), auth.clock_hint(self.key))
-        if not self._remote_seen and not is_loopback(environ.get("REMOTE_ADDR")):
-            # Another host speaks to it (the control plane's probe first): frames are coming,
-            # so the codec loads now, not inside the first upload (pipeline/service/warmth.py).
-            self._remote_seen = True
-            codec.warm_soon()
         try:
             return self.route(method, path, environ, start)
         except ShardRefused as exc:
@@ -166,7 +160,7 @@ class WorkerApp:
         if not host or port != self.port:
             return False
         if self.host in ("", "0.0.0.0", "::"):
-            return _local_address(host)
+            return own_address(host)
         return _same_address(host, self.host)
 
     def route(self, method: str, path: str, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
@@ -347,24 +341,6 @@ class WorkerApp:
         if bad:
             raise ShardRefused(400, f"shard name {str(bad[0])[:80]!r} is not 64 lowercase hex characters")
         return names
-
-
-def _local_address(host: str) -> bool:
-    """Whether ``host`` names an address of this machine: binding to it succeeds."""
-    if host in ("0.0.0.0", "::"):  # binds anywhere, reaches nothing in particular
-        return False
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    for family, _type, _proto, _name, addr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
 
 
 def _addresses(host: str) -> set[str]:

@@ -10,6 +10,8 @@ import os
 import secrets
 from typing import Any
 
+from pipeline import codec
+from pipeline.cluster.wire import is_loopback
 from pipeline.durable import fsync_dir
 from pipeline.service.serving import run
 from workers.app import WorkerApp
@@ -68,6 +70,10 @@ def serve(data_dir: str, *, host: str, port: int, key: bytes, zone: str = "", th
 
     def post_fork(_server: Any, _worker: Any) -> None:
         store.reopen()  # a respawned process counts the shards as they are now
+        if not is_loopback(host):
+            # Other hosts reach it: planes frames will come, and the codec loads now, not inside
+            # the first upload (pipeline/service/warmth.py). One on loopback never loads it.
+            codec.warm_soon()
 
     run(app, host=host, port=port, threads=threads, name=f"ckpt-worker-{node}",
         when_ready=when_ready, on_exit=on_exit, post_fork=post_fork)

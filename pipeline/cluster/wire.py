@@ -90,13 +90,34 @@ _NEW = 0.5
 
 
 def is_loopback(host: str | None) -> bool:
-    """Whether a host name or address is this host's loopback (``127.x``, ``::1``, ``localhost``)."""
+    """Whether a host name or address is this host's loopback (``127.x``, ``::1``, ``localhost``,
+    and ``::ffff:127.x``, as a dual-stack socket sees a loopback IPv4 client)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host or "").is_loopback
+        address = ipaddress.ip_address(host or "")
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def own_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: binding to it succeeds."""
+    if host in ("0.0.0.0", "::"):  # binds anywhere, reaches nothing in particular
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _type, _proto, _name, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def same_host(sock: socket.socket) -> bool:

@@ -145,6 +145,8 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
         job = start_job(s, settings, job_id, JobKind.REPAIR, P.QUEUED, P.REPAIRING)
         if job is None:
             return []
+        if job.blocked_reason is not None:  # resumed after a wait: it works again
+            renew_lease(s, job_id, settings.lease_seconds, blocked_reason=None)
         sha = str(job.sha256 or job.params["sha256"])
 
     key = settings.key()
@@ -160,12 +162,12 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
                     with session_scope(settings.db_url) as s:
                         try:
                             target = place_one(s, one(s, Content, sha)).worker_id
-                        except PlacementError as exc:
-                            # Every live worker holds a copy row already (RF as many as the
-                            # workers, one down or unverified): not a failed attempt, resumed when
-                            # a worker comes or the lease ends (it used to raise, be retried and
-                            # dead-letter, a traceback each time).
-                            waits.append(f"waiting for a storage worker to place a copy on: {exc}")
+                        except PlacementError:
+                            # Every live worker that is not full holds a row of it already (RF
+                            # as many as the workers, one down or its copy unverified): not a
+                            # failed attempt; tried again when its lease ends, a worker may have
+                            # come meanwhile (it used to raise, be retried and dead-letter).
+                            waits.append(_no_placement(s, settings, sha))
                             break
                         url = one(s, StorageWorker, target).url
                     try:
@@ -214,13 +216,21 @@ def repair(settings: Settings, job_id: int) -> list[Send]:
             renew_lease(s, job_id, settings.lease_seconds, blocked_reason=why, attempts=0)
             log.warning("repair of %s waits: %s", sha[:12], waits[0])
             return []
-        transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.DONE, detail=f"{fixed} copies rebuilt and verified")
+        transition(s, job_id, JobKind.REPAIR, P.REPAIRING, P.DONE, detail=f"{fixed} copies rebuilt and verified",
+                   blocked_reason=None)
         sends = _wake_stores(s, settings, sha)
         runs = list(s.scalars(
             select(Checkpoint.run).join(CheckpointFile).join(Shard)
             .where(Shard.sha256 == sha, Checkpoint.local_present.is_(True)).distinct().limit(20)))
     log.info("content %s repaired: %d copies rebuilt", sha[:12], fixed)
     return sends + [Send("rotate_run", (run,)) for run in runs]
+
+
+def _no_placement(s: Session, settings: Settings, sha: str) -> str:
+    """Why a repair of ``sha`` has no worker to place a copy on, and what to do."""
+    return (f"waiting for a storage worker to place a copy on: every live worker with room holds a row of "
+            f"{sha[:12]} already, good or not (RF {content_rf(s, settings, sha)}); start another (`ckpt worker`) "
+            "or bring a down one back")
 
 
 def _give_back(settings: Settings, worker_id: str, sha: str) -> None:

@@ -251,18 +251,6 @@ class Server:
         self.children.clear()
 
 
-def _warm_codec() -> None:
-    """The planes codec too where frames are coming (pipeline/service/warmth.py): every restore
-    from workers on other hosts decodes them, in a child forked from this process."""
-    from pipeline import settings as settings_mod
-    from pipeline.service.warmth import warm_codec
-
-    try:
-        warm_codec(settings_mod.current())
-    except Exception as exc:  # a setting the commands themselves will report; the server serves on
-        logging.getLogger("ckpt.service").warning("the codec was not loaded ahead: %s", exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.service.commands HOME``: what ``ckpt up`` starts."""
     args = sys.argv[1:] if argv is None else argv
@@ -272,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
         del sys.path[0]
     preload()
-    _warm_codec()
     Server(Path(args[0])).serve()
     return 0
 

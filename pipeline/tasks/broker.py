@@ -89,8 +89,8 @@ def build_broker(settings: Settings) -> dramatiq.Broker:
     if settings.ready_dir:
         broker.add_middleware(Ready())
     if not isinstance(broker, StubBroker):  # unit tests' in-process workers have no host to speak for
-        broker.add_middleware(ConsumerBeat())
         broker.add_middleware(CodecWarmth())
+        broker.add_middleware(ConsumerBeat())
     if failpoints.ENABLED:
         broker.add_middleware(Failpoints())
     return broker

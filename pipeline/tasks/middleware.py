@@ -45,17 +45,15 @@ class Ready(Middleware):
 class CodecWarmth(Middleware):
     """Loads the planes codec as a worker process boots where frames are coming (its storage
     workers are on other hosts; pipeline/service/warmth.py), not inside the first store. Added
-    after :class:`Ready` (``after_worker_boot`` runs the middleware in reverse): done before the
-    process counts as booted."""
+    after :class:`Ready` and before :class:`ConsumerBeat` (``after_worker_boot`` runs the
+    middleware in reverse): after the first beat (the host's queue is seen consumed without
+    waiting for it), before the process counts as booted."""
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
         from pipeline import settings as settings_mod
         from pipeline.service.warmth import warm_codec
 
-        try:
-            warm_codec(settings_mod.current())
-        except Exception:  # loaded on first use instead, as before
-            log.exception("could not load the planes codec ahead")
+        warm_codec(settings_mod.current())
 
 
 class Failpoints(Middleware):

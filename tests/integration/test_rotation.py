@@ -80,7 +80,7 @@ def test_rotation_refuses_while_a_replica_is_unverified(make_cluster):
                              .where(Job.kind == "repair", Job.sha256 == sha, Job.blocked_reason.is_not(None))).first()
 
     why, state, attempts = wait_for(repair_waits, 30, "the repair to wait")
-    assert "waiting for a storage worker" in why and "have 0" in why
+    assert "waiting for a storage worker to place a copy on" in why and "RF 2" in why
     assert (state, attempts) == ("repairing", 0)
 
     new = atomic_save(state_dict(4), run / "step_2.safetensors")

@@ -90,10 +90,9 @@ def test_store_cut_a_host_off_restore_bring_it_back(tmp_path, pg_database):
 
         try:
             wait_for(lambda: list(workers_up().values()).count("up") == 3, 60, "three storage workers up")
-            # Frames are coming to every storage worker (h1's scheduler probed it from the LAN), to
-            # the Dramatiq processes and to the watcher (early sends; their workers are on other
-            # hosts): each loaded the codec before the first store, not inside it
-            # (pipeline/service/warmth.py).
+            # Frames are coming to every storage worker (bound to its LAN address), and from the
+            # Dramatiq processes and the watcher (early sends; their workers are on other hosts):
+            # each loaded the codec before the first store, not inside it (pipeline/service/warmth.py).
             storage = [p for p in lan.procs if "worker" in p.args]
             watcher = [p for p in lan.procs if "watch" in p.args]
             assert len(storage) == 3 and len(dramatiq) == 2 and len(watcher) == 1

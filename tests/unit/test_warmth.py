@@ -2,19 +2,40 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
+import psutil
+import pytest
+
+from pipeline.cluster.wire import is_loopback
 from pipeline.db.engine import session_scope
-from pipeline.db.workers import add
-from pipeline.service.warmth import frames_coming, worker_urls
+from pipeline.db.workers import add, observe
+from pipeline.service.warmth import elsewhere, frames_coming, recorded_urls
 
 REMOTE, LOCAL = "http://10.1.2.3:7070", "http://127.0.0.1:7070"
 
 
-def test_frames_come_only_from_workers_on_other_hosts(settings):
-    assert frames_coming(settings, [LOCAL, "http://localhost:7071", "http://[::1]:7072"]) is False
+def own_lan_address() -> str:
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not found:
+        pytest.skip("this machine has no address but loopback")
+    return found[0]
+
+
+def test_a_worker_is_elsewhere_unless_on_loopback_or_at_an_address_of_this_host():
+    assert not elsewhere(LOCAL) and not elsewhere("http://localhost:7071") and not elsewhere("http://[::1]:7072")
+    # as a dual-stack socket sees a loopback IPv4 client
+    assert not elsewhere("http://[::ffff:127.0.0.1]:7073") and is_loopback("::ffff:127.0.0.1")
+    assert not elsewhere(f"http://{own_lan_address()}:7070")  # a one-host cluster addressed by its LAN address
+    assert elsewhere(REMOTE) and elsewhere("http://worker-3.lan:7070")  # a name: another host, not looked up
+
+
+def test_frames_come_from_the_static_list_or_the_recorded_workers(settings):
+    assert frames_coming(settings, [LOCAL]) is False
     assert frames_coming(settings, [LOCAL, REMOTE]) is True
-    assert frames_coming(settings, [REMOTE.replace("10.1.2.3", "worker-3.lan")]) is True  # a name: another host
-    assert frames_coming(settings, []) is False
+    assert frames_coming(dataclasses.replace(settings, workers=(REMOTE,)), []) is True
+    assert frames_coming(dataclasses.replace(settings, workers=(LOCAL,)), []) is False
 
 
 def test_no_frames_when_the_wire_is_plain_or_zstd(settings):
@@ -23,12 +44,15 @@ def test_no_frames_when_the_wire_is_plain_or_zstd(settings):
     assert frames_coming(dataclasses.replace(settings, wire_compression="on"), [REMOTE]) is True
 
 
-def test_the_known_workers_are_the_static_list_and_those_recorded(db):
+def test_the_recorded_workers_are_those_up_or_full(db):
     with session_scope(db.db_url) as s:
-        add(s, "w-found", REMOTE, source="mdns")
-    assert sorted(worker_urls(dataclasses.replace(db, workers=(LOCAL,)))) == sorted([LOCAL, REMOTE])
+        observe(s, add(s, "w-up", REMOTE, source="mdns"), "up")
+        observe(s, add(s, "w-down", "http://10.9.9.9:7070", source="mdns"), "down")
+    assert recorded_urls(db) == [REMOTE]
 
 
-def test_without_a_control_plane_the_static_list_decides(settings):
-    away = dataclasses.replace(settings, workers=(REMOTE,), database_url="sqlite:////nonexistent/dir/ckpt.db")
-    assert worker_urls(away) == [REMOTE]
+def test_a_control_plane_without_its_schema_records_none(settings, tmp_path):
+    empty = dataclasses.replace(settings, database_url=f"sqlite:///{tmp_path / 'empty.db'}")
+    assert recorded_urls(empty) == []
+    assert frames_coming(dataclasses.replace(empty, workers=(REMOTE,))) is True
+    assert frames_coming(dataclasses.replace(empty, workers=(LOCAL,))) is False
