@@ -141,8 +141,8 @@ def _alert_metrics(settings: Any, doc: dict[str, Any]) -> Iterator[Any]:
                                 "broker could not be read)")
     try:
         letters.add_metric([], deadletters.summary(settings)[0])
-    except Exception:
-        log.warning("/metrics: could not count the dead letters", exc_info=True)
+    except Exception as exc:  # one line a scrape, not a traceback every 15 s while the broker is away
+        log.warning("/metrics: could not count the dead letters: %s", exc)
     yield letters
     scrubbed = GaugeMetricFamily("ckpt_worker_last_scrub_timestamp_seconds", "When the storage worker's last "
                                  "scrub finished (Unix time)", labels=["worker"])
@@ -161,8 +161,8 @@ def _queue_metrics(settings: Any) -> Iterator[Any]:
         try:
             for queue, n in sorted(queues.depths(client).items()):
                 depth.add_metric([queue], n)
-        except redis.RedisError:  # the broker is away: the other metrics still answer
-            log.warning("/metrics: could not read queue depths from the broker", exc_info=True)
+        except redis.RedisError as exc:  # the broker is away: the other metrics still answer
+            log.warning("/metrics: could not read queue depths from the broker: %s", exc)
         finally:
             client.close()
     yield depth
