@@ -7,9 +7,10 @@ frame (the trainer host's Dramatiq processes and watcher, each storage worker), 
 that a 1 Gbit store keeps busy. A process that will send frames loads it as it starts: a Dramatiq
 process once it has said which queues it consumes, the watcher (its early sends upload while a
 checkpoint is hashed); a storage worker bound to an address other hosts reach, as it starts
-serving (workers/server.py). A cluster on one host sends as it is and never loads it. The command server
-(pipeline/service/commands.py) does not: it never opens the control plane, and forks its
-commands from one thread (numpy starts a thread pool); a restore loads it when a frame comes.
+serving (workers/server.py). A cluster on one host sends as it is and never loads it. The
+command server (pipeline/service/commands.py) does not: it never opens the control plane, and
+forks its commands from one thread (numpy starts a thread pool); a restore loads it when a
+frame comes.
 """
 from __future__ import annotations
 
