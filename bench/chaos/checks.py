@@ -31,7 +31,16 @@ from bench.chaos.bucket import REQUIRED_RUN, SoakBucket
 from bench.chaos.trainer import sha256_of
 from pipeline import states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, JobEvent, Shard, StorageWorker
+from pipeline.db.models import (
+    Checkpoint,
+    CheckpointFile,
+    ContentCopy,
+    Job,
+    JobEvent,
+    QueueConsumer,
+    Shard,
+    StorageWorker,
+)
 
 
 @dataclass(frozen=True)
@@ -360,6 +369,16 @@ def workers_not_up(db_url: str, urls: dict[str, str]) -> dict[str, str]:
         if state != states.WorkerState.UP:
             out[host] = f"{state} ({(err or '')[:160]})"
     return out
+
+
+def consumed_since(db_url: str, host: str, since: datetime) -> bool:
+    """Whether a Dramatiq worker of training host ``host`` said it consumes the host's queue
+    after ``since`` (a restore is routed there only then: pipeline/db/hosts.py)."""
+    from pipeline.hostid import host_queue
+
+    with session_scope(db_url, readonly=True) as s:
+        seen = s.scalar(select(QueueConsumer.seen_at).where(QueueConsumer.queue == host_queue(host)))
+    return seen is not None and seen > since
 
 
 def store_states(db_url: str) -> dict[str, int]:

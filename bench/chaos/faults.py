@@ -17,9 +17,10 @@ import os
 import random
 import signal
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from bench.chaos.box import NORMAL_RATE, PY, STORAGE, STORE, TRAINERS, ChaosBox, pid_alive
-from bench.chaos.checks import stores_in_flight, workers_not_up
+from bench.chaos.checks import consumed_since, stores_in_flight, workers_not_up
 from bench.system import descendants
 
 CRAWL_RATE = 300e3
@@ -42,6 +43,7 @@ class Fault:
     duration: float
     injected_at: float | None = None  # monotonic
     healed_at: float | None = None  # when it was undone (the kill itself for a kill)
+    healed_utc: datetime | None = None  # the same, on the wall clock the control plane writes
     recovered_at: float | None = None  # when the target was healthy again
     #: Stores in flight when it was healed (job id -> checkpoint host): healed means these moved on.
     pending: dict[int, str | None] = field(default_factory=dict)
@@ -57,6 +59,12 @@ class Fault:
         if self.healed_at is None or self.recovered_at is None:
             return None
         return self.recovered_at - self.healed_at
+
+    def unconsumes_host(self) -> bool:
+        """Whether it leaves a training host's queue without a live consumer (a restore asked
+        there meanwhile is refused, rightly) until the host's Dramatiq processes beat again."""
+        return self.host in TRAINERS and (self.kind in ("trainer-down", "partition")
+                                          or self.target == f"{self.host}:dramatiq")
 
     def __str__(self) -> str:
         return f"{self.kind} {self.target} at {self.start:.0f}s for {self.duration:.0f}s"
@@ -230,6 +238,8 @@ class Injector:
                 return False
             if h == STORE and workers_not_up(box.db_url, {h: box.bucket.url}):
                 return False
+            if f.unconsumes_host() and not consumed_since(box.db_url, h, f.healed_utc):
+                return False  # its Dramatiq processes run but have not said they consume its queue yet
         if f.pending:
             flight = stores_in_flight(box.db_url)
             if any(j in flight and (host == h or host not in faulted) for j, host in f.pending.items()):

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.chaos import checks
@@ -181,7 +182,9 @@ class Soak:
     def restorer(self, stop: threading.Event) -> None:
         rng = random.Random(self.c.seed + 7)
         while not stop.wait(self.c.restore_every):
-            down = {f.host for f in self.faults if f.kind == "trainer-down" and f.injected_at and not f.healed_at}
+            # A host is down until it recovered: healed, its processes start again and only then
+            # say they consume its queue (a restore asked before is refused, rightly: no consumer).
+            down = {f.host for f in self.faults if f.unconsumes_host() and f.injected_at and not f.recovered_at}
             hosts = tuple(h for h in TRAINERS if h not in down)
             try:
                 picks = self.protected_saves(rng, hosts)
@@ -241,7 +244,7 @@ class Soak:
                 return
             self.tick()
             time.sleep(0.5)
-        f.healed_at = time.monotonic()
+        f.healed_at, f.healed_utc = time.monotonic(), datetime.now(UTC)
         try:
             self.injector.healed(f)
         except Exception as e:  # the database between two control planes

@@ -7,6 +7,7 @@ the scheduler re-drives the store, and nothing may pile up in Redis. Then they c
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ import pytest
 import redis
 from dramatiq import Message
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from pipeline import consumers
 from pipeline.db.engine import session_scope
@@ -55,6 +57,34 @@ def _children(parent: int) -> list[int]:
     return out
 
 
+def _stop_tree(master: int) -> list[int]:
+    """SIGSTOP ``master`` first, so that it forks no worker after its children were listed; then
+    every process whose parent it is (forked from any of its threads), until no new one appears."""
+    os.kill(master, signal.SIGSTOP)
+    stopped = [master]
+    while new := [pid for pid in _children(master) if pid not in stopped]:
+        for pid in new:
+            os.kill(pid, signal.SIGSTOP)
+        stopped += new
+    return stopped
+
+
+def _write_locked(db_url: str) -> bool:
+    """Whether some process holds the SQLite control plane's write lock (for longer than 0.5 s)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(make_url(db_url).database, timeout=0.5,
+                                            isolation_level=None)) as c:
+        try:
+            c.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                return True
+            raise
+        c.execute("ROLLBACK")
+        return False
+
+
 def _states(pids: list[int]) -> dict[int, str]:
     out = {}
     for pid in pids:
@@ -82,15 +112,24 @@ def test_a_host_outage_piles_nothing_up_and_its_store_completes_once_it_returns(
     client = redis.Redis.from_url(settings.broker_url)
     stopped: list[int] = []
     try:
-        # Given the host's workers stopped: its queues have no live consumer. The master first,
-        # so that it forks no worker after its children were listed; then every process whose
-        # parent it is (forked from any of its threads), until no new one appears.
-        os.kill(master, signal.SIGSTOP)
-        stopped.append(master)
-        while new := [pid for pid in _children(master) if pid not in stopped]:
-            for pid in new:
-                os.kill(pid, signal.SIGSTOP)
-            stopped += new
+        # Given the host's workers stopped: its queues have no live consumer.
+        # A process stopped inside a write transaction (a beat: every 0.3 s) would hold SQLite's
+        # one write lock through the outage, and no other process could write, the watcher's
+        # report included: the queue's last beat would stay the newest sign of life, never
+        # silent (consumers.live_since). Hosts on other machines share a PostgreSQL control
+        # plane, where a frozen host's open transaction locks only its own rows (its queue's
+        # beat, its host's report); here every process shares one SQLite file and its one lock,
+        # so the host's processes are continued and stopped again until none holds it.
+        for _ in range(50):
+            stopped += _stop_tree(master)
+            if not _write_locked(settings.db_url):
+                break
+            for pid in reversed(stopped):
+                os.kill(pid, signal.SIGCONT)
+            stopped.clear()
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the stopped Dramatiq processes held the control plane's write lock 50 times")
 
         def silent() -> bool:
             with session_scope(settings.db_url, readonly=True) as s:
