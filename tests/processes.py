@@ -293,6 +293,9 @@ class Cluster:
             job = self.job(job_id)
             if job.state in ("failed", "superseded") and job.state not in states:
                 raise AssertionError(f"job {job_id} ended {job.state}: {job.last_error}\n{self.logs()}")
+            if job.state == "rotated" and job.state not in states:  # it will never come back
+                raise AssertionError(f"job {job_id} went past {states} to rotated (a test that polls for "
+                                     f"'verified' alone races the rotation)")
             return job if job.state in states else None
 
         return wait_for(reached, timeout, f"job {job_id} to reach {states}", interval=0.2)
