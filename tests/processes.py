@@ -293,9 +293,10 @@ class Cluster:
             job = self.job(job_id)
             if job.state in ("failed", "superseded") and job.state not in states:
                 raise AssertionError(f"job {job_id} ended {job.state}: {job.last_error}\n{self.logs()}")
-            if job.state == "rotated" and job.state not in states:  # it will never come back
-                raise AssertionError(f"job {job_id} went past {states} to rotated (a test that polls for "
-                                     f"'verified' alone races the rotation)")
+            ahead = reachable(job.kind, job.state)
+            if ahead is not None and not set(states) & ahead:  # it went past them
+                raise AssertionError(f"job {job_id} is {job.state}, from which none of {states} can be reached "
+                                     f"(a test that polls for 'verified' alone races the rotation)")
             return job if job.state in states else None
 
         return wait_for(reached, timeout, f"job {job_id} to reach {states}", interval=0.2)
@@ -324,6 +325,23 @@ class Cluster:
         for pid in leftover:
             os.kill(pid, signal.SIGKILL)
         assert not leftover, f"processes outlived the cluster: {leftover}"
+
+
+def reachable(kind: str, state: str) -> set[str] | None:
+    """The states a ``kind`` job in ``state`` may still reach, ``state`` itself included
+    (pipeline.states.TRANSITIONS; a failed job may be requeued); None: a kind without a table."""
+    from pipeline.states import TRANSITIONS
+
+    edges = TRANSITIONS.get(str(kind))
+    if edges is None:
+        return None
+    seen, todo = {state}, [state]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
 
 
 def with_settings(s: settings_mod.Settings, **changes) -> settings_mod.Settings:

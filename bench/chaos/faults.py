@@ -62,9 +62,11 @@ class Fault:
 
     def unconsumes_host(self) -> bool:
         """Whether it leaves a training host's queue without a live consumer (a restore asked
-        there meanwhile is refused, rightly) until the host's Dramatiq processes beat again."""
-        return self.host in TRAINERS and (self.kind in ("trainer-down", "partition")
-                                          or self.target == f"{self.host}:dramatiq")
+        there meanwhile is refused, rightly) until the host's Dramatiq processes beat again: the
+        host down, or its Dramatiq killed. Not a partition: it cuts the host off from the storage
+        workers, not from the control plane (box.py), so its queue stays consumed and a restore
+        asked there through the partition must come back."""
+        return self.host in TRAINERS and (self.kind == "trainer-down" or self.target == f"{self.host}:dramatiq")
 
     def __str__(self) -> str:
         return f"{self.kind} {self.target} at {self.start:.0f}s for {self.duration:.0f}s"

@@ -122,6 +122,10 @@ def test_a_host_outage_piles_nothing_up_and_its_store_completes_once_it_returns(
         # so the host's processes are continued and stopped again until none holds it.
         for _ in range(50):
             stopped += _stop_tree(master)
+            # A signal is delivered once the process leaves the system call it is in (one that
+            # takes the lock, say): probed only once every one of them is stopped.
+            wait_for(lambda: all(state in ("T", "gone") for state in _states(stopped).values()), 10,
+                     "the host's Dramatiq processes to stop")
             if not _write_locked(settings.db_url):
                 break
             for pid in reversed(stopped):
