@@ -10,6 +10,7 @@ shows (a Landlock domain) is not compared: docs/design.md, "Warm commands".
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,5 +133,8 @@ def _scheduling(pid: int | str) -> tuple[str, str]:
 
 
 def _signals(mask: str) -> frozenset[int]:
+    """The signals of a /proc/PID/status mask that a process may set (not the C library's own:
+    a mask holding them is warned of on stderr, and they cannot be set anyway)."""
     bits = int(mask, 16)
-    return frozenset(n for n in range(1, 65) if bits >> (n - 1) & 1)
+    valid = signal.valid_signals()
+    return frozenset(n for n in range(1, 65) if bits >> (n - 1) & 1 and n in valid)

@@ -216,7 +216,9 @@ class Server:
             stream.flush()  # nothing of this process's buffers is written again by the child
         # Every signal blocked across the fork: one sent to the child before it reset this process's
         # handlers (a Ctrl-C forwarded at once) would reach this process's wakeup pipe instead.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, range(1, signal.NSIG))
+        # Not range(1, NSIG): Python warns of the C library's own two (32, 33) on stderr, which
+        # is the caller's in a child once a command reset the warning filters (boto3 does).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         child = os.fork()
         if child == 0:
             become(conn, request, caller, lambda: self._close_in_child(pidfd))  # never returns

@@ -97,7 +97,7 @@ def _take(fds: list[int], request: dict[str, Any], caller: Caller) -> None:
 
 def _say(conn: socket.socket, end: dict[str, int]) -> None:
     """Tell the caller how the command ended (every signal blocked from here: nothing interrupts it)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, range(1, signal.NSIG))
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     global _ending
     _ending = True
     try:
