@@ -141,12 +141,16 @@ class StorageWorker:
         return sorted(p.name for p in q.iterdir()) if q.exists() else []
 
     def kill(self) -> None:
-        """SIGKILL the worker and its gunicorn children, as a crash would."""
-        for pid in reversed(self.pids()):
-            try:
+        """SIGKILL the worker and its gunicorn children, as a crash would: its process group at
+        once (its own session). One by one, children first, the master forked a replacement
+        for a killed child before its own kill, and the orphan served a restore a shard."""
+        listed = self.pids()
+        if self.proc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in listed:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.proc:
             self.proc.wait()
 

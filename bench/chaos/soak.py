@@ -262,7 +262,9 @@ class Soak:
                         f.recovered_at = time.monotonic()
                         self.log(f"recovered from {f.kind} {f.target} in {f.heal_seconds:.1f}s")
                 except Exception as e:  # the database between two control planes
-                    f.notes.append(f"recovery check: {type(e).__name__}")
+                    note = f"recovery check: {type(e).__name__}"
+                    if note not in f.notes:  # checked again every tick: said once
+                        f.notes.append(note)
 
     def load(self, length: float) -> None:
         next_sample = 0.0
