@@ -127,6 +127,8 @@ def request_of(argv: list[str]) -> bytes:
     return json.dumps({"argv": argv, "env": dict(os.environ), "python": sys.executable, "version": sys.version,
                        "flags": list(sys.flags), "package": package_dir(), "path": sys.path,
                        "warnoptions": sys.warnoptions,
+                       # -u (sys.flags does not say): the interpreter's stdout writes through.
+                       "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
                        "xoptions": {k: str(v) for k, v in sys._xoptions.items()}}).encode()
 
 

@@ -96,6 +96,9 @@ class Server:
         old = os.umask(0o177)  # this user's only
         try:
             self.listener.bind(f"/proc/self/fd/{dir_fd}/{SOCKET[-1]}")
+            # The file the bind made (a socket's own descriptor is another inode): removed at the
+            # end only if it is still this one, not one a server started since made.
+            self.socket_ino = os.stat(SOCKET[-1], dir_fd=dir_fd).st_ino
         finally:
             os.umask(old)
             os.close(dir_fd)
@@ -133,7 +136,7 @@ class Server:
             return
         socket_path = self.directory / SOCKET[-1]
         try:
-            if os.stat(socket_path).st_ino == os.fstat(self.listener.fileno()).st_ino:
+            if os.stat(socket_path).st_ino == self.socket_ino:
                 socket_path.unlink()  # ours, not a server started since
         except OSError:
             pass

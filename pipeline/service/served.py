@@ -54,7 +54,7 @@ def become(conn: socket.socket, request: dict[str, Any], caller: Caller, close: 
         except KeyboardInterrupt:
             _interrupted(conn)
         except BaseException:  # the child ends here, whatever happened
-            traceback.print_exc()
+            _said(traceback.print_exc)
             _flush()
         _say(conn, {"exit": code})
     finally:
@@ -90,7 +90,7 @@ def _take(fds: list[int], request: dict[str, Any], caller: Caller) -> None:
     sys.argv = ["ckpt", *request["argv"]]
     sys.path[:] = request.get("path") or sys.path
     importlib.invalidate_caches()
-    _streams()
+    _streams(bool(request.get("unbuffered")))
     for handler in logging.root.handlers[:]:
         logging.root.removeHandler(handler)
 
@@ -135,26 +135,51 @@ def _run(argv: list[str]) -> int:
 
 
 def _exit_as_the_interpreter(code: int) -> int:
+    """What the interpreter does at exit after the command returned, and its exit status: a
+    stream the command closed is left alone; stdout that cannot be flushed is said on stderr as
+    an unraisable exception, exit 120; stderr that cannot be flushed, exit 120."""
     threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at interpreter exit
     atexit._run_exitfuncs()
+    if not _closed(sys.stdout):
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError) as exc:
+            code = 120
+            _said(_unraisable(sys.stdout, exc))
+    if not _closed(sys.stderr):
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            code = 120
+    return code
+
+
+def _unraisable(obj: object, exc: BaseException) -> Callable[[], None]:
+    """What Python prints of an exception it cannot raise (a flush at exit): no traceback."""
+    def say() -> None:
+        print(f"Exception ignored in: {obj!r}", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, None)
+    return say
+
+
+def _closed(stream: Any) -> bool:
+    return stream is None or bool(getattr(stream, "closed", False))
+
+
+def _said(say: Callable[[], object]) -> None:
+    """Say something on stderr if it can be said: a command may have closed it (``ckpt``
+    does on a broken pipe), and the child must still say how it ended."""
     try:
-        sys.stdout.flush()
-    except (OSError, ValueError) as exc:
-        # What Python says and exits with when stdout cannot be flushed at exit.
-        print(f"Exception ignored in: {sys.stdout!r}", file=sys.stderr)
-        traceback.print_exception(exc)
-        code = 120
-    try:
+        say()
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    return code
 
 
 def _interrupted(conn: socket.socket) -> None:
     """Ctrl-C: as Python ends on it, the traceback then killed by SIGINT, said on the connection
     too (a server that ended meanwhile cannot say it)."""
-    traceback.print_exc()
+    _said(traceback.print_exc)
     _flush()
     _say(conn, {"signal": int(signal.SIGINT)})
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -162,18 +187,21 @@ def _interrupted(conn: socket.socket) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def _streams() -> None:
+def _streams(unbuffered: bool = False) -> None:
     """Standard streams on the caller's descriptors, buffered as a process started there would be
-    (stdout by lines on a terminal, else by blocks; stderr by lines; ``PYTHONUNBUFFERED``)."""
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    (stdout by lines on a terminal, else by blocks; stderr by lines; ``PYTHONUNBUFFERED``, or
+    ``unbuffered``: the caller's own were, ``python -u``)."""
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or unbuffered
     for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
         raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        raw.name = f"<{name}>"  # as the interpreter names its own (in messages)
         # Unbuffered (-u, PYTHONUNBUFFERED): the text layer writes straight to the descriptor.
         buffered: Any = io.BufferedReader(raw) if fd == 0 else raw if unbuffered else io.BufferedWriter(raw)
         stream = io.TextIOWrapper(buffered, encoding=old.encoding, errors=old.errors,
                                   line_buffering=fd == 2 or (fd == 1 and raw.isatty()),
                                   write_through=fd != 0 and unbuffered)
+        stream.mode = "r" if fd == 0 else "w"  # type: ignore[misc]
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 

@@ -66,6 +66,8 @@ def test_ckpt_up_protects_a_checkpoint_and_stops_everything_on_ctrl_c(tmp_path):
             proc.kill()
     wait_for(lambda: not [p for p in pids if alive(p)], 20, "every child to exit")
     assert not (tmp_path / "home" / "up.json").exists()
+    # The command server removed its socket (it compared the listener's inode, never the file's).
+    assert not (tmp_path / "home" / "run" / "commands.sock").exists()
 
 
 def test_children_die_with_a_killed_ckpt_up(tmp_path):

@@ -325,6 +325,39 @@ def test_a_reader_that_goes_away_ends_a_served_command_as_its_own(cluster, store
     assert codes[0] == codes[1], codes
 
 
+@pytest.mark.parametrize("how", ["buffered", "python -u"])
+def test_a_reader_gone_before_the_exit_ends_a_served_command_as_its_own(cluster, stored, how):
+    """Buffered, the broken pipe meets the exit (after ``ckpt`` closed its stderr on one): exit
+    120, nothing said; ``python -u`` (which sys.flags does not show) writes through: exit 0.
+    A served child had died printing to the closed stderr, its caller saying "ended without
+    saying how", and buffered ``-u``'s output."""
+    env = {k: v for k, v in cluster.env.items() if k != "PYTHONUNBUFFERED"}
+    prefix = (sys.executable, "-u", "-m", "pipeline.cli") if how == "python -u" else CKPT
+    ends = []
+    for warm in ("1", "0"):
+        read, write = os.pipe()
+        os.close(read)
+        proc = subprocess.Popen([*prefix, "status", "--verbose"], env={**env, "CKPT_WARM": warm}, stdout=write,
+                                stderr=subprocess.PIPE, text=True)
+        os.close(write)
+        _, err = proc.communicate(timeout=120)
+        ends.append((proc.returncode, err))
+        assert (proc.pid in served(cluster)) == (warm == "1")
+    assert ends[0] == ends[1], ends
+
+
+def test_a_stderr_that_cannot_be_flushed_at_exit_ends_a_served_command_as_its_own(cluster, stored):
+    """Python exits 120 when stderr cannot be flushed at its exit (a full disk); so does a served command."""
+    env = {k: v for k, v in cluster.env.items() if k != "PYTHONUNBUFFERED"}
+    codes = []
+    for warm in ("1", "0"):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([*CKPT, "status", "--no-such-flag"], env={**env, "CKPT_WARM": warm},
+                                  stdout=subprocess.PIPE, stderr=full, timeout=120)
+        codes.append(proc.returncode)
+    assert codes == [120, 120], codes
+
+
 def test_a_server_that_does_not_answer_costs_a_few_seconds_not_the_command(cluster, stored):
     server = cluster.up_info()["children"]["commands"]
     os.kill(server, signal.SIGSTOP)
