@@ -126,11 +126,12 @@ class SeaweedFS:
         process group; ``grace`` 0: SIGKILL at once (its data is thrown away after)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
+        if grace > 0:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the server and anything it started
         except ProcessLookupError:

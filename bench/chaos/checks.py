@@ -31,16 +31,7 @@ from bench.chaos.bucket import REQUIRED_RUN, SoakBucket
 from bench.chaos.trainer import sha256_of
 from pipeline import states
 from pipeline.db.engine import session_scope
-from pipeline.db.models import (
-    Checkpoint,
-    CheckpointFile,
-    ContentCopy,
-    Job,
-    JobEvent,
-    QueueConsumer,
-    Shard,
-    StorageWorker,
-)
+from pipeline.db.models import Checkpoint, CheckpointFile, ContentCopy, Job, JobEvent, Shard, StorageWorker
 
 
 @dataclass(frozen=True)
@@ -374,10 +365,10 @@ def workers_not_up(db_url: str, urls: dict[str, str]) -> dict[str, str]:
 def consumed_since(db_url: str, host: str, since: datetime) -> bool:
     """Whether a Dramatiq worker of training host ``host`` said it consumes the host's queue
     after ``since`` (a restore is routed there only then: pipeline/db/hosts.py)."""
-    from pipeline.hostid import host_queue
+    from pipeline.db import hosts
 
     with session_scope(db_url, readonly=True) as s:
-        seen = s.scalar(select(QueueConsumer.seen_at).where(QueueConsumer.queue == host_queue(host)))
+        seen = hosts.consumer_seen(s, host)
     return seen is not None and seen > since
 
 
